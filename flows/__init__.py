@@ -1,0 +1,26 @@
+"""Prefect flows of kiln-flows.
+
+Flows are imported lazily (``from flows import opd_distill``) so that ``flows.cli`` and
+``kiln-flows <command> --help`` never pay for importing Prefect or torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_FLOW_MODULES = {
+    "opd_distill": "flows.opd_distill",
+    "score_corpus": "flows.score_corpus",
+    "validate_corpus": "flows.validate_corpus",
+    "hf_next_token_oracle": "flows.oracle",
+    "demo": "flows.demo",
+}
+
+__all__ = sorted(_FLOW_MODULES)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _FLOW_MODULES:
+        return getattr(importlib.import_module(_FLOW_MODULES[name]), name)
+    raise AttributeError(f"module 'flows' has no attribute {name!r}")

@@ -1,0 +1,64 @@
+"""``kiln-flows admit``: admit a teacher-scored corpus for a student, or say exactly why not."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+NAME = "admit"
+HELP = "Admit a teacher-scored JSONL corpus (validate, and materialize with --out)."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("corpus", help="JSONL corpus: a local path or any fsspec URI")
+    parser.add_argument("--student", required=True, help="student model directory (config.json + fast tokenizer)")
+    parser.add_argument("--top-k", type=int, default=32, help="requested top-K (resolved to 32 or 16; default 32)")
+    parser.add_argument("--teacher-manifest", metavar="FILE", help="file holding the registered teacher's manifest line")
+    parser.add_argument("--out", metavar="ROOT_URI", help="storage root to materialize under; omit to validate only")
+    parser.add_argument("--kiln-strict", action="store_true", help="accept only Kiln's vLLM teacher protocol")
+    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
+
+def run(args: argparse.Namespace) -> int:
+    from kiln_core.admission import admit_corpus
+    from kiln_core.errors import AdmissionError
+
+    try:
+        pinned = _read_pinned(args.teacher_manifest)
+        result = admit_corpus(
+            args.corpus,
+            args.student,
+            top_k=args.top_k,
+            pinned_manifest=pinned,
+            kiln_strict=args.kiln_strict,
+            out_root=args.out,
+        )
+    except AdmissionError as error:
+        if args.json:
+            print(json.dumps(error.to_json(), ensure_ascii=False))
+        else:
+            print(f"rejected: {error}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result.to_json(), ensure_ascii=False))
+    else:
+        where = result.materialized or "(validated only; pass --out to materialize)"
+        reused = " (already materialized)" if result.reused else ""
+        print(
+            f"admitted {result.dataset_sha256}: {result.examples} examples, {result.action_tokens} action tokens, "
+            f"{result.env_tokens} env tokens, top_k {result.effective_top_k}{reused}\n  {where}"
+        )
+    return 0
+
+
+def _read_pinned(path: str | None) -> str | None:
+    from kiln_core.errors import AdmissionError
+
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return handle.read()
+    except OSError as error:
+        raise AdmissionError("file_not_found", None, f"teacher manifest file {path}: {error.strerror}") from None

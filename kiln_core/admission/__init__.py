@@ -1,0 +1,12 @@
+"""Corpus admission: a teacher-scored JSONL corpus in, admitted tables (or one ``AdmissionError``) out.
+
+Public surface:
+
+* ``admit_corpus``: the whole workflow (read, parse, check, tokenize, materialize).
+* ``AdmissionResult``: what an admitted corpus looks like to callers.
+* ``resolve_top_k``: Kiln's top-K resolution (32, 16, or ``top_k_unsupported``).
+"""
+
+from kiln_core.admission.admit import AdmissionResult, admit_corpus, resolve_top_k
+
+__all__ = ["AdmissionResult", "admit_corpus", "resolve_top_k"]

@@ -1,0 +1,430 @@
+"""Parsing corpus lines into a columnar ``ParsedCorpus``.
+
+Two parsers produce the same result:
+
+* the **fast path** hands the whole buffer to ``pyarrow.json`` with an explicit schema, so the
+  millions of top-K candidates become flat numpy arrays without a Python object each. It accepts
+  only corpora whose every field has the expected JSON type; at the first sign of anything else it
+  steps aside;
+* the **exact path** parses line by line in Python and is the authority on structural errors: it
+  finds the first bad line and names the field (``invalid_json``, ``not_an_object``,
+  ``invalid_record``) and handles everything the fast path declines (content parts, tool calls,
+  Unicode whitespace around a line, duplicate keys).
+
+Manifest-position rules (``manifest_not_first``, ``manifest_invalid``, ``manifest_not_canonical``)
+are applied to either result by ``check_manifest_records``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kiln_core.admission.source import LineIndex, index_lines, json_blank_lines
+from kiln_core.contracts.identity import MANIFEST_SCHEMA
+from kiln_core.errors import AdmissionError
+from kiln_core.tokenization import Conversation, Segment, TokenizationError, normalize_content
+
+U32_MAX = 2**32 - 1
+SEGMENT_KINDS = ("context", "action", "observation")
+# Rust's char::is_whitespace, which Kiln's line trim uses (Python's str.strip also strips \x1c-\x1f).
+RUST_WHITESPACE = "\t\n\x0b\x0c\r \x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007\u2008\u2009\u200a\u2028\u2029\u202f\u205f\u3000"
+
+
+@dataclass
+class ParsedCorpus:
+    """Every non-blank line of a corpus, split into the manifest and columnar examples.
+
+    Attributes:
+        manifest_records: ``(line, raw line text, decoded object)`` for each manifest-like record.
+        example_lines: ``int64 [N]`` physical line of each example.
+        first_example_line: Line of the first example (manifest-first rule), or None.
+        conversations: One ``Conversation`` per example (for tokenization).
+        messages_count: ``int64 [N]``.
+        response_empty: ``bool [N]``.
+        token_offsets: ``int64 [N+1]`` teacher tokens of example i are ``token_offsets[i]:[i+1]``.
+        declared_token_ids: ``int64 [T]``; −1 where ``token_id`` is absent.
+        candidate_offsets: ``int64 [T+1]`` over the flat candidate arrays.
+        candidate_ids: ``int64 [C]``.
+        candidate_logprobs: ``float64 [C]`` (f32 rounding happens in the rules).
+        numeric_logits: Whether any teacher token carries a ``logprob`` or a non-empty ``top_logprobs``.
+        parser: ``"fast"`` or ``"exact"`` (for benchmarks and logs).
+    """
+
+    manifest_records: list[tuple[int, str, Any]] = field(default_factory=list)
+    example_lines: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    first_example_line: int | None = None
+    conversations: list[Conversation] = field(default_factory=list)
+    messages_count: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    response_empty: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
+    token_offsets: np.ndarray = field(default_factory=lambda: np.zeros(1, np.int64))
+    declared_token_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    candidate_offsets: np.ndarray = field(default_factory=lambda: np.zeros(1, np.int64))
+    candidate_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    candidate_logprobs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
+    numeric_logits: bool = False
+    parser: str = "exact"
+
+    @property
+    def num_examples(self) -> int:
+        return int(self.example_lines.shape[0])
+
+
+def parse_corpus(data: bytes) -> ParsedCorpus:
+    """Parse corpus bytes (already checked to be UTF-8) into a ``ParsedCorpus``.
+
+    Raises:
+        AdmissionError: ``invalid_json``, ``not_an_object`` or ``invalid_record`` at the first bad line.
+    """
+    lines = index_lines(data)
+    parsed = _parse_fast(data, lines)
+    if parsed is None:
+        parsed = _parse_exact(data, lines)
+    return parsed
+
+
+# --- exact path ---------------------------------------------------------------------------------
+
+
+class _RecordError(Exception):
+    def __init__(self, where: str, message: str) -> None:
+        super().__init__(f"`{where}` {message}")
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise ValueError(f"duplicate field `{key}`")
+        result[key] = value
+    return result
+
+
+def _parse_exact(data: bytes, lines: LineIndex) -> ParsedCorpus:
+    text_lines = data.decode("utf-8").split("\n")
+    if text_lines and text_lines[-1] == "" and data.endswith(b"\n"):
+        text_lines.pop()
+    builder = _ColumnBuilder()
+    parsed = ParsedCorpus(parser="exact")
+    for number, raw in enumerate(text_lines, start=1):
+        if raw.endswith("\r") and number <= len(lines) and lines.ends[number - 1] < len(data):
+            raw = raw[:-1]
+        trimmed = raw.strip(RUST_WHITESPACE)
+        if not trimmed:
+            continue
+        try:
+            value = json.loads(trimmed, object_pairs_hook=_no_duplicate_keys)
+        except ValueError as error:
+            raise AdmissionError("invalid_json", number, f"line is not valid JSON: {error}") from None
+        if not isinstance(value, dict):
+            raise AdmissionError("not_an_object", number, f"line is a JSON {type(value).__name__}, not an object")
+        if value.get("schema") == MANIFEST_SCHEMA:
+            parsed.manifest_records.append((number, raw, value))
+            continue
+        if parsed.first_example_line is None:
+            parsed.first_example_line = number
+        try:
+            builder.add(number, value)
+        except _RecordError as error:
+            raise AdmissionError("invalid_record", number, f"example {len(builder.lines)}: {error}") from None
+    builder.finish(parsed)
+    return parsed
+
+
+class _ColumnBuilder:
+    """Accumulates validated example records into flat columns."""
+
+    def __init__(self) -> None:
+        self.lines: list[int] = []
+        self.conversations: list[Conversation] = []
+        self.messages_count: list[int] = []
+        self.response_empty: list[bool] = []
+        self.tokens_per_example: list[int] = []
+        self.declared: list[int] = []
+        self.counts: list[int] = []
+        self.ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.numeric = False
+
+    def add(self, line: int, record: dict[str, Any]) -> None:
+        messages = _require(record, "messages", list)
+        normalized = [_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
+        response = _require(record, "teacher_response", str)
+        if "id" in record and record["id"] is not None and not isinstance(record["id"], str):
+            raise _RecordError("id", "must be a string")
+        trajectory = record.get("trajectory")
+        segments = None
+        if trajectory is not None:
+            if not isinstance(trajectory, list):
+                raise _RecordError("trajectory", "must be an array")
+            segments = [_segment(s, f"trajectory[{i}]") for i, s in enumerate(trajectory)]
+        tokens = record.get("teacher_tokens", [])
+        if not isinstance(tokens, list):
+            raise _RecordError("teacher_tokens", "must be an array")
+        for k, token in enumerate(tokens):
+            self._add_token(token, f"teacher_tokens[{k}]")
+        self.lines.append(line)
+        self.conversations.append(Conversation(messages=normalized, teacher_response=response, trajectory=segments or None))
+        self.messages_count.append(len(messages))
+        self.response_empty.append(response == "")
+        self.tokens_per_example.append(len(tokens))
+
+    def _add_token(self, token: Any, where: str) -> None:
+        if not isinstance(token, dict):
+            raise _RecordError(where, "must be an object")
+        declared = token.get("token_id")
+        self.declared.append(-1 if declared is None else _u32(declared, f"{where}.token_id"))
+        if token.get("token") is not None and not isinstance(token["token"], str):
+            raise _RecordError(f"{where}.token", "must be a string")
+        if token.get("logprob") is not None:
+            _number(token["logprob"], f"{where}.logprob")
+            self.numeric = True
+        if "top_logprobs" not in token:
+            raise _RecordError(f"{where}.top_logprobs", "is required")
+        candidates = token["top_logprobs"]
+        if not isinstance(candidates, list):
+            raise _RecordError(f"{where}.top_logprobs", "must be an array")
+        if candidates:
+            self.numeric = True
+        for j, candidate in enumerate(candidates):
+            place = f"{where}.top_logprobs[{j}]"
+            if not isinstance(candidate, dict):
+                raise _RecordError(place, "must be an object")
+            if "token_id" not in candidate or "logprob" not in candidate:
+                raise _RecordError(place, "needs `token_id` and `logprob`")
+            self.ids.append(_u32(candidate["token_id"], f"{place}.token_id"))
+            self.logprobs.append(_number(candidate["logprob"], f"{place}.logprob"))
+        self.counts.append(len(candidates))
+
+    def finish(self, parsed: ParsedCorpus) -> None:
+        parsed.example_lines = np.asarray(self.lines, dtype=np.int64)
+        parsed.conversations = self.conversations
+        parsed.messages_count = np.asarray(self.messages_count, dtype=np.int64)
+        parsed.response_empty = np.asarray(self.response_empty, dtype=bool)
+        parsed.token_offsets = _offsets(self.tokens_per_example)
+        parsed.declared_token_ids = np.asarray(self.declared, dtype=np.int64)
+        parsed.candidate_offsets = _offsets(self.counts)
+        parsed.candidate_ids = np.asarray(self.ids, dtype=np.int64)
+        parsed.candidate_logprobs = np.asarray(self.logprobs, dtype=np.float64)
+        parsed.numeric_logits = self.numeric
+
+
+def _offsets(counts: list[int] | np.ndarray) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(np.asarray(counts, dtype=np.int64))]).astype(np.int64)
+
+
+def _require(record: dict[str, Any], key: str, kind: type) -> Any:
+    if key not in record:
+        raise _RecordError(key, "is required")
+    value = record[key]
+    if not isinstance(value, kind):
+        raise _RecordError(key, f"must be {'an array' if kind is list else 'a string'}")
+    return value
+
+
+def _u32(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= U32_MAX:
+        raise _RecordError(where, "must be an unsigned 32-bit integer")
+    return value
+
+
+def _number(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _RecordError(where, "must be a number")
+    return float(value)
+
+
+def _message(message: Any, where: str) -> dict[str, Any]:
+    if not isinstance(message, dict):
+        raise _RecordError(where, "must be an object")
+    role = message.get("role")
+    if not isinstance(role, str):
+        raise _RecordError(f"{where}.role", "must be a string")
+    try:
+        content = normalize_content(message.get("content"))
+    except TokenizationError as error:
+        raise _RecordError(f"{where}.content", str(error)) from None
+    normalized = {key: value for key, value in message.items() if value is not None}
+    normalized["role"] = role
+    normalized["content"] = content
+    return normalized
+
+
+def _segment(segment: Any, where: str) -> Segment:
+    if not isinstance(segment, dict):
+        raise _RecordError(where, "must be an object")
+    role = segment.get("role")
+    if not isinstance(role, str):
+        raise _RecordError(f"{where}.role", "must be a string")
+    content = segment.get("content")
+    if not isinstance(content, str):
+        raise _RecordError(f"{where}.content", "must be a string")
+    kind = segment.get("kind")
+    if kind is None:
+        kind = "context"
+    if kind not in SEGMENT_KINDS:
+        raise _RecordError(f"{where}.kind", f"must be one of {list(SEGMENT_KINDS)}")
+    tool_call_id = segment.get("tool_call_id")
+    if tool_call_id is not None and not isinstance(tool_call_id, str):
+        raise _RecordError(f"{where}.tool_call_id", "must be a string")
+    prefix = segment.get("warning_prefix_len")
+    prefix = 0 if prefix is None else _u32(prefix, f"{where}.warning_prefix_len")
+    if prefix > len(content.encode("utf-8")):
+        raise _RecordError(f"{where}.warning_prefix_len", "exceeds the content's byte length")
+    return Segment(role=role, content=content, kind=kind, tool_call_id=tool_call_id, warning_prefix_len=prefix)
+
+
+# --- fast path ----------------------------------------------------------------------------------
+
+
+def _fast_schema():
+    import pyarrow as pa
+
+    candidate = pa.struct([("token_id", pa.int64()), ("logprob", pa.float64())])
+    teacher_token = pa.struct(
+        [
+            ("token_id", pa.int64()),
+            ("token", pa.string()),
+            ("logprob", pa.float64()),
+            ("top_logprobs", pa.list_(candidate)),
+        ]
+    )
+    message = pa.struct(
+        [("role", pa.string()), ("content", pa.string()), ("name", pa.string()), ("tool_call_id", pa.string())]
+    )
+    segment = pa.struct(
+        [
+            ("role", pa.string()),
+            ("content", pa.string()),
+            ("kind", pa.string()),
+            ("tool_call_id", pa.string()),
+            ("warning_prefix_len", pa.int64()),
+        ]
+    )
+    return pa.schema(
+        [
+            ("schema", pa.string()),
+            ("id", pa.string()),
+            ("messages", pa.list_(message)),
+            ("teacher_response", pa.string()),
+            ("teacher_tokens", pa.list_(teacher_token)),
+            ("trajectory", pa.list_(segment)),
+        ]
+    )
+
+
+def _parse_fast(data: bytes, lines: LineIndex) -> ParsedCorpus | None:
+    """Columnar parse with pyarrow, or ``None`` when the exact path must decide."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.json as pj
+
+    blank = json_blank_lines(data, lines)
+    record_lines = np.flatnonzero(~blank) + 1
+    if record_lines.size == 0:
+        return None
+    if b'"tool_calls"' in data:
+        return None  # arbitrary JSON the chat template reads: Arrow cannot carry it through
+    try:
+        table = pj.read_json(
+            io.BytesIO(data),
+            read_options=pj.ReadOptions(block_size=_block_size(lines)),
+            parse_options=pj.ParseOptions(explicit_schema=_fast_schema(), unexpected_field_behavior="ignore"),
+        )
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        return None
+    if table.num_rows != record_lines.size:
+        return None
+
+    schema_column = table.column("schema").to_numpy(zero_copy_only=False)
+    is_manifest = np.asarray([value == MANIFEST_SCHEMA for value in schema_column], dtype=bool)
+    parsed = ParsedCorpus(parser="fast")
+    for row in np.flatnonzero(is_manifest):
+        number = int(record_lines[row])
+        raw = lines.raw(data, number - 1).decode("utf-8")
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            return None
+        parsed.manifest_records.append((number, raw, value))
+
+    examples = table.filter(pa.array(~is_manifest))
+    parsed.example_lines = record_lines[~is_manifest].astype(np.int64)
+    if parsed.example_lines.size:
+        parsed.first_example_line = int(parsed.example_lines[0])
+    if examples.column("messages").null_count or examples.column("teacher_response").null_count:
+        return None
+    if examples.column("teacher_tokens").null_count:
+        return None  # `null` vs missing matters to the exact parser
+
+    conversations = _fast_conversations(examples)
+    if conversations is None:
+        return None
+    parsed.conversations = conversations
+    parsed.messages_count = pc.list_value_length(examples.column("messages")).to_numpy().astype(np.int64)
+    parsed.response_empty = (
+        pc.equal(pc.utf8_length(examples.column("teacher_response")), 0).to_numpy(zero_copy_only=False).astype(bool)
+    )
+
+    tokens = pc.list_flatten(examples.column("teacher_tokens"))
+    parsed.token_offsets = _offsets(pc.list_value_length(examples.column("teacher_tokens")).to_numpy())
+    token_ids = pc.struct_field(tokens, "token_id")
+    top = pc.struct_field(tokens, "top_logprobs")
+    if top.null_count:
+        return None
+    candidates = pc.list_flatten(top)
+    candidate_ids = pc.struct_field(candidates, "token_id")
+    candidate_logprobs = pc.struct_field(candidates, "logprob")
+    if candidates.null_count or candidate_ids.null_count or candidate_logprobs.null_count:
+        return None
+    parsed.declared_token_ids = token_ids.fill_null(-1).to_numpy().astype(np.int64)
+    parsed.candidate_offsets = _offsets(pc.list_value_length(top).to_numpy())
+    parsed.candidate_ids = candidate_ids.to_numpy().astype(np.int64, copy=False)
+    parsed.candidate_logprobs = candidate_logprobs.to_numpy().astype(np.float64, copy=False)
+    declared_known = parsed.declared_token_ids[parsed.declared_token_ids != -1]
+    if np.any(declared_known < 0) or np.any(declared_known > U32_MAX):
+        return None
+    if parsed.candidate_ids.size and (parsed.candidate_ids.min() < 0 or parsed.candidate_ids.max() > U32_MAX):
+        return None
+    token_logprob = pc.struct_field(tokens, "logprob")
+    parsed.numeric_logits = len(token_logprob) > token_logprob.null_count or len(candidates) > 0
+    return parsed
+
+
+def _block_size(lines: LineIndex) -> int:
+    """Parser block size: 1 MiB for parallelism, but never smaller than the longest line."""
+    longest = int((lines.ends - lines.starts).max()) if len(lines) else 0
+    return max(1 << 20, 1 << int(longest + 2).bit_length())
+
+
+def _fast_conversations(examples) -> list[Conversation] | None:
+    """Build conversations from the (small) text columns; ``None`` if any needs the exact parser."""
+    messages_column = examples.column("messages").to_pylist()
+    responses = examples.column("teacher_response").to_pylist()
+    trajectories = examples.column("trajectory").to_pylist()
+    conversations = []
+    for messages, response, trajectory in zip(messages_column, responses, trajectories):
+        normalized = []
+        for message in messages:
+            if message is None or message["role"] is None:
+                return None
+            plain = {key: value for key, value in message.items() if value is not None}
+            plain["content"] = message["content"] or ""
+            normalized.append(plain)
+        segments = None
+        if trajectory:
+            segments = []
+            for segment in trajectory:
+                if segment is None or segment["role"] is None or segment["content"] is None:
+                    return None
+                kind = segment["kind"] or "context"
+                prefix = segment["warning_prefix_len"] or 0
+                if kind not in SEGMENT_KINDS or prefix < 0 or prefix > len(segment["content"].encode("utf-8")):
+                    return None
+                segments.append(Segment(segment["role"], segment["content"], kind, segment["tool_call_id"], prefix))
+        conversations.append(Conversation(messages=normalized, teacher_response=response, trajectory=segments))
+    return conversations

@@ -1,0 +1,1 @@
+"""Pydantic models, one module per wire format Kiln and kiln-flows exchange."""

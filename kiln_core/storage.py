@@ -1,0 +1,248 @@
+"""Storage through fsspec: local paths and any URI fsspec reaches (``file://``, ``memory://``, ``s3://``).
+
+Everything kiln-flows publishes is a *directory of files plus one commit file*:
+
+* local disk: files are written into a hidden sibling staging directory
+  (``.<name>.incomplete-<uuid>``) holding an ``.incomplete`` sentinel; every file is fsynced, the
+  sentinel removed, the directory renamed into place and the parent fsynced. A crash leaves only
+  a staging directory that readers never look at (reference/kiln-opd-spec.md §6.2).
+* object stores: there is no rename, so files are written under the final prefix and the commit
+  file (a manifest) is written last; readers treat a prefix without its commit file as absent
+  (DESIGN.md decision 7).
+
+Credentials never pass through here as arguments: s3fs reads the environment / AWS config, or the
+caller passes ``storage_options`` obtained from a Prefect block.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+INCOMPLETE_SENTINEL = ".incomplete"
+
+
+@dataclass(frozen=True)
+class Location:
+    """A resolved storage location: the filesystem and the path inside it."""
+
+    fs: Any
+    path: str
+    uri: str
+
+    @property
+    def is_local(self) -> bool:
+        return isinstance(self.fs, LocalFileSystem)
+
+    def child(self, *parts: str) -> "Location":
+        """The location of a path below this one."""
+        path = posixpath.join(self.path, *parts)
+        uri = self.uri.rstrip("/") + "/" + "/".join(parts)
+        return Location(self.fs, path, uri)
+
+    def exists(self) -> bool:
+        return bool(self.fs.exists(self.path))
+
+    def read_bytes(self) -> bytes:
+        with self.fs.open(self.path, "rb") as handle:
+            return handle.read()
+
+    def read_text(self) -> str:
+        return self.read_bytes().decode("utf-8")
+
+
+def resolve(uri: str, storage_options: dict[str, Any] | None = None) -> Location:
+    """Resolve a local path or fsspec URI into a ``Location``.
+
+    Local paths are made absolute so that the URI recorded in receipts names the same place
+    whatever the working directory is later.
+
+    Example:
+        >>> resolve("memory://bucket/x").path
+        '/bucket/x'
+    """
+    if "://" not in uri:
+        uri = os.path.abspath(uri)
+    fs, path = fsspec.core.url_to_fs(uri, **(storage_options or {}))
+    if isinstance(fs, LocalFileSystem) and not uri.startswith("file://"):
+        uri = path
+    return Location(fs, path.rstrip("/") or path, uri.rstrip("/") or uri)
+
+
+def write_bytes_atomic(location: Location, data: bytes) -> None:
+    """Write one object so that readers see either the old state or the whole new bytes.
+
+    Local: temp file in the same directory, fsync, ``os.replace``, fsync the directory.
+    Object stores: a single PUT is already atomic per key.
+    """
+    if location.is_local:
+        directory = os.path.dirname(location.path)
+        os.makedirs(directory, exist_ok=True)
+        temp = os.path.join(directory, f".{os.path.basename(location.path)}.tmp-{uuid.uuid4().hex}")
+        try:
+            with open(temp, "wb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(temp, location.path)
+        finally:
+            if os.path.exists(temp):
+                os.unlink(temp)
+        _fsync_dir(directory)
+        return
+    parent = posixpath.dirname(location.path)
+    if parent:
+        location.fs.makedirs(parent, exist_ok=True)
+    with location.fs.open(location.path, "wb") as handle:
+        handle.write(data)
+
+
+def write_bytes_exclusive(location: Location, data: bytes) -> None:
+    """Like ``write_bytes_atomic`` but refuse to replace an existing object (``FileExistsError``)."""
+    if location.exists():
+        raise FileExistsError(f"refusing to overwrite {location.uri}")
+    write_bytes_atomic(location, data)
+
+
+@dataclass
+class StagedDirectory:
+    """A directory being published: add files, then ``commit()`` with the commit file last.
+
+    Use as a context manager; leaving the block with an exception removes local staging (object
+    store prefixes stay uncommitted, which readers ignore).
+
+    Example:
+        >>> with StagedDirectory(resolve("memory://root/run-1"), commit_name="manifest.json") as staged:
+        ...     staged.write("data.bin", b"...")
+        ...     staged.commit(b"{}")
+    """
+
+    target: Location
+    commit_name: str
+    sentinel_text: str = ""
+    _staging: Location | None = field(default=None, init=False)
+    _written: list[str] = field(default_factory=list, init=False)
+    committed: bool = field(default=False, init=False)
+
+    def __enter__(self) -> "StagedDirectory":
+        if self.target.exists() and self._is_committed(self.target):
+            raise FileExistsError(f"refusing to overwrite committed {self.target.uri}")
+        if self.target.is_local:
+            parent = os.path.dirname(self.target.path)
+            os.makedirs(parent, exist_ok=True)
+            name = f".{os.path.basename(self.target.path)}.incomplete-{uuid.uuid4()}"
+            staging_path = os.path.join(parent, name)
+            os.makedirs(staging_path)
+            self._staging = Location(self.target.fs, staging_path, staging_path)
+            sentinel = os.path.join(staging_path, INCOMPLETE_SENTINEL)
+            with open(sentinel, "w", encoding="utf-8") as handle:
+                handle.write(self.sentinel_text)
+                handle.flush()
+                os.fsync(handle.fileno())
+            _fsync_dir(staging_path)
+        else:
+            self._staging = self.target
+        return self
+
+    def _is_committed(self, location: Location) -> bool:
+        return bool(location.fs.exists(posixpath.join(location.path, self.commit_name)))
+
+    @property
+    def staging(self) -> Location:
+        assert self._staging is not None, "use StagedDirectory as a context manager"
+        return self._staging
+
+    def write(self, relative_path: str, data: bytes) -> None:
+        """Write one file of the directory (not the commit file)."""
+        if relative_path == self.commit_name:
+            raise ValueError("write the commit file with commit()")
+        destination = self.staging.child(relative_path)
+        if self.target.is_local:
+            os.makedirs(os.path.dirname(destination.path), exist_ok=True)
+            with open(destination.path, "wb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+        else:
+            with destination.fs.open(destination.path, "wb") as handle:
+                handle.write(data)
+        self._written.append(relative_path)
+
+    def commit(self, commit_data: bytes) -> Location:
+        """Write the commit file last and make the directory visible; returns the target."""
+        if self.target.is_local:
+            commit_path = os.path.join(self.staging.path, self.commit_name)
+            with open(commit_path, "xb") as handle:
+                handle.write(commit_data)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.unlink(os.path.join(self.staging.path, INCOMPLETE_SENTINEL))
+            _fsync_tree(self.staging.path)
+            if os.path.exists(self.target.path):
+                # A leftover uncommitted directory (a crash on an object-store-like path) is
+                # replaced; a committed one was refused in __enter__.
+                _remove_local_tree(self.target.path)
+            os.rename(self.staging.path, self.target.path)
+            _fsync_dir(os.path.dirname(self.target.path))
+        else:
+            with self.target.fs.open(posixpath.join(self.target.path, self.commit_name), "wb") as handle:
+                handle.write(commit_data)
+        self.committed = True
+        return self.target
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if not self.committed and self.target.is_local and self._staging is not None:
+            _remove_local_tree(self._staging.path)
+
+
+def list_children(location: Location) -> list[str]:
+    """Base names directly under ``location`` (empty when it does not exist)."""
+    try:
+        entries = location.fs.ls(location.path, detail=False)
+    except FileNotFoundError:
+        return []
+    return sorted(posixpath.basename(str(entry).rstrip("/")) for entry in entries)
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: str) -> None:
+    """fsync every file and directory below ``root``, bottom-up."""
+    for directory, _, files in os.walk(root, topdown=False):
+        for name in files:
+            fd = os.open(os.path.join(directory, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(directory)
+
+
+def _remove_local_tree(path: str) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def iter_files(location: Location) -> Iterable[str]:
+    """Relative paths of all files below ``location`` (sorted)."""
+    found = location.fs.find(location.path)
+    prefix = location.path.rstrip("/") + "/"
+    return sorted(str(p)[len(prefix):] for p in found if str(p).startswith(prefix))

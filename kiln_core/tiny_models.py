@@ -1,0 +1,171 @@
+"""Tiny, deterministic Hugging Face models built locally: no hub downloads, byte-identical every time.
+
+The demo, the tests and the benches need a student and a teacher that load through ``transformers``
+exactly like real ones (``config.json``, ``tokenizer.json``, ``tokenizer_config.json`` with a chat
+template, safetensors weights). They are built here from a fixed training text, a byte-level BPE
+tokenizer trained with ``tokenizers``, and a seeded Qwen3-shaped causal LM.
+
+The chat template is ChatML with ``{% generation %}`` blocks around each assistant turn's content,
+``<|im_end|>`` and the newline after it, so the transformers assistant mask and Kiln's ChatML fallback
+mark the same tokens. ``generation_blocks=False`` writes the same template without those blocks.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+CHATML_TEMPLATE_WITH_GENERATION = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'assistant' -%}"
+    "{{- '<|im_start|>assistant\\n' -}}"
+    "{% generation %}{{- message['content'] + '<|im_end|>\\n' -}}{% endgeneration %}"
+    "{%- elif message['role'] == 'tool' -%}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + message['content'] + '\\n</tool_response><|im_end|>\\n' -}}"
+    "{%- else -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+CHATML_TEMPLATE_PLAIN = CHATML_TEMPLATE_WITH_GENERATION.replace("{% generation %}", "").replace(
+    "{% endgeneration %}", ""
+)
+
+# The text the tokenizer is trained on. Changing it changes every tiny model's identity.
+_TRAINING_TEXT = """
+You are a helpful assistant. Answer with JSON only when asked. List files under src/.
+The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs.
+{"directory":"src","recursive":true} src/lib.rs src/main.rs README.md tests/ docs/
+def add(a, b): return a + b. print("hello world"). for i in range(10): total += i
+Distillation trains a small student to match a large teacher on the same tokens.
+What is two plus two? Two plus two is four. What is the capital of France? Paris.
+Summarize the text in one sentence. Translate to French: good morning -> bonjour.
+Tool call: read_file(path="src/main.rs") -> fn main() { println!("hi"); }
+error: file not found. warning: deprecated API. ok. yes. no. 0 1 2 3 4 5 6 7 8 9
+"""
+
+
+def build_tiny_tokenizer(out_dir: str | Path, *, vocab_size: int = 384, generation_blocks: bool = True) -> Path:
+    """Train a byte-level BPE tokenizer on a fixed text and save it as a fast HF tokenizer.
+
+    Args:
+        out_dir: Directory to write ``tokenizer.json`` and ``tokenizer_config.json`` into.
+        vocab_size: Target BPE vocabulary size, special tokens included.
+        generation_blocks: Whether the chat template carries ``{% generation %}`` blocks.
+
+    Returns:
+        The output directory.
+
+    Example:
+        >>> build_tiny_tokenizer("/tmp/tok")  # doctest: +SKIP
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    lines = [line for line in _TRAINING_TEXT.splitlines() if line.strip()]
+    tokenizer.train_from_iterator(lines * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+        unk_token=None,
+    )
+    fast.chat_template = CHATML_TEMPLATE_WITH_GENERATION if generation_blocks else CHATML_TEMPLATE_PLAIN
+    fast.save_pretrained(str(out))
+    return out
+
+
+def build_tiny_model(
+    out_dir: str | Path,
+    *,
+    seed: int = 0,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    vocab_size: int = 400,
+    tokenizer_vocab_size: int = 384,
+    generation_blocks: bool = True,
+    max_position_embeddings: int = 2048,
+) -> Path:
+    """Build a Qwen3-shaped causal LM with seeded random weights, plus its tokenizer.
+
+    ``vocab_size`` (the logit width) may exceed the tokenizer's entry count, as in real Qwen models.
+
+    Args:
+        out_dir: Directory that becomes a loadable model dir (``AutoModelForCausalLM.from_pretrained``).
+        seed: Seed for the weight initialisation; the same seed gives byte-identical safetensors.
+        hidden_size: Model width.
+        num_layers: Decoder layers.
+        num_heads: Attention heads.
+        num_kv_heads: Key/value heads.
+        intermediate_size: MLP width.
+        vocab_size: Embedding and LM-head rows.
+        tokenizer_vocab_size: BPE vocabulary size of the tokenizer.
+        generation_blocks: Whether the chat template carries ``{% generation %}`` blocks.
+        max_position_embeddings: Context cap written to the config.
+
+    Returns:
+        The output directory.
+
+    Example:
+        >>> build_tiny_model("/tmp/student", seed=1)  # doctest: +SKIP
+    """
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    out = Path(out_dir)
+    build_tiny_tokenizer(out, vocab_size=tokenizer_vocab_size, generation_blocks=generation_blocks)
+    config = Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=hidden_size // num_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    generator_state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(config)
+        # Default init gives near-uniform logits; a larger scale makes teachers and students disagree
+        # in ways the tests can see.
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if parameter.dim() == 2:
+                    parameter.normal_(0.0, 0.2)
+        model.save_pretrained(str(out))
+    finally:
+        torch.random.set_rng_state(generator_state)
+    _drop_volatile_config_keys(out / "config.json")
+    return out
+
+
+def _drop_volatile_config_keys(config_path: Path) -> None:
+    """Remove keys that vary with the installed library version, so identities stay stable."""
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config.pop("transformers_version", None)
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")

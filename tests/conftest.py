@@ -1,0 +1,73 @@
+"""Shared test harness.
+
+* Prefect state goes to a throwaway ``PREFECT_HOME`` set before anything imports Prefect, so cache
+  records from earlier sessions can never produce false ``Cached`` hits.
+* One session-scoped Prefect test server, started only by tests that ask for ``prefect_harness``
+  (pure unit tests never pay for it).
+* Tiny, deterministic student and teacher model directories built once per session.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+_PREFECT_HOME = tempfile.mkdtemp(prefix="kiln-flows-prefect-test-")
+os.environ.update(
+    {
+        "PREFECT_HOME": _PREFECT_HOME,
+        "PREFECT_RESULTS_LOCAL_STORAGE_PATH": os.path.join(_PREFECT_HOME, "storage"),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_LOGGING_TO_API_ENABLED": "false",
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+        "PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED": "false",
+        "PREFECT_SERVER_SERVICES_LATE_RUNS_ENABLED": "false",
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "TRANSFORMERS_VERBOSITY": "error",
+        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    }
+)
+os.environ.pop("PREFECT_API_URL", None)
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    """A Prefect API server for the whole session (started on first use)."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture(scope="session")
+def models_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def tiny_student(models_dir) -> Path:
+    """A tiny Qwen3-shaped student with a ChatML template carrying ``{% generation %}`` blocks."""
+    from kiln_core.tiny_models import build_tiny_model
+
+    return build_tiny_model(models_dir / "student", seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_teacher(models_dir) -> Path:
+    """A tiny teacher: same tokenizer as the student, different (seeded) weights, wider model."""
+    from kiln_core.tiny_models import build_tiny_model
+
+    return build_tiny_model(models_dir / "teacher", seed=2, hidden_size=96, num_layers=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_student_plain(models_dir) -> Path:
+    """The same student with a ChatML template *without* generation blocks (fallback masks)."""
+    from kiln_core.tiny_models import build_tiny_model
+
+    return build_tiny_model(models_dir / "student-plain", seed=1, generation_blocks=False)
