@@ -246,3 +246,30 @@ def iter_files(location: Location) -> Iterable[str]:
     found = location.fs.find(location.path)
     prefix = location.path.rstrip("/") + "/"
     return sorted(str(p)[len(prefix):] for p in found if str(p).startswith(prefix))
+
+
+def localize_directory(uri: str, cache_dir: str | None = None, storage_options: dict[str, Any] | None = None) -> str:
+    """A local path for a directory that may live behind an fsspec URI (model dirs must be local).
+
+    Local paths are returned as they are; remote directories are copied once into
+    ``cache_dir/<digest of the URI>/`` (default: the system temp dir) and reused afterwards.
+    """
+    import hashlib
+    import shutil
+    import tempfile
+
+    location = resolve(uri, storage_options)
+    if location.is_local:
+        return location.path
+    cache = os.path.join(cache_dir or tempfile.gettempdir(), "kiln-flows-cache", hashlib.sha256(location.uri.encode()).hexdigest()[:16])
+    marker = os.path.join(cache, ".complete")
+    if os.path.exists(marker):
+        return cache
+    staging = f"{cache}.incomplete-{uuid.uuid4().hex}"
+    location.fs.get(location.path.rstrip("/") + "/", staging, recursive=True)
+    open(os.path.join(staging, ".complete"), "w").close()
+    try:
+        os.rename(staging, cache)
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)  # another process finished first
+    return cache

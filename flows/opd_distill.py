@@ -1,0 +1,145 @@
+"""``opd_distill``: manifest → admit → materialize → train → publish, from one ``PipelineSpec``.
+
+Run it on a schedule or from the UI's Run button (deployments/prefect.yaml), or from the command line
+with ``kiln-flows run pipeline.yaml``. Stages hand each other URIs and digests only. The run's output
+location ``<root>/runs/<adapter>/<run key>/`` is derived from the input digests, so a retry — in the
+same process, from the UI, or on new infrastructure — resumes from the same checkpoints.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow, get_run_logger
+from prefect.states import Cancelled
+
+from flows.spec import PipelineSpec, SpecError
+from tasks.admit import admit_task, cache_options, fingerprint_inputs
+from tasks.manifest import fetch_manifest
+from tasks.materialize import materialize_task
+from tasks.publish import publish_task, record_artifacts
+from tasks.train import run_key, train_task
+
+
+class PipelineRejected(ValueError):
+    """The spec or its inputs were refused before training started."""
+
+
+def prepare_config(spec: PipelineSpec):
+    """Validate ``spec.config`` for offline training before any work (field named on error)."""
+    from kiln_core.contracts.opd_config import ConfigError, validate_for_offline_training
+
+    try:
+        validate_for_offline_training(spec.config)
+    except ConfigError as error:
+        raise SpecError(f"invalid pipeline spec: `config`: {error}") from None
+    return spec.config
+
+
+def apply_storage_credentials(block_slug: str | None) -> None:
+    """Load fsspec credentials for object stores from a Prefect ``Secret`` block (JSON options).
+
+    The block's value is a JSON object of fsspec options per protocol, e.g.
+    ``{"s3": {"key": "...", "secret": "...", "client_kwargs": {"endpoint_url": "..."}}}``; it is
+    applied to fsspec's process configuration, so secrets never travel as parameters or reach logs.
+    """
+    if not block_slug:
+        return
+    import json
+
+    import fsspec
+    from prefect.blocks.system import Secret
+
+    name = block_slug.split("/", 1)[-1]
+    options = Secret.load(name).get()
+    if isinstance(options, str):
+        options = json.loads(options)
+    for protocol, settings in dict(options).items():
+        fsspec.config.conf.setdefault(protocol, {}).update(settings)
+
+
+def run_location(spec: PipelineSpec, corpus_ref, manifest_ref, student_dir: str) -> tuple[str, Any]:
+    """The run directory URI and the config with a seed derived from the inputs when none is set."""
+    from kiln_core.identity.hashing import base_model_sha256
+    from kiln_core.storage import resolve
+
+    config = spec.config
+    key = run_key(corpus_ref, manifest_ref, base_model_sha256(student_dir), config.model_dump(mode="json"))
+    if config.seed is None:
+        # Kiln draws a seed once per job; deriving it from the run key gives every retry the same one.
+        config = config.model_copy(update={"seed": int(key, 16) % (2**63)})
+    return resolve(spec.storage_root).child("runs", spec.adapter, key).uri, config
+
+
+@flow(name="opd-distill", flow_run_name="opd-{spec.adapter}", log_prints=True)
+def opd_distill(spec: PipelineSpec) -> dict[str, Any]:
+    """Distill a teacher into a LoRA student from a teacher-scored corpus, Kiln-compatibly.
+
+    Args:
+        spec: What to train and where: teacher, corpus (or examples to score), student, storage root,
+            adapter name, Kiln ``OpdConfig`` and run options.
+
+    Returns:
+        A small summary: adapter, receipt and ``latest.json`` URIs, final loss and loss history.
+    """
+    from kiln_core.storage import localize_directory
+
+    logger = get_run_logger()
+    prepare_config(spec)
+    apply_storage_credentials(spec.options.storage_block)
+    student_dir = localize_directory(spec.student)
+
+    manifest_ref = fetch_manifest(spec.teacher, spec.storage_root, max(32, spec.config.top_k))
+    corpus_uri = spec.corpus
+    if spec.examples is not None:
+        from flows.score_corpus import score_for_pipeline
+
+        corpus_uri = score_for_pipeline(spec, manifest_ref, student_dir)
+
+    inputs = fingerprint_inputs(corpus_uri, student_dir, spec.config.top_k)
+    admit = admit_task.with_options(**cache_options(spec.storage_root, spec.options.refresh))
+    corpus_ref = admit(
+        inputs,
+        inputs.dataset_sha256,
+        inputs.student_digest,
+        inputs.effective_top_k,
+        manifest_ref.identity_revision,
+        spec.storage_root,
+        manifest_ref.manifest_line,
+        spec.options.kiln_strict,
+    )
+    corpus_ref = materialize_task(corpus_ref)
+    logger.info("corpus %s: %d examples, %d action tokens", corpus_ref.dataset_sha256, corpus_ref.examples,
+                corpus_ref.action_tokens)
+
+    run_uri, config = run_location(spec, corpus_ref, manifest_ref, student_dir)
+    train = train_task.with_options(retries=spec.options.train_retries)
+    train_ref = train(
+        corpus_ref,
+        manifest_ref,
+        student_dir,
+        spec.adapter,
+        config,
+        run_uri,
+        spec.options.progress_every_seconds,
+        spec.options.cancel_poll_seconds,
+    )
+    summary = {
+        "status": train_ref.status,
+        "adapter": train_ref.adapter_uri,
+        "receipt": train_ref.receipt_uri,
+        "run": train_ref.run_uri,
+        "latest_checkpoint": train_ref.latest_checkpoint,
+        "final_loss": train_ref.final_loss,
+        "loss_history": train_ref.loss_history,
+        "dataset_sha256": corpus_ref.dataset_sha256,
+    }
+    if train_ref.status == "success":
+        published = publish_task(train_ref, spec.storage_root, spec.adapter)
+        summary["latest"] = published.latest_uri
+        summary["checkpoints"] = published.checkpoints
+        return summary
+    record_artifacts(train_ref, spec.adapter, None)
+    if train_ref.status == "cancelled":
+        return Cancelled(message=f"training cancelled at step {train_ref.steps}; checkpoint {train_ref.latest_checkpoint}")
+    raise RuntimeError(f"training failed ({train_ref.failure_reason}); receipt {train_ref.receipt_uri}")

@@ -1,0 +1,60 @@
+"""Artifact helpers: keys Prefect accepts, and the training progress artifact with throttled updates."""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any
+
+_NOT_KEY = re.compile(r"[^a-z0-9-]+")
+
+
+def artifact_key(*parts: str) -> str:
+    """A Prefect artifact key (``^[a-z0-9-]*$``) built from free text.
+
+    Example:
+        >>> artifact_key("train", "My_Adapter.v2")
+        'train-my-adapter-v2'
+    """
+    text = "-".join(parts).lower()
+    return _NOT_KEY.sub("-", text).strip("-")[:100] or "kiln-flows"
+
+
+class ProgressReporter:
+    """A progress artifact created once and updated at most every ``every_seconds``.
+
+    Every update is an API call, so a training loop calls ``update`` each step and the reporter decides
+    whether to send it.
+    """
+
+    def __init__(self, key: str, description: str, every_seconds: float = 5.0) -> None:
+        from prefect.artifacts import create_progress_artifact
+
+        self.every_seconds = every_seconds
+        self._last = 0.0
+        self.artifact_id = create_progress_artifact(progress=0.0, key=key, description=description)
+
+    def update(self, step: int, total: int, loss: float | None = None, *, force: bool = False) -> None:
+        from prefect.artifacts import update_progress_artifact
+
+        now = time.monotonic()
+        if not force and now - self._last < self.every_seconds:
+            return
+        self._last = now
+        percent = 100.0 * step / total if total else 100.0
+        description = f"step {step}/{total}" + (f", loss {loss:.4f}" if loss is not None else "")
+        update_progress_artifact(self.artifact_id, progress=percent, description=description)
+
+
+def markdown_links(title: str, links: dict[str, str | None]) -> str:
+    """A small markdown document listing output locations."""
+    lines = [f"# {title}", ""]
+    for name, uri in links.items():
+        if uri:
+            lines.append(f"- **{name}**: `{uri}`")
+    return "\n".join(lines) + "\n"
+
+
+def table_rows(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """A two-column table (field, value) from a flat mapping."""
+    return [{"field": key, "value": "" if value is None else str(value)} for key, value in record.items()]
