@@ -259,7 +259,8 @@ def _parquet_bytes(table) -> bytes:
     import pyarrow.parquet as pq
 
     sink = io.BytesIO()
-    pq.write_table(table, sink, compression="zstd", use_dictionary=False)
+    # Uncompressed: top-K logprobs barely compress, and admission throughput matters more than bytes.
+    pq.write_table(table, sink, compression="none", use_dictionary=False)
     return sink.getvalue()
 
 

@@ -58,7 +58,8 @@ def _read_pinned(path: str | None) -> str | None:
     if path is None:
         return None
     try:
-        with open(path, encoding="utf-8") as handle:
-            return handle.read()
+        # The manifest is the file's first line: a manifest file, or a scored corpus itself.
+        with open(path, "rb") as handle:
+            return handle.readline().decode("utf-8", errors="replace")
     except OSError as error:
         raise AdmissionError("file_not_found", None, f"teacher manifest file {path}: {error.strerror}") from None

@@ -51,7 +51,8 @@ def read_corpus(uri: str, storage_options: dict | None = None) -> CorpusBytes:
     else:
         data = _read_remote(location)
     try:
-        data.decode("utf-8")
+        if not data.isascii():  # ASCII (what json.dumps writes by default) is valid UTF-8 already
+            data.decode("utf-8")
     except UnicodeDecodeError as error:
         line = data.count(b"\n", 0, error.start) + 1
         raise AdmissionError("invalid_utf8", line, f"{location.uri} is not valid UTF-8 (byte offset {error.start})") from None
