@@ -236,6 +236,9 @@ def _check_manifest_records(parsed: ParsedCorpus, kiln_strict: bool) -> OffPolic
             raise AdmissionError(
                 "manifest_not_first", number, "off-policy distillation manifest must be the first non-empty JSONL record"
             )
+        repeated = _repeated_keys(value)
+        if repeated:
+            raise AdmissionError("manifest_invalid", number, f"manifest field `{repeated}` is given more than once")
         try:
             manifest = parse_manifest_object(value, kiln_strict=kiln_strict)
         except ManifestError as error:
@@ -247,6 +250,19 @@ def _check_manifest_records(parsed: ParsedCorpus, kiln_strict: bool) -> OffPolic
                 f"off-policy distillation manifest on line {number} is not canonical compact JSON",
             )
     return manifest
+
+
+def _repeated_keys(value) -> str | None:
+    """The first key given twice anywhere in a decoded manifest (serde denies duplicate fields)."""
+    if isinstance(value, dict):
+        duplicates = sorted(getattr(value, "duplicates", ()))
+        if duplicates:
+            return duplicates[0]
+        for child in value.values():
+            found = _repeated_keys(child)
+            if found:
+                return found
+    return None
 
 
 def _check_binding(

@@ -90,18 +90,50 @@ def parse_corpus(data: bytes) -> ParsedCorpus:
 # --- exact path ---------------------------------------------------------------------------------
 
 
-class _RecordError(Exception):
+class RecordError(Exception):
+    """A field of an example record with the wrong type or shape (``invalid_record``)."""
+
     def __init__(self, where: str, message: str) -> None:
         super().__init__(f"`{where}` {message}")
 
 
-def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    result: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in result:
-            raise ValueError(f"duplicate field `{key}`")
-        result[key] = value
+class JsonObject(dict):
+    """A decoded JSON object that remembers which keys appeared more than once (last value kept)."""
+
+    duplicates: frozenset[str] = frozenset()
+
+
+def json_object(pairs: list[tuple[str, Any]]) -> JsonObject:
+    """``object_pairs_hook`` that keeps duplicate keys visible to the field checks.
+
+    serde (Kiln's parser) refuses a *known* field given twice but ignores duplicates among fields it
+    ignores, so duplicates are only an error where a field rule looks at them.
+    """
+    result = JsonObject(pairs)
+    if len(result) != len(pairs):
+        seen: set[str] = set()
+        result.duplicates = frozenset(key for key, _ in pairs if key in seen or seen.add(key))
     return result
+
+
+def decode_json_line(text: str) -> Any:
+    """Decode one JSON line, objects as ``JsonObject``."""
+    return json.loads(text, object_pairs_hook=json_object)
+
+
+def check_known_fields(value: dict[str, Any], known: tuple[str, ...], where: str) -> None:
+    """Refuse a known field given twice (``invalid_record``)."""
+    repeated = sorted(set(getattr(value, "duplicates", ())) & set(known))
+    if repeated:
+        prefix = f"{where}." if where else ""
+        raise RecordError(f"{prefix}{repeated[0]}", "is given more than once")
+
+
+RECORD_FIELDS = ("id", "messages", "teacher_response", "teacher_tokens", "trajectory", "metadata")
+MESSAGE_FIELDS = ("role", "content", "name", "tool_call_id", "tool_calls")
+TOKEN_FIELDS = ("token", "token_id", "logprob", "top_logprobs")
+CANDIDATE_FIELDS = ("token_id", "logprob")
+SEGMENT_FIELDS = ("role", "content", "kind", "tool_call_id", "warning_prefix_len")
 
 
 def _parse_exact(data: bytes, lines: LineIndex) -> ParsedCorpus:
@@ -117,7 +149,7 @@ def _parse_exact(data: bytes, lines: LineIndex) -> ParsedCorpus:
         if not trimmed:
             continue
         try:
-            value = json.loads(trimmed, object_pairs_hook=_no_duplicate_keys)
+            value = decode_json_line(trimmed)
         except ValueError as error:
             raise AdmissionError("invalid_json", number, f"line is not valid JSON: {error}") from None
         if not isinstance(value, dict):
@@ -129,7 +161,7 @@ def _parse_exact(data: bytes, lines: LineIndex) -> ParsedCorpus:
             parsed.first_example_line = number
         try:
             builder.add(number, value)
-        except _RecordError as error:
+        except RecordError as error:
             raise AdmissionError("invalid_record", number, f"example {len(builder.lines)}: {error}") from None
     builder.finish(parsed)
     return parsed
@@ -151,20 +183,21 @@ class _ColumnBuilder:
         self.numeric = False
 
     def add(self, line: int, record: dict[str, Any]) -> None:
-        messages = _require(record, "messages", list)
-        normalized = [_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
-        response = _require(record, "teacher_response", str)
+        check_known_fields(record, RECORD_FIELDS, "")
+        messages = require_field(record, "messages", list)
+        normalized = [parse_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
+        response = require_field(record, "teacher_response", str)
         if "id" in record and record["id"] is not None and not isinstance(record["id"], str):
-            raise _RecordError("id", "must be a string")
+            raise RecordError("id", "must be a string")
         trajectory = record.get("trajectory")
         segments = None
         if trajectory is not None:
             if not isinstance(trajectory, list):
-                raise _RecordError("trajectory", "must be an array")
-            segments = [_segment(s, f"trajectory[{i}]") for i, s in enumerate(trajectory)]
+                raise RecordError("trajectory", "must be an array")
+            segments = [parse_segment(s, f"trajectory[{i}]") for i, s in enumerate(trajectory)]
         tokens = record.get("teacher_tokens", [])
         if not isinstance(tokens, list):
-            raise _RecordError("teacher_tokens", "must be an array")
+            raise RecordError("teacher_tokens", "must be an array")
         for k, token in enumerate(tokens):
             self._add_token(token, f"teacher_tokens[{k}]")
         self.lines.append(line)
@@ -175,27 +208,29 @@ class _ColumnBuilder:
 
     def _add_token(self, token: Any, where: str) -> None:
         if not isinstance(token, dict):
-            raise _RecordError(where, "must be an object")
+            raise RecordError(where, "must be an object")
+        check_known_fields(token, TOKEN_FIELDS, where)
         declared = token.get("token_id")
         self.declared.append(-1 if declared is None else _u32(declared, f"{where}.token_id"))
         if token.get("token") is not None and not isinstance(token["token"], str):
-            raise _RecordError(f"{where}.token", "must be a string")
+            raise RecordError(f"{where}.token", "must be a string")
         if token.get("logprob") is not None:
             _number(token["logprob"], f"{where}.logprob")
             self.numeric = True
         if "top_logprobs" not in token:
-            raise _RecordError(f"{where}.top_logprobs", "is required")
+            raise RecordError(f"{where}.top_logprobs", "is required")
         candidates = token["top_logprobs"]
         if not isinstance(candidates, list):
-            raise _RecordError(f"{where}.top_logprobs", "must be an array")
+            raise RecordError(f"{where}.top_logprobs", "must be an array")
         if candidates:
             self.numeric = True
         for j, candidate in enumerate(candidates):
             place = f"{where}.top_logprobs[{j}]"
             if not isinstance(candidate, dict):
-                raise _RecordError(place, "must be an object")
+                raise RecordError(place, "must be an object")
+            check_known_fields(candidate, CANDIDATE_FIELDS, place)
             if "token_id" not in candidate or "logprob" not in candidate:
-                raise _RecordError(place, "needs `token_id` and `logprob`")
+                raise RecordError(place, "needs `token_id` and `logprob`")
             self.ids.append(_u32(candidate["token_id"], f"{place}.token_id"))
             self.logprobs.append(_number(candidate["logprob"], f"{place}.logprob"))
         self.counts.append(len(candidates))
@@ -217,64 +252,66 @@ def _offsets(counts: list[int] | np.ndarray) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(np.asarray(counts, dtype=np.int64))]).astype(np.int64)
 
 
-def _require(record: dict[str, Any], key: str, kind: type) -> Any:
+def require_field(record: dict[str, Any], key: str, kind: type) -> Any:
     if key not in record:
-        raise _RecordError(key, "is required")
+        raise RecordError(key, "is required")
     value = record[key]
     if not isinstance(value, kind):
-        raise _RecordError(key, f"must be {'an array' if kind is list else 'a string'}")
+        raise RecordError(key, f"must be {'an array' if kind is list else 'a string'}")
     return value
 
 
 def _u32(value: Any, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= U32_MAX:
-        raise _RecordError(where, "must be an unsigned 32-bit integer")
+        raise RecordError(where, "must be an unsigned 32-bit integer")
     return value
 
 
 def _number(value: Any, where: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _RecordError(where, "must be a number")
+        raise RecordError(where, "must be a number")
     return float(value)
 
 
-def _message(message: Any, where: str) -> dict[str, Any]:
+def parse_message(message: Any, where: str) -> dict[str, Any]:
     if not isinstance(message, dict):
-        raise _RecordError(where, "must be an object")
+        raise RecordError(where, "must be an object")
+    check_known_fields(message, MESSAGE_FIELDS, where)
     role = message.get("role")
     if not isinstance(role, str):
-        raise _RecordError(f"{where}.role", "must be a string")
+        raise RecordError(f"{where}.role", "must be a string")
     try:
         content = normalize_content(message.get("content"))
     except TokenizationError as error:
-        raise _RecordError(f"{where}.content", str(error)) from None
+        raise RecordError(f"{where}.content", str(error)) from None
     normalized = {key: value for key, value in message.items() if value is not None}
     normalized["role"] = role
     normalized["content"] = content
     return normalized
 
 
-def _segment(segment: Any, where: str) -> Segment:
+def parse_segment(segment: Any, where: str) -> Segment:
     if not isinstance(segment, dict):
-        raise _RecordError(where, "must be an object")
+        raise RecordError(where, "must be an object")
+    check_known_fields(segment, SEGMENT_FIELDS, where)
     role = segment.get("role")
     if not isinstance(role, str):
-        raise _RecordError(f"{where}.role", "must be a string")
+        raise RecordError(f"{where}.role", "must be a string")
     content = segment.get("content")
     if not isinstance(content, str):
-        raise _RecordError(f"{where}.content", "must be a string")
+        raise RecordError(f"{where}.content", "must be a string")
     kind = segment.get("kind")
     if kind is None:
         kind = "context"
     if kind not in SEGMENT_KINDS:
-        raise _RecordError(f"{where}.kind", f"must be one of {list(SEGMENT_KINDS)}")
+        raise RecordError(f"{where}.kind", f"must be one of {list(SEGMENT_KINDS)}")
     tool_call_id = segment.get("tool_call_id")
     if tool_call_id is not None and not isinstance(tool_call_id, str):
-        raise _RecordError(f"{where}.tool_call_id", "must be a string")
+        raise RecordError(f"{where}.tool_call_id", "must be a string")
     prefix = segment.get("warning_prefix_len")
     prefix = 0 if prefix is None else _u32(prefix, f"{where}.warning_prefix_len")
     if prefix > len(content.encode("utf-8")):
-        raise _RecordError(f"{where}.warning_prefix_len", "exceeds the content's byte length")
+        raise RecordError(f"{where}.warning_prefix_len", "exceeds the content's byte length")
     return Segment(role=role, content=content, kind=kind, tool_call_id=tool_call_id, warning_prefix_len=prefix)
 
 
@@ -347,7 +384,7 @@ def _parse_fast(data: bytes, lines: LineIndex) -> ParsedCorpus | None:
         number = int(record_lines[row])
         raw = lines.raw(data, number - 1).decode("utf-8")
         try:
-            value = json.loads(raw)
+            value = decode_json_line(raw)
         except ValueError:
             return None
         parsed.manifest_records.append((number, raw, value))
@@ -381,6 +418,8 @@ def _parse_fast(data: bytes, lines: LineIndex) -> ParsedCorpus | None:
     candidate_logprobs = pc.struct_field(candidates, "logprob")
     if candidates.null_count or candidate_ids.null_count or candidate_logprobs.null_count:
         return None
+    if token_ids.null_count < len(token_ids) and pc.min(token_ids).as_py() < 0:
+        return None  # a negative declared id is the exact parser's invalid_record, not "absent"
     parsed.declared_token_ids = token_ids.fill_null(-1).to_numpy().astype(np.int64)
     parsed.candidate_offsets = _offsets(pc.list_value_length(top).to_numpy())
     parsed.candidate_ids = candidate_ids.to_numpy().astype(np.int64, copy=False)

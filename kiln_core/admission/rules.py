@@ -177,7 +177,7 @@ def _candidate_rules(parsed: ParsedCorpus, token_mask: np.ndarray, top_k: int, v
     with np.errstate(over="ignore", invalid="ignore"):
         mass = np.exp(logprobs32.astype(np.float64)).sum(axis=1)
     mark("mass_exceeds_one", mass > MASS_LIMIT)
-    return ids.astype(np.int32), logprobs32, rule
+    return ids, logprobs32, rule  # int64: ids up to 2**32 - 1 must stay visible to the messages
 
 
 def _mark_conflicts(rule, ids, logprobs32, token_example, encoded) -> None:

@@ -26,11 +26,11 @@ import numpy as np
 # admission accepts (content parts, tool calls, segment kinds, warning prefixes).
 from kiln_core.admission.records import (
     RUST_WHITESPACE,
-    _message,
-    _no_duplicate_keys,
-    _RecordError,
-    _require,
-    _segment,
+    RecordError,
+    decode_json_line,
+    parse_message,
+    parse_segment,
+    require_field,
 )
 from kiln_core.contracts.identity import MANIFEST_SCHEMA
 from kiln_core.tokenization import Conversation
@@ -170,7 +170,7 @@ def _parse_line(raw: bytes, number: int, seen_example: bool) -> ScoringExample |
     if not text:
         return None
     try:
-        value = json.loads(text, object_pairs_hook=_no_duplicate_keys)
+        value = decode_json_line(text)
     except ValueError as error:
         raise ScoringError("invalid_example", f"line is not valid JSON: {error}", line=number) from None
     if not isinstance(value, dict):
@@ -181,26 +181,26 @@ def _parse_line(raw: bytes, number: int, seen_example: bool) -> ScoringExample |
         return None  # re-scoring a scored corpus: the new teacher's manifest replaces it
     try:
         return _example(value, number)
-    except _RecordError as error:
+    except RecordError as error:
         raise ScoringError("invalid_example", str(error), line=number) from None
 
 
 def _example(record: dict[str, Any], number: int) -> ScoringExample:
-    messages = _require(record, "messages", list)
+    messages = require_field(record, "messages", list)
     if not messages:
-        raise _RecordError("messages", "must not be empty")
-    normalized = [_message(message, f"messages[{i}]") for i, message in enumerate(messages)]
-    response = _require(record, "teacher_response", str)
+        raise RecordError("messages", "must not be empty")
+    normalized = [parse_message(message, f"messages[{i}]") for i, message in enumerate(messages)]
+    response = require_field(record, "teacher_response", str)
     if not response:
-        raise _RecordError("teacher_response", "must not be empty")
+        raise RecordError("teacher_response", "must not be empty")
     if record.get("id") is not None and not isinstance(record["id"], str):
-        raise _RecordError("id", "must be a string")
+        raise RecordError("id", "must be a string")
     segments = None
     trajectory = record.get("trajectory")
     if trajectory is not None:
         if not isinstance(trajectory, list):
-            raise _RecordError("trajectory", "must be an array")
-        segments = [_segment(segment, f"trajectory[{i}]") for i, segment in enumerate(trajectory)] or None
+            raise RecordError("trajectory", "must be an array")
+        segments = [parse_segment(segment, f"trajectory[{i}]") for i, segment in enumerate(trajectory)] or None
     copied = {key: record[key] for key in COPIED_FIELDS if key in record}
     conversation = Conversation(messages=normalized, teacher_response=response, trajectory=segments)
     return ScoringExample(line=number, record=copied, conversation=conversation)
