@@ -15,6 +15,7 @@ _FLOW_MODULES = {
     "validate_corpus": "flows.validate_corpus",
     "hf_next_token_oracle": "flows.oracle",
     "demo": "flows.demo",
+    "train_stage": "flows.train_stage",
 }
 
 __all__ = sorted(_FLOW_MODULES)

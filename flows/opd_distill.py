@@ -113,17 +113,20 @@ def opd_distill(spec: PipelineSpec) -> dict[str, Any]:
                 corpus_ref.action_tokens)
 
     run_uri, config = run_location(spec, corpus_ref, manifest_ref, student_dir)
-    train = train_task.with_options(retries=spec.options.train_retries)
-    train_ref = train(
-        corpus_ref,
-        manifest_ref,
-        student_dir,
-        spec.adapter,
-        config,
-        run_uri,
-        spec.options.progress_every_seconds,
-        spec.options.cancel_poll_seconds,
-    )
+    if spec.options.train_deployment:
+        train_ref = _train_on_pool(spec, corpus_ref, manifest_ref, student_dir, config, run_uri)
+    else:
+        train = train_task.with_options(retries=spec.options.train_retries)
+        train_ref = train(
+            corpus_ref,
+            manifest_ref,
+            student_dir,
+            spec.adapter,
+            config,
+            run_uri,
+            spec.options.progress_every_seconds,
+            spec.options.cancel_poll_seconds,
+        )
     summary = {
         "status": train_ref.status,
         "adapter": train_ref.adapter_uri,
@@ -143,3 +146,28 @@ def opd_distill(spec: PipelineSpec) -> dict[str, Any]:
     if train_ref.status == "cancelled":
         return Cancelled(message=f"training cancelled at step {train_ref.steps}; checkpoint {train_ref.latest_checkpoint}")
     raise RuntimeError(f"training failed ({train_ref.failure_reason}); receipt {train_ref.receipt_uri}")
+
+
+def _train_on_pool(spec: PipelineSpec, corpus_ref, manifest_ref, student_dir: str, config, run_uri: str):
+    """Hand training to the ``kiln-train`` deployment named in the spec (e.g. on a GPU pool)."""
+    from prefect.runtime import flow_run
+
+    from flows.train_stage import dispatch_training
+
+    parameters = {
+        "corpus": corpus_ref.model_dump(mode="json"),
+        "manifest": manifest_ref.model_dump(mode="json"),
+        "student_dir": spec.student,  # the GPU worker localizes it itself: local paths are per machine
+        "adapter": spec.adapter,
+        "config": config.model_dump(mode="json", by_alias=True),
+        "run_uri": run_uri,
+        "progress_every_seconds": spec.options.progress_every_seconds,
+        "cancel_poll_seconds": spec.options.cancel_poll_seconds,
+        "retries": spec.options.train_retries,
+    }
+    return dispatch_training(
+        spec.options.train_deployment,
+        parent_run_id=str(flow_run.get_id()),
+        run_key=run_uri.rstrip("/").rsplit("/", 1)[-1],
+        parameters=parameters,
+    )

@@ -102,6 +102,11 @@ class RunOptions(BaseModel):
     cancel_poll_seconds: float = Field(
         default=2.0, gt=0, description="How often training checks whether the flow run is being cancelled."
     )
+    train_deployment: str | None = Field(
+        default=None,
+        description="Run training as this deployment of the `kiln-train` flow (e.g. `kiln-train/gpu`) on its "
+        "work pool, instead of in this flow run.",
+    )
 
 
 class PipelineSpec(BaseModel):
