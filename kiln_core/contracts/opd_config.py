@@ -1,0 +1,484 @@
+"""``OpdRequest`` and ``OpdConfig``: the OPD training request, its defaults and its submit-time rules.
+
+Field names, defaults and rejection messages follow Kiln (reference/kiln-opd-spec.md §3.1-§3.2, §2.6).
+Parsing is strict where serde is strict (an integer field refuses ``4.0`` and ``"4"``, a bool refuses
+``1``), and the optimizer block denies unknown keys as Kiln's does.
+
+Unknown top-level fields of ``OpdRequest`` and ``OpdConfig`` are accepted and IGNORED, on purpose:
+Kiln's control-plane schema allows them, so a request file written for Kiln (possibly by a newer Kiln
+client carrying fields we do not know yet) must not be rejected here (DESIGN.md decision 1). The same
+leniency covers ``grad_checkpoint_segments``, which Kiln ignores on input (``skip_deserializing``).
+
+Kiln parses every wire value and rejects the unsupported ones at submit time with a specific message;
+``validate_for_offline_training`` applies those rejections, so parsing ``"objective": "cross_entropy"``
+succeeds and validation then says why it cannot run.
+
+Extension (DESIGN.md decision 5): ``sequences_per_step`` (default 1 = Kiln) accumulates gradients over
+that many consecutive candidates per optimizer step. It is part of the effective config, and therefore
+of the checkpoint identity.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+__all__ = [
+    "ConfigError",
+    "MuonOptimizer",
+    "AdamWOptimizer",
+    "SgdOptimizer",
+    "EchoConfig",
+    "OpdConfig",
+    "OpdRequest",
+    "parse_opd_config",
+    "parse_opd_request",
+    "validate_for_offline_training",
+    "validate_request_for_offline_training",
+    "resolve_top_k",
+    "resolve_learning_rate",
+    "effective_samples_per_prompt",
+    "effective_config",
+]
+
+SUPPORTED_TOP_K = (32, 16)  # Kiln's KT kernels, largest first (§2.6)
+DEFAULT_SAMPLES_PER_PROMPT = 4
+LORA_SCALE_LIMIT = 2.0
+LR_WARNING_FACTOR = 50.0
+U64_MAX = 2**64 - 1
+
+
+class ConfigError(ValueError):
+    """A request or config that Kiln would refuse at submit time.
+
+    Attributes:
+        message: The rejection message (Kiln's wording where Kiln has one).
+        field: Dotted path of the offending field (``config.top_k``), or None for request-level rules.
+        code: Stable machine-readable code for the CLI's rejection JSON.
+    """
+
+    def __init__(self, message: str, field: str | None = None, code: str = "invalid_config") -> None:
+        super().__init__(message)
+        self.message = message
+        self.field = field
+        self.code = code
+
+    def to_json(self) -> dict[str, Any]:
+        return {"status": "rejected", "code": self.code, "field": self.field, "message": self.message}
+
+
+# ---------------------------------------------------------------------------------------------
+# Nested blocks
+
+
+class _Strict(BaseModel):
+    # Our base for nested blocks whose unknown keys Kiln ignores (echo, stable_opd).
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True, populate_by_name=True)
+
+
+class _StrictForbid(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+
+UnitInterval = Annotated[float, Field(ge=0.0, lt=1.0)]
+
+
+class MuonOptimizer(_StrictForbid):
+    """Muon (Kiln's default OPD optimizer). Learning rate default 2e-3."""
+
+    kind: Literal["muon"] = "muon"
+    momentum: UnitInterval = 0.95
+    """Momentum in [0, 1)."""
+    nesterov: bool = True
+    ns_iters: int = Field(default=5, ge=1, le=20)
+    """Newton-Schulz iterations, 1..=20."""
+    weight_decay: float = Field(default=0.0, ge=0.0)
+
+
+class AdamWOptimizer(_StrictForbid):
+    """AdamW. Learning rate default 1e-5."""
+
+    kind: Literal["adam_w"] = "adam_w"
+    beta1: UnitInterval = 0.9
+    beta2: UnitInterval = 0.999
+    eps: float = Field(default=1e-8, gt=0.0)
+    weight_decay: float = Field(default=0.0, ge=0.0)
+
+
+class SgdOptimizer(_StrictForbid):
+    """Plain SGD without momentum (no optimizer state). Learning rate default 1e-5."""
+
+    kind: Literal["sgd"] = "sgd"
+
+
+Optimizer = Annotated[Union[MuonOptimizer, AdamWOptimizer, SgdOptimizer], Field(discriminator="kind")]
+
+
+class StableOpdOff(_Strict):
+    mode: Literal["off"] = "off"
+
+
+class StableOpdAuto(_Strict):
+    mode: Literal["auto"]
+
+
+class StableOpdManual(_Strict):
+    mode: Literal["manual"]
+    kl_beta: float
+    sft_lambda: float
+
+
+StableOpd = Annotated[Union[StableOpdOff, StableOpdAuto, StableOpdManual], Field(discriminator="mode")]
+
+
+class EchoConfig(_Strict):
+    """ECHO env cross-entropy term (off for OPD unless present)."""
+
+    lambda_: float = Field(default=0.05, alias="lambda")
+    """λ: weight of the env CE term; 0 disables it."""
+    env_mask_mode: Literal["env_only", "full_obs"] = "env_only"
+    """``env_only`` drops warning-prefix tokens when ``warning_filter`` is on; ``full_obs`` keeps all."""
+    warning_filter: bool = True
+
+    @field_validator("lambda_")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError("echo.lambda must be finite")
+        return value
+
+
+# ---------------------------------------------------------------------------------------------
+# OpdConfig / OpdRequest
+
+
+class OpdConfig(BaseModel):
+    """Kiln's ``OpdConfig`` (§3.2), every field with Kiln's default, plus ``sequences_per_step``.
+
+    Example:
+        >>> OpdConfig.model_validate({"training_mode": "off_policy"}).top_k
+        32
+    """
+
+    # extra="ignore": see the module docstring (Kiln accepts and ignores unknown config fields).
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+
+    training_mode: Literal["on_policy", "off_policy"] = "on_policy"
+    objective: Literal["reverse_kl", "cross_entropy"] = "reverse_kl"
+    loss: Literal["sampled_token", "teacher_top_k", "full_vocab", "teacher_top_k_tail"] = "teacher_top_k"
+    """``teacher_top_k_tail`` is our opt-in extension (DESIGN.md decision 4)."""
+    top_k: int = Field(default=32, ge=0)
+    samples_per_prompt: int = Field(default=DEFAULT_SAMPLES_PER_PROMPT, ge=0)
+    temperature: float = 1.0
+    top_p: float = 0.9
+    max_tokens: int = Field(default=7168, ge=1)
+    sampler_segments: int | None = Field(default=None, ge=0)
+    rollout_prompt_rendering: Literal["legacy_action_boundary", "chat_template"] = "legacy_action_boundary"
+    stable_opd: StableOpd = Field(default_factory=StableOpdOff)
+    discount: float = 0.0
+    clip_epsilon: float = 0.0
+    learning_rate: float | None = None
+    lora_rank: int = Field(default=16, ge=1)
+    lora_alpha: float = 32.0
+    allow_high_lora_scale: bool = False
+    base_adapter: str | None = None
+    output_name: str | None = None
+    auto_load: bool = True
+    checkpoint_interval: int | None = Field(default=25, ge=0)
+    """Periodic checkpoint interval in optimizer steps; explicit null disables, 0 is refused."""
+    resume_checkpoint: str | None = None
+    detect_anomaly: bool = False
+    seed: int | None = Field(default=None, ge=0, le=U64_MAX)
+    optimizer: Optimizer = Field(default_factory=MuonOptimizer)
+    echo: EchoConfig | None = None
+    epochs: int = Field(default=1, ge=1)
+    max_cost_usd: float | None = None
+    sequences_per_step: int = Field(default=1, ge=1)
+    """Extension: candidates per optimizer step (gradient accumulation, mean of sequence losses)."""
+
+
+class OpdRequest(BaseModel):
+    """Kiln's ``OpdRequest`` body (§3.1). Unknown fields are ignored, as Kiln does."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+
+    teacher: str
+    prompts: list[dict[str, Any]] | None = None
+    dataset_path: str | None = None
+    config: OpdConfig = Field(default_factory=OpdConfig)
+    post_eval: dict[str, Any] | None = None
+
+    @field_validator("dataset_path")
+    @classmethod
+    def _blank_is_absent(cls, value: str | None) -> str | None:
+        # Kiln trims dataset_path and treats a blank one as absent.
+        if value is None or not value.strip():
+            return None
+        return value.strip()
+
+
+def _first_error(error: ValidationError, prefix: str) -> ConfigError:
+    first = error.errors()[0]
+    path = ".".join(str(part) for part in first["loc"] if not str(part).startswith("function-"))
+    where = f"{prefix}.{path}" if prefix and path else (path or prefix)
+    return ConfigError(f"invalid OPD {where or 'request'}: {first['msg']}", where or None)
+
+
+def parse_opd_config(value: Any) -> OpdConfig:
+    """Validate a decoded ``config`` object; a pydantic failure becomes one ``ConfigError``.
+
+    Example:
+        >>> parse_opd_config({"optimizer": {"kind": "sgd"}}).optimizer.kind
+        'sgd'
+    """
+    try:
+        return OpdConfig.model_validate(value)
+    except ValidationError as error:
+        raise _first_error(error, "config") from None
+
+
+def parse_opd_request(value: Any) -> OpdRequest:
+    """Validate a decoded ``OpdRequest`` object; a pydantic failure becomes one ``ConfigError``."""
+    try:
+        return OpdRequest.model_validate(value)
+    except ValidationError as error:
+        raise _first_error(error, "") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Resolution rules
+
+
+def resolve_top_k(requested: int) -> int:
+    """Kiln's submit-time top_k rewrite for a pre-scored corpus (source cap = requested).
+
+    Returns 32 for requested ≥ 32, 16 for 16..31.
+
+    Raises:
+        ConfigError: requested < 16 (or ≤ 0).
+
+    Example:
+        >>> resolve_top_k(20), resolve_top_k(64)
+        (16, 32)
+    """
+    if requested <= 0:
+        raise ConfigError("OPD top_k must be > 0", "config.top_k")
+    for size in SUPPORTED_TOP_K:
+        if size <= requested:
+            return size
+    cap = requested
+    raise ConfigError(
+        f"OPD top_k {requested} is not executable with source cap {cap}: OPD teacher_top_k has no "
+        f"executable support size: requested {requested}, source cap {cap}, KT kernels require one of "
+        "{16, 32}",
+        "config.top_k",
+    )
+
+
+def default_learning_rate(optimizer_kind: str) -> float:
+    """Kiln's OPD default: Muon 2e-3, AdamW/SGD 1e-5."""
+    return 2e-3 if optimizer_kind == "muon" else 1e-5
+
+
+def resolve_learning_rate(config: OpdConfig) -> float:
+    """The learning rate the trainer uses: the explicit value, else the optimizer's default.
+
+    Example:
+        >>> resolve_learning_rate(OpdConfig(optimizer={"kind": "adam_w"}))
+        1e-05
+    """
+    if config.learning_rate is not None:
+        return float(config.learning_rate)
+    return default_learning_rate(config.optimizer.kind)
+
+
+def effective_samples_per_prompt(config: OpdConfig, prompt_count: int | None = None) -> int:
+    """Candidates per example per epoch.
+
+    Off-policy: the default 4 means 1 (each example once); any other value n repeats it n times.
+    On-policy (for completeness; kiln-flows does not sample): the default 4 auto-scales to 64 below 50
+    prompts, 16 below 200, else 4.
+
+    Example:
+        >>> effective_samples_per_prompt(OpdConfig(training_mode="off_policy"))
+        1
+    """
+    n = config.samples_per_prompt
+    if n != DEFAULT_SAMPLES_PER_PROMPT:
+        return n
+    if config.training_mode == "off_policy":
+        return 1
+    if prompt_count is None:
+        return n
+    return 64 if prompt_count < 50 else 16 if prompt_count < 200 else 4
+
+
+def effective_config(config: OpdConfig, seed: int, top_k: int) -> dict[str, Any]:
+    """The JSON-able effective config bound into checkpoints and receipts.
+
+    It is the serialized config without ``resume_checkpoint`` (resuming must not change the run's
+    identity), with ``learning_rate`` and ``seed`` resolved, plus ``effective_top_k`` and
+    ``effective_samples_per_prompt``. Keys are sorted at every level so that comparing two effective
+    configs never depends on construction order.
+
+    Example:
+        >>> effective_config(OpdConfig(training_mode="off_policy"), 7, 32)["effective_samples_per_prompt"]
+        1
+    """
+    data = config.model_dump(mode="json", by_alias=True)
+    data.pop("resume_checkpoint", None)
+    data["learning_rate"] = resolve_learning_rate(config)
+    data["seed"] = int(seed)
+    data["effective_top_k"] = int(top_k)
+    data["effective_samples_per_prompt"] = effective_samples_per_prompt(config)
+    return _sorted(data)
+
+
+def _sorted(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: _sorted(value[key]) for key in sorted(value)}
+    if isinstance(value, list):
+        return [_sorted(item) for item in value]
+    return value
+
+
+# ---------------------------------------------------------------------------------------------
+# Submit-time validation
+
+
+def validate_for_offline_training(config: OpdConfig) -> list[str]:
+    """Apply Kiln's submit-time rejections for a teacher-logprob JSONL (``dataset_path``) run.
+
+    Returns:
+        Warnings that do not block the run (an explicit learning rate far from the default).
+
+    Raises:
+        ConfigError: the first rule the config breaks, with Kiln's message.
+
+    Example:
+        >>> validate_for_offline_training(OpdConfig(training_mode="off_policy"))
+        []
+    """
+    if config.training_mode != "off_policy":
+        raise ConfigError(
+            'OPD teacher-logprob JSONL requires config.training_mode="off_policy"; a dataset_path corpus '
+            'is pre-scored, so set "training_mode": "off_policy" in the request config',
+            "config.training_mode",
+        )
+    if config.objective == "cross_entropy":
+        raise ConfigError(
+            "OPD objective: cross_entropy is not wired into the production OPD loss root; use reverse_kl",
+            "config.objective",
+        )
+    if config.loss == "sampled_token":
+        raise ConfigError(
+            "OPD loss is unavailable: sampled_token is unsupported: the teacher contract does not return "
+            "the sampled token's logprob, and using ranked top-1 would produce an identically zero loss",
+            "config.loss",
+        )
+    if config.loss == "full_vocab":
+        raise ConfigError(
+            "OPD loss is unavailable: full_vocab has no concrete server-built teacher source; use teacher_top_k",
+            "config.loss",
+        )
+    if config.stable_opd.mode != "off":
+        raise ConfigError(
+            'OPD stable_opd: Stable-OPD is not wired into the production loss root; use {"mode":"off"}',
+            "config.stable_opd",
+        )
+    if config.discount != 0.0:
+        raise ConfigError(
+            f"OPD discount={config.discount} is unsupported because discounted advantages are not wired; use 0",
+            "config.discount",
+        )
+    if config.clip_epsilon != 0.0:
+        raise ConfigError(
+            f"OPD clip_epsilon={config.clip_epsilon} is unsupported because importance-ratio clipping is "
+            "not wired; use 0",
+            "config.clip_epsilon",
+        )
+    if config.max_cost_usd is not None:
+        raise ConfigError(
+            "OPD max_cost_usd is unavailable: cost budgets are not enforced for OPD training; use null",
+            "config.max_cost_usd",
+        )
+    resolve_top_k(config.top_k)  # "> 0" first, then the {16, 32} support sizes
+    if config.samples_per_prompt <= 0:
+        raise ConfigError("OPD samples_per_prompt must be > 0", "config.samples_per_prompt")
+    if config.sampler_segments == 0:
+        raise ConfigError("OPD sampler_segments must be greater than zero", "config.sampler_segments")
+    if config.checkpoint_interval == 0:
+        raise ConfigError(
+            "OPD checkpoint_interval must be greater than zero; use null to disable periodic checkpoints",
+            "config.checkpoint_interval",
+        )
+    _check_lora_scale(config)
+    if config.base_adapter is not None and config.resume_checkpoint is not None:
+        raise ConfigError(
+            "OPD base_adapter cannot be combined with resume_checkpoint: exact resume restores the "
+            "adapter from the checkpoint",
+            "config.base_adapter",
+        )
+    if config.base_adapter is not None:
+        raise ConfigError(
+            "OPD base_adapter warm starts are not supported by kiln-flows yet; use null",
+            "config.base_adapter",
+            code="unsupported",
+        )
+    return _learning_rate_warnings(config)
+
+
+def validate_request_for_offline_training(request: OpdRequest) -> list[str]:
+    """Request-level rules (exactly one source; only ``dataset_path`` runs offline), then the config.
+
+    Raises:
+        ConfigError: as Kiln's submit validation would.
+    """
+    if not request.teacher.strip():
+        raise ConfigError("OPD request teacher must be a non-blank registered alias", "teacher",
+                          code="teacher_not_registered")
+    has_prompts = bool(request.prompts)
+    if has_prompts == (request.dataset_path is not None):
+        raise ConfigError("OPD request must use exactly one of non-empty prompts or dataset_path", "dataset_path")
+    if has_prompts:
+        raise ConfigError(
+            "OPD prompts (on-policy rollouts) are not supported by kiln-flows; provide a teacher-scored "
+            "dataset_path",
+            "prompts",
+            code="unsupported",
+        )
+    warnings = validate_for_offline_training(request.config)
+    if request.post_eval is not None:
+        warnings.append("post_eval is recorded but not run by kiln-flows")
+    return warnings
+
+
+def _check_lora_scale(config: OpdConfig) -> None:
+    alpha = config.lora_alpha
+    if not math.isfinite(alpha) or alpha <= 0:
+        raise ConfigError(f"OPD lora_alpha must be a positive finite number; got {alpha}", "config.lora_alpha")
+    ratio = alpha / config.lora_rank
+    if ratio > LORA_SCALE_LIMIT and not config.allow_high_lora_scale:
+        raise ConfigError(
+            f"unsafe LoRA scaling: alpha/rank = {ratio:.3f} exceeds the default limit of {LORA_SCALE_LIMIT:.3f}; "
+            "lower lora_alpha or raise lora_rank, or set allow_high_lora_scale=true to train anyway",
+            "config.lora_alpha",
+            code="unsafe_lora_scale",
+        )
+
+
+def _learning_rate_warnings(config: OpdConfig) -> list[str]:
+    if config.learning_rate is None:
+        return []
+    default = default_learning_rate(config.optimizer.kind)
+    lr = config.learning_rate
+    if lr <= 0 or not math.isfinite(lr):
+        raise ConfigError(f"OPD learning_rate must be a positive finite number; got {lr}", "config.learning_rate")
+    if lr > default * LR_WARNING_FACTOR or lr < default / LR_WARNING_FACTOR:
+        return [
+            f"learning_rate {lr:g} is more than {LR_WARNING_FACTOR:g}x away from the {config.optimizer.kind} "
+            f"default {default:g}"
+        ]
+    return []

@@ -1,0 +1,257 @@
+"""The student: a Hugging Face causal LM with a seeded LoRA adapter, and the hidden rows the loss needs.
+
+Choices, and why:
+
+* **LoRA targets every linear projection of attention and MLP** (``q_proj``, ``k_proj``, ``v_proj``,
+  ``o_proj``, ``gate_proj``, ``up_proj``, ``down_proj``). Kiln picks its set inside
+  ``TrainableLoraParams`` and the public sources do not say which (reference §3.2, "UNCONFIRMED"); the
+  all-linear set is the common choice for distillation students and the superset of the alternatives.
+  Embeddings and the LM head stay frozen, so the loss never allocates a ``[V, H]`` gradient.
+* **Seeded init independent of the device and of global RNG state**: ``lora_A`` gets PEFT's own
+  Kaiming-uniform init drawn from a CPU ``torch.Generator`` seeded with the run's seed, in sorted
+  parameter-name order; ``lora_B`` starts at zero. Same seed → identical adapter at step 0 on any
+  device, and loading the model never perturbs the RNG streams a checkpoint restores.
+* **No dropout**: every dropout probability is forced to 0 so a step is a pure function of the
+  weights and the candidate (Kiln's OPD step has no dropout either); exact resume needs no RNG.
+* **Precision**: ``fp32`` = fp32 weights and activations (CPU default, bit-exact resume);
+  ``bf16`` = bf16 base weights and bf16 autocast, with fp32 LoRA parameters, gradients and
+  optimizer state (CUDA default). The loss always upcasts to fp32.
+* **No logits**: ``hidden_states`` calls the inner decoder (``get_base_model().model``), whose
+  ``last_hidden_state`` is already post-final-norm for Qwen3 (``Qwen3Model.forward`` applies
+  ``self.norm``), and the loss projects only the rows and ids it needs through the LM head.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kiln_core.canonical import sha256_hex
+
+__all__ = ["LORA_TARGET_MODULES", "Student", "load_student", "student_identity", "precision_policy", "resolve_device"]
+
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_INIT_ALGORITHM = "kiln.seeded-lora-init.v1"
+ADAPTER_NAME = "default"  # PEFT's adapter slot; part of the stable parameter names
+
+
+def resolve_device(device: str | None = None) -> torch.device:
+    """``cuda`` when available (or requested), else ``cpu``."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(device)
+
+
+def resolve_precision(device: torch.device, precision: str | None = None) -> str:
+    """``bf16`` on CUDA and ``fp32`` on CPU unless asked otherwise."""
+    precision = precision or ("bf16" if device.type == "cuda" else "fp32")
+    if precision not in ("fp32", "bf16"):
+        raise ValueError(f"precision must be 'fp32' or 'bf16'; got {precision!r}")
+    return precision
+
+
+def precision_policy(device: torch.device, precision: str) -> dict[str, Any]:
+    """The checkpoint's ``precision_policy``: what each kind of tensor is stored and computed in."""
+    activation = "bfloat16" if precision == "bf16" else "float32"
+    return {
+        "parameter_dtype": "float32",
+        "base_weight_dtype": activation,
+        "optimizer_state_dtype": "float32",
+        "activation_dtype": activation,
+        "gradient_dtype": "float32",
+        "loss_dtype": "float32",
+        "device_type": device.type,
+        "stochastic_rounding": {"enabled": False},
+    }
+
+
+@dataclass
+class Student:
+    """A loaded student with its trainable LoRA parameters.
+
+    Attributes:
+        model: The ``peft.PeftModel``.
+        device: Where it runs.
+        precision: ``fp32`` or ``bf16``.
+        lora_parameters: Trainable parameters by stable name, in sorted name order.
+    """
+
+    model: Any
+    device: torch.device
+    precision: str
+    lora_parameters: dict[str, torch.nn.Parameter]
+
+    @property
+    def head(self) -> torch.nn.Module:
+        return self.model.get_base_model().get_output_embeddings()
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """LM head weight ``[V, H]`` (frozen)."""
+        return self.head.weight
+
+    @property
+    def head_bias(self) -> torch.Tensor | None:
+        return getattr(self.head, "bias", None)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.precision == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Final normed hidden states of one unpadded sequence: ``[L] -> [L, H]``."""
+        decoder = self.model.get_base_model().model
+        with self.autocast():
+            out = decoder(input_ids=input_ids[None], use_cache=False)
+        return out.last_hidden_state[0]
+
+    def adapter_tensors(self) -> dict[str, torch.Tensor]:
+        """CPU copies of the LoRA parameters keyed by stable name (for ``adapter.safetensors``)."""
+        return {name: p.detach().to("cpu", copy=True).contiguous() for name, p in self.lora_parameters.items()}
+
+    def load_adapter_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Overwrite the LoRA parameters with checkpointed values (names and shapes must match)."""
+        if set(tensors) != set(self.lora_parameters):
+            missing = sorted(set(self.lora_parameters) - set(tensors))[:3]
+            extra = sorted(set(tensors) - set(self.lora_parameters))[:3]
+            raise ValueError(f"adapter tensors do not match the student's LoRA parameters (missing {missing}, extra {extra})")
+        with torch.no_grad():
+            for name, param in self.lora_parameters.items():
+                value = tensors[name]
+                if tuple(value.shape) != tuple(param.shape):
+                    raise ValueError(f"adapter tensor {name} has shape {tuple(value.shape)}, expected {tuple(param.shape)}")
+                param.copy_(value.to(device=param.device, dtype=param.dtype))
+
+    def peft_adapter_files(self) -> dict[str, bytes]:
+        """``adapter_model.safetensors`` and ``adapter_config.json`` as PEFT writes them.
+
+        PEFT's own ``save_pretrained`` is used so the directory loads with
+        ``PeftModel.from_pretrained``; ``target_modules`` is re-sorted because PEFT keeps it as a set
+        and would otherwise write it in a hash-seed-dependent order.
+        """
+        with tempfile.TemporaryDirectory(prefix="kiln-adapter-") as tmp:
+            self.model.save_pretrained(tmp, safe_serialization=True)
+            weights = Path(tmp, "adapter_model.safetensors").read_bytes()
+            config = json.loads(Path(tmp, "adapter_config.json").read_text(encoding="utf-8"))
+        if isinstance(config.get("target_modules"), list):
+            config["target_modules"] = sorted(config["target_modules"])
+        config_bytes = json.dumps(config, indent=2, sort_keys=True).encode("utf-8")
+        return {"adapter_model.safetensors": weights, "adapter_config.json": config_bytes}
+
+
+def load_student(
+    student_dir: str | os.PathLike[str],
+    *,
+    rank: int,
+    alpha: float,
+    seed: int,
+    device: str | None = None,
+    precision: str | None = None,
+    gradient_checkpointing: bool = False,
+) -> Student:
+    """Load the student model and wrap it with a freshly, deterministically initialized LoRA adapter.
+
+    Args:
+        student_dir: Local Hugging Face model directory.
+        rank: LoRA rank r.
+        alpha: LoRA alpha (scale = alpha / r).
+        seed: Seed of the LoRA init (the run's effective seed).
+        device: ``cpu``/``cuda``; default CUDA when available.
+        precision: ``fp32``/``bf16``; default bf16 on CUDA, fp32 on CPU.
+        gradient_checkpointing: Recompute decoder layers in backward (less memory, same math).
+
+    Returns:
+        The ``Student``.
+
+    Example:
+        >>> student = load_student("./student", rank=16, alpha=32.0, seed=7)  # doctest: +SKIP
+        >>> student.hidden_states(torch.tensor([1, 2, 3])).shape  # doctest: +SKIP
+        torch.Size([3, 64])
+    """
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    device_ = resolve_device(device)
+    precision_ = resolve_precision(device_, precision)
+    dtype = torch.bfloat16 if precision_ == "bf16" else torch.float32
+    base = AutoModelForCausalLM.from_pretrained(str(student_dir), dtype=dtype, local_files_only=True)
+    base.requires_grad_(False)
+    _disable_dropout(base)
+    lora = LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        target_modules=list(LORA_TARGET_MODULES),
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    model = get_peft_model(base, lora, adapter_name=ADAPTER_NAME)
+    params = {name: p for name, p in sorted(model.named_parameters()) if p.requires_grad}
+    for name, p in params.items():
+        if p.dtype != torch.float32:  # LoRA master weights are always fp32
+            p.data = p.data.float()
+    _seeded_lora_init(params, seed)
+    model.to(device_)
+    if gradient_checkpointing:
+        base_model = model.get_base_model()
+        kwargs = {"use_reentrant": False}  # non-reentrant: works although the inputs need no grad
+        if hasattr(base_model, "activation_checkpointing_enable"):  # transformers >= 5 name
+            base_model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            base_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    # train() only so that gradient checkpointing is active; dropout is already 0 everywhere.
+    model.train()
+    return Student(model=model, device=device_, precision=precision_, lora_parameters=params)
+
+
+def _disable_dropout(model: torch.nn.Module) -> None:
+    """Force every dropout probability to 0 (a step must not depend on RNG state)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+    if hasattr(model.config, "attention_dropout"):
+        model.config.attention_dropout = 0.0
+
+
+def _seeded_lora_init(params: dict[str, torch.nn.Parameter], seed: int) -> None:
+    """PEFT's default LoRA init (Kaiming-uniform A, zero B), drawn from a private CPU generator."""
+    generator = torch.Generator(device="cpu").manual_seed(int(seed) % 2**64)
+    with torch.no_grad():
+        for name, param in params.items():  # sorted name order: part of the init's definition
+            if ".lora_A." in name:
+                value = torch.empty(param.shape, dtype=torch.float32)
+                torch.nn.init.kaiming_uniform_(value, a=math.sqrt(5), generator=generator)
+                param.copy_(value)
+            elif ".lora_B." in name:
+                param.zero_()
+
+
+def student_identity(student_dir: str | os.PathLike[str]) -> dict[str, str]:
+    """Digests that pin the student model and tokenizer (raw hex), for checkpoints and receipts.
+
+    ``model_config_sha256`` hashes the exact ``config.json`` bytes; the tokenizer digests follow
+    ``StudentTokenizer.identity`` (backend JSON, chat template text); the base weights use Kiln's
+    ``kiln.base-model-content.v1`` shard digest (§1.6), so renaming or moving the files keeps it.
+    """
+    from kiln_core.identity.hashing import base_model_sha256
+    from kiln_core.tokenization import load_student_tokenizer
+
+    tokenizer = load_student_tokenizer(student_dir).identity()
+    return {
+        "model_config_sha256": sha256_hex(Path(student_dir, "config.json").read_bytes()),
+        "tokenizer_config_sha256": tokenizer["tokenizer_config_sha256"],
+        "tokenizer_vocab_sha256": tokenizer["tokenizer_vocab_sha256"],
+        "chat_template_sha256": tokenizer["chat_template_sha256"],
+        "base_model_weights_sha256": base_model_sha256(student_dir),
+    }

@@ -1,0 +1,209 @@
+"""OpdConfig / OpdRequest: every default, every rejection message, and the resolution rules (spec §3)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kiln_core.contracts.opd_config import (
+    ConfigError,
+    OpdConfig,
+    effective_config,
+    effective_samples_per_prompt,
+    parse_opd_config,
+    parse_opd_request,
+    resolve_learning_rate,
+    resolve_top_k,
+    validate_for_offline_training,
+    validate_request_for_offline_training,
+)
+
+OFF = {"training_mode": "off_policy"}
+
+
+def _rejects(overrides: dict, fragment: str, field: str | None = None) -> ConfigError:
+    config = parse_opd_config({**OFF, **overrides})
+    with pytest.raises(ConfigError) as caught:
+        validate_for_offline_training(config)
+    assert fragment in caught.value.message
+    if field is not None:
+        assert caught.value.field == field
+    return caught.value
+
+
+def test_every_default_matches_kiln():
+    c = OpdConfig()
+    assert c.training_mode == "on_policy"
+    assert c.objective == "reverse_kl"
+    assert c.loss == "teacher_top_k"
+    assert c.top_k == 32
+    assert c.samples_per_prompt == 4
+    assert c.temperature == 1.0 and c.top_p == 0.9 and c.max_tokens == 7168
+    assert c.sampler_segments is None
+    assert c.rollout_prompt_rendering == "legacy_action_boundary"
+    assert c.stable_opd.mode == "off"
+    assert c.discount == 0.0 and c.clip_epsilon == 0.0
+    assert c.learning_rate is None
+    assert c.lora_rank == 16 and c.lora_alpha == 32.0 and c.allow_high_lora_scale is False
+    assert c.base_adapter is None and c.output_name is None and c.auto_load is True
+    assert c.checkpoint_interval == 25
+    assert c.resume_checkpoint is None and c.detect_anomaly is False and c.seed is None
+    assert c.optimizer.model_dump() == {"kind": "muon", "momentum": 0.95, "nesterov": True, "ns_iters": 5, "weight_decay": 0.0}
+    assert c.echo is None and c.epochs == 1 and c.max_cost_usd is None
+    assert c.sequences_per_step == 1  # our extension; 1 = Kiln's one sequence per step
+
+
+def test_optimizer_variants_defaults_and_denied_keys():
+    assert parse_opd_config({"optimizer": {"kind": "adam_w"}}).optimizer.model_dump() == {
+        "kind": "adam_w", "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0}
+    assert parse_opd_config({"optimizer": {"kind": "sgd"}}).optimizer.model_dump() == {"kind": "sgd"}
+    for bad, field in [
+        ({"kind": "muon", "lr": 1.0}, "config.optimizer.muon.lr"),
+        ({"kind": "sgd", "momentum": 0.9}, "config.optimizer.sgd.momentum"),
+        ({"kind": "muon", "momentum": 1.0}, "config.optimizer.muon.momentum"),
+        ({"kind": "muon", "ns_iters": 0}, "config.optimizer.muon.ns_iters"),
+        ({"kind": "muon", "ns_iters": 21}, "config.optimizer.muon.ns_iters"),
+        ({"kind": "adam_w", "beta2": -0.1}, "config.optimizer.adam_w.beta2"),
+        ({"kind": "adam_w", "eps": 0.0}, "config.optimizer.adam_w.eps"),
+        ({"kind": "adam_w", "weight_decay": -1.0}, "config.optimizer.adam_w.weight_decay"),
+        ({"kind": "lion"}, "config.optimizer"),
+    ]:
+        with pytest.raises(ConfigError) as caught:
+            parse_opd_config({"optimizer": bad})
+        assert caught.value.field == field, bad
+
+
+def test_echo_block_defaults():
+    echo = parse_opd_config({"echo": {}}).echo
+    assert (echo.lambda_, echo.env_mask_mode, echo.warning_filter) == (0.05, "env_only", True)
+    echo = parse_opd_config({"echo": {"lambda": 0.2, "env_mask_mode": "full_obs", "warning_filter": False}}).echo
+    assert (echo.lambda_, echo.env_mask_mode, echo.warning_filter) == (0.2, "full_obs", False)
+    with pytest.raises(ConfigError):
+        parse_opd_config({"echo": {"env_mask_mode": "everything"}})
+
+
+def test_unknown_fields_are_ignored_like_kiln():
+    config = parse_opd_config({"future_knob": 1, "grad_checkpoint_segments": 4})
+    assert "future_knob" not in config.model_dump()
+    request = parse_opd_request({"teacher": "t", "dataset_path": "/x.jsonl", "priority": "high", "config": {"zzz": 1}})
+    assert request.dataset_path == "/x.jsonl"
+
+
+def test_strict_types_like_serde():
+    for bad in [{"top_k": "32"}, {"top_k": 32.0}, {"epochs": True}, {"detect_anomaly": 1}, {"seed": -1}, {"seed": 2**64}]:
+        with pytest.raises(ConfigError):
+            parse_opd_config(bad)
+    assert parse_opd_config({"lora_alpha": 16}).lora_alpha == 16.0  # an integer is a valid JSON number
+    assert parse_opd_config({"seed": 2**64 - 1}).seed == 2**64 - 1
+
+
+def test_checkpoint_interval_null_disables_and_zero_is_refused():
+    assert parse_opd_config({}).checkpoint_interval == 25
+    assert parse_opd_config({"checkpoint_interval": None}).checkpoint_interval is None
+    _rejects({"checkpoint_interval": 0}, "OPD checkpoint_interval must be greater than zero", "config.checkpoint_interval")
+
+
+@pytest.mark.parametrize(
+    "overrides, message, field",
+    [
+        ({"training_mode": "on_policy"}, 'OPD teacher-logprob JSONL requires config.training_mode="off_policy"; ', "config.training_mode"),
+        ({"objective": "cross_entropy"}, "OPD objective: cross_entropy is not wired into the production OPD loss root; use reverse_kl", "config.objective"),
+        ({"loss": "sampled_token"}, "OPD loss is unavailable: sampled_token is unsupported: the teacher contract does not return the sampled token's logprob, and using ranked top-1 would produce an identically zero loss", "config.loss"),
+        ({"loss": "full_vocab"}, "OPD loss is unavailable: full_vocab has no concrete server-built teacher source; use teacher_top_k", "config.loss"),
+        ({"stable_opd": {"mode": "auto"}}, 'OPD stable_opd: Stable-OPD is not wired into the production loss root; use {"mode":"off"}', "config.stable_opd"),
+        ({"stable_opd": {"mode": "manual", "kl_beta": 0.1, "sft_lambda": 0.2}}, "Stable-OPD is not wired", "config.stable_opd"),
+        ({"discount": 0.5}, "OPD discount=0.5 is unsupported because discounted advantages are not wired; use 0", "config.discount"),
+        ({"clip_epsilon": 0.2}, "importance-ratio clipping is not wired; use 0", "config.clip_epsilon"),
+        ({"max_cost_usd": 3.0}, "OPD max_cost_usd is unavailable: ", "config.max_cost_usd"),
+        ({"top_k": 0}, "OPD top_k must be > 0", "config.top_k"),
+        ({"top_k": 8}, "OPD top_k 8 is not executable with source cap 8: ", "config.top_k"),
+        ({"samples_per_prompt": 0}, "OPD samples_per_prompt must be > 0", "config.samples_per_prompt"),
+        ({"sampler_segments": 0}, "OPD sampler_segments must be greater than zero", "config.sampler_segments"),
+        ({"lora_rank": 8, "lora_alpha": 32.0}, "unsafe LoRA scaling: alpha/rank = 4.000 exceeds the default limit of 2.000; ", "config.lora_alpha"),
+        ({"lora_alpha": 0.0}, "OPD lora_alpha must be a positive finite number", "config.lora_alpha"),
+        ({"learning_rate": -1.0}, "OPD learning_rate must be a positive finite number", "config.learning_rate"),
+        ({"base_adapter": "warm", "resume_checkpoint": "a-checkpoint-step-00000001.kiln-checkpoint"},
+         "OPD base_adapter cannot be combined with resume_checkpoint", "config.base_adapter"),
+        ({"base_adapter": "warm"}, "not supported by kiln-flows yet", "config.base_adapter"),  # our limitation
+    ],
+)
+def test_every_submit_time_rejection(overrides, message, field):
+    _rejects(overrides, message, field)
+
+
+def test_submit_time_rejections_carry_kiln_wording_exactly():
+    error = _rejects({"top_k": 15}, "")
+    assert error.message.startswith(
+        "OPD top_k 15 is not executable with source cap 15: OPD teacher_top_k has no executable support size: "
+        "requested 15, source cap 15, KT kernels require one of {16, 32}")
+    assert _rejects({"lora_rank": 4, "lora_alpha": 9.0}, "").code == "unsafe_lora_scale"
+
+
+def test_accepted_configs_and_high_lora_scale_override():
+    assert validate_for_offline_training(parse_opd_config(OFF)) == []
+    assert validate_for_offline_training(parse_opd_config({**OFF, "lora_rank": 4, "lora_alpha": 64.0, "allow_high_lora_scale": True})) == []
+    assert validate_for_offline_training(parse_opd_config({**OFF, "loss": "teacher_top_k_tail", "sampler_segments": 3})) == []
+    assert validate_for_offline_training(parse_opd_config({**OFF, "lora_rank": 16, "lora_alpha": 32.0})) == []  # exactly 2.0
+
+
+def test_top_k_resolution():
+    assert [resolve_top_k(k) for k in (16, 20, 31, 32, 33, 100)] == [16, 16, 16, 32, 32, 32]
+    for bad in (0, -3, 1, 15):
+        with pytest.raises(ConfigError):
+            resolve_top_k(bad)
+
+
+def test_learning_rate_resolution_and_far_away_warning():
+    assert resolve_learning_rate(parse_opd_config({})) == 2e-3
+    assert resolve_learning_rate(parse_opd_config({"optimizer": {"kind": "adam_w"}})) == 1e-5
+    assert resolve_learning_rate(parse_opd_config({"optimizer": {"kind": "sgd"}})) == 1e-5
+    assert resolve_learning_rate(parse_opd_config({"learning_rate": 0.5})) == 0.5
+    warnings = validate_for_offline_training(parse_opd_config({**OFF, "learning_rate": 1.0}))
+    assert len(warnings) == 1 and "50x away" in warnings[0]
+    assert validate_for_offline_training(parse_opd_config({**OFF, "learning_rate": 3e-3})) == []
+
+
+def test_samples_per_prompt_rule():
+    assert effective_samples_per_prompt(parse_opd_config(OFF)) == 1
+    assert effective_samples_per_prompt(parse_opd_config({**OFF, "samples_per_prompt": 4})) == 1  # the default value
+    assert effective_samples_per_prompt(parse_opd_config({**OFF, "samples_per_prompt": 2})) == 2
+    assert effective_samples_per_prompt(parse_opd_config({**OFF, "samples_per_prompt": 1})) == 1
+    on = parse_opd_config({})
+    assert [effective_samples_per_prompt(on, n) for n in (10, 100, 500)] == [64, 16, 4]
+
+
+def test_effective_config():
+    config = parse_opd_config({**OFF, "resume_checkpoint": "x-checkpoint-step-00000001.kiln-checkpoint", "top_k": 20,
+                               "echo": {"lambda": 0.1}})
+    eff = effective_config(config, seed=123, top_k=16)
+    assert "resume_checkpoint" not in eff
+    assert eff["learning_rate"] == 2e-3 and eff["seed"] == 123
+    assert eff["effective_top_k"] == 16 and eff["top_k"] == 20
+    assert eff["effective_samples_per_prompt"] == 1 and eff["sequences_per_step"] == 1
+    assert eff["echo"] == {"env_mask_mode": "env_only", "lambda": 0.1, "warning_filter": True}
+    assert list(eff) == sorted(eff)
+    assert json.loads(json.dumps(eff)) == eff
+    assert effective_config(config, 123, 16) == effective_config(parse_opd_config({**OFF, "top_k": 20, "echo": {"lambda": 0.1}}), 123, 16)
+
+
+def test_request_rules():
+    ok = parse_opd_request({"teacher": "t", "dataset_path": " /data.jsonl ", "config": OFF})
+    assert ok.dataset_path == "/data.jsonl"
+    assert validate_request_for_offline_training(ok) == []
+    assert parse_opd_request({"teacher": "t", "dataset_path": "   "}).dataset_path is None
+    for body, fragment in [
+        ({"teacher": "t", "config": OFF}, "OPD request must use exactly one of non-empty prompts or dataset_path"),
+        ({"teacher": "t", "prompts": [], "dataset_path": "  ", "config": OFF}, "exactly one of non-empty prompts or dataset_path"),
+        ({"teacher": "t", "prompts": [{"messages": []}], "dataset_path": "/d.jsonl", "config": OFF}, "exactly one of"),
+        ({"teacher": "t", "prompts": [{"messages": []}], "config": OFF}, "not supported by kiln-flows"),
+        ({"teacher": "  ", "dataset_path": "/d.jsonl", "config": OFF}, "non-blank registered alias"),
+    ]:
+        with pytest.raises(ConfigError) as caught:
+            validate_request_for_offline_training(parse_opd_request(body))
+        assert fragment in caught.value.message
+    with pytest.raises(ConfigError):
+        parse_opd_request({"dataset_path": "/d.jsonl"})  # teacher is required
+    warned = validate_request_for_offline_training(
+        parse_opd_request({"teacher": "t", "dataset_path": "/d", "config": OFF, "post_eval": {"suite": "x"}}))
+    assert warned == ["post_eval is recorded but not run by kiln-flows"]
