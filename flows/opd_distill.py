@@ -8,6 +8,7 @@ same process, from the UI, or on new infrastructure — resumes from the same ch
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Any
 
 from prefect import flow, get_run_logger
@@ -32,30 +33,49 @@ def prepare_config(spec: PipelineSpec):
     try:
         validate_for_offline_training(spec.config)
     except ConfigError as error:
-        raise SpecError(f"invalid pipeline spec: `config`: {error}") from None
+        field = error.field if error.field and error.field.startswith("config") else "config"
+        raise SpecError(f"invalid pipeline spec: `{field}`: {error.message}") from None
     return spec.config
 
 
-def apply_storage_credentials(block_slug: str | None) -> None:
-    """Load fsspec credentials for object stores from a Prefect ``Secret`` block (JSON options).
+@contextmanager
+def storage_credentials(block_slug: str | None):
+    """Apply fsspec credentials from a Prefect ``Secret`` block for the duration of a run.
 
-    The block's value is a JSON object of fsspec options per protocol, e.g.
-    ``{"s3": {"key": "...", "secret": "...", "client_kwargs": {"endpoint_url": "..."}}}``; it is
-    applied to fsspec's process configuration, so secrets never travel as parameters or reach logs.
+    The block (slug ``secret/<name>``) holds a JSON object of fsspec options per protocol, e.g.
+    ``{"s3": {"key": "...", "secret": "...", "client_kwargs": {"endpoint_url": "..."}}}``. It is merged
+    into fsspec's process configuration and the previous configuration is restored afterwards, so
+    secrets never travel as parameters, never reach logs and do not outlive the run.
     """
     if not block_slug:
+        yield
         return
+    import copy
     import json
 
     import fsspec
+    from prefect.blocks.core import Block
     from prefect.blocks.system import Secret
 
-    name = block_slug.split("/", 1)[-1]
-    options = Secret.load(name).get()
+    if "/" not in block_slug:
+        raise SpecError(f"invalid pipeline spec: `options.storage_block`: expected `secret/<name>`, got {block_slug!r}")
+    block = Block.load(block_slug)
+    if not isinstance(block, Secret):
+        raise SpecError(
+            f"invalid pipeline spec: `options.storage_block`: {block_slug} is a {type(block).__name__} block; "
+            "a `secret` block holding fsspec options is expected"
+        )
+    options = block.get()
     if isinstance(options, str):
         options = json.loads(options)
-    for protocol, settings in dict(options).items():
-        fsspec.config.conf.setdefault(protocol, {}).update(settings)
+    saved = copy.deepcopy(fsspec.config.conf)
+    try:
+        for protocol, settings in dict(options).items():
+            fsspec.config.conf.setdefault(protocol, {}).update(settings)
+        yield
+    finally:
+        fsspec.config.conf.clear()
+        fsspec.config.conf.update(saved)
 
 
 def run_location(spec: PipelineSpec, corpus_ref, manifest_ref, student_dir: str) -> tuple[str, Any]:
@@ -82,11 +102,15 @@ def opd_distill(spec: PipelineSpec) -> dict[str, Any]:
     Returns:
         A small summary: adapter, receipt and ``latest.json`` URIs, final loss and loss history.
     """
+    prepare_config(spec)
+    with storage_credentials(spec.options.storage_block):
+        return _run_pipeline(spec)
+
+
+def _run_pipeline(spec: PipelineSpec):
     from kiln_core.storage import localize_directory
 
     logger = get_run_logger()
-    prepare_config(spec)
-    apply_storage_credentials(spec.options.storage_block)
     student_dir = localize_directory(spec.student)
 
     manifest_ref = fetch_manifest(spec.teacher, spec.storage_root, max(32, spec.config.top_k))

@@ -94,7 +94,8 @@ class RunOptions(BaseModel):
     kiln_strict: bool = Field(default=False, description="Accept only Kiln's vLLM teacher protocol in the manifest.")
     storage_block: str | None = Field(
         default=None,
-        description="Optional Prefect block slug (e.g. `aws-credentials/prod`) whose credentials reach s3:// storage.",
+        description="Optional Prefect Secret block slug (`secret/<name>`) holding fsspec options per protocol, "
+        "e.g. {\"s3\": {\"key\": ..., \"secret\": ...}}; credentials never go in the spec itself.",
     )
     progress_every_seconds: float = Field(
         default=5.0, gt=0, description="How often the training progress artifact is updated."
@@ -159,6 +160,13 @@ class PipelineSpec(BaseModel):
             raise ValueError("`adapter` must be 1-128 letters, digits, '.', '_' or '-' and start with a letter or digit")
         if self.config.training_mode != "off_policy":
             raise ValueError("`config.training_mode` must be off_policy for a JSONL corpus")
+        from kiln_core.contracts.opd_config import ConfigError, validate_for_offline_training
+
+        try:
+            validate_for_offline_training(self.config)
+        except ConfigError as error:
+            field = error.field if error.field and error.field.startswith("config") else f"config.{error.field or ''}".rstrip(".")
+            raise ValueError(f"`{field}`: {error.message}") from None
         return self
 
 
@@ -174,8 +182,11 @@ def parse_spec(value: Any) -> PipelineSpec:
         return PipelineSpec.model_validate(value)
     except ValidationError as error:
         first = error.errors()[0]
-        where = ".".join(str(part) for part in first["loc"]) or "spec"
-        raise SpecError(f"invalid pipeline spec: `{where}`: {first['msg']}") from None
+        where = ".".join(str(part) for part in first["loc"])
+        message = first["msg"].removeprefix("Value error, ")
+        if not where and message.startswith("`"):  # a cross-field rule names its own field
+            raise SpecError(f"invalid pipeline spec: {message}") from None
+        raise SpecError(f"invalid pipeline spec: `{where or 'spec'}`: {message}") from None
 
 
 def load_spec(path: str) -> PipelineSpec:

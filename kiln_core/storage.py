@@ -47,7 +47,17 @@ class Location:
         return Location(self.fs, path, uri)
 
     def exists(self) -> bool:
+        self.refresh()
         return bool(self.fs.exists(self.path))
+
+    def refresh(self) -> None:
+        """Forget cached listings of this path (object stores cache them without expiry).
+
+        Another process may have committed a checkpoint or a materialization since we last looked;
+        commit checks must see the store as it is now.
+        """
+        if not self.is_local:
+            self.fs.invalidate_cache(self.path)
 
     def read_bytes(self) -> bytes:
         with self.fs.open(self.path, "rb") as handle:
@@ -203,6 +213,7 @@ class StagedDirectory:
 
 def list_children(location: Location) -> list[str]:
     """Base names directly under ``location`` (empty when it does not exist)."""
+    location.refresh()
     try:
         entries = location.fs.ls(location.path, detail=False)
     except FileNotFoundError:
@@ -243,6 +254,7 @@ def _remove_local_tree(path: str) -> None:
 
 def iter_files(location: Location) -> Iterable[str]:
     """Relative paths of all files below ``location`` (sorted)."""
+    location.refresh()
     found = location.fs.find(location.path)
     prefix = location.path.rstrip("/") + "/"
     return sorted(str(p)[len(prefix):] for p in found if str(p).startswith(prefix))
