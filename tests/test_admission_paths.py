@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kiln_core.admission import admit_corpus
-from kiln_core.admission import records
+from kiln_core.admission import columnar
 from kiln_core.admission.records import parse_corpus
 from kiln_core.contracts.identity import TeacherIdentity, build_manifest_line
 from kiln_core.corpus import CorpusTables
@@ -93,7 +93,7 @@ def write_corpus(directory: Path, data: bytes) -> Path:
 
 def exact_only():
     """Force the exact parser (the fast one steps aside)."""
-    return mock.patch.object(records, "_parse_fast", lambda data, lines: None)
+    return mock.patch.object(columnar, "parse_columnar", lambda data, lines: None)
 
 
 def admit(path, student, tiny_student, *, exact=False, **kwargs):
