@@ -41,21 +41,28 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _prefect_overhead(get_client, flow_run_id) -> float | None:
-    """Flow wall time minus the time spent inside stage tasks, from the API's own run records."""
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterParentFlowRunId
+    """The pipeline flow's wall time minus the wall time of its stage tasks (API run records).
+
+    The demo flow wraps ``opd_distill`` as a subflow; model building happens before it and is not
+    counted, and the subflow's own wrapper task is not a stage.
+    """
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, TaskRunFilter, TaskRunFilterFlowRunId
 
     try:
         with get_client(sync_client=True) as client:
-            parent = client.read_flow_run(flow_run_id)
-            runs = [parent] + client.read_flow_runs(
-                flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id]))
-            )
-            tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[r.id for r in runs])))
+            wrappers = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+            pipelines = [run for run in client.read_flow_runs() if run.parent_task_run_id in {t.id for t in wrappers}]
+            if not pipelines:
+                return None
+            pipeline = pipelines[0]
+            stages = client.read_task_runs(task_run_filter=TaskRunFilter(flow_run_id=TaskRunFilterFlowRunId(any_=[pipeline.id])))
     except Exception:
         return None
-    stage_seconds = sum(t.total_run_time.total_seconds() for t in tasks if t.total_run_time)
-    flow_seconds = (parent.end_time - parent.start_time).total_seconds() if parent.end_time and parent.start_time else 0
-    return round(flow_seconds - stage_seconds, 2)
+
+    def wall(run) -> float:
+        return (run.end_time - run.start_time).total_seconds() if run.start_time and run.end_time else 0.0
+
+    return round(wall(pipeline) - sum(wall(stage) for stage in stages), 2)
 
 
 def _report(summary: dict, wall: float, overhead: float | None) -> None:
