@@ -144,9 +144,10 @@ def parse_columnar(data: bytes, lines: LineIndex) -> ParsedCorpus | None:
 
 
 def _block_size(lines: LineIndex) -> int:
-    """Parser block size: 1 MiB for parallelism, but never smaller than the longest line."""
+    """Parser block size: 8 MiB (measured fastest for 64 MiB corpora of 100 KB lines on 2 cores),
+    and never smaller than the longest line (a row may not straddle blocks)."""
     longest = int((lines.ends - lines.starts).max()) if len(lines) else 0
-    return max(1 << 20, 1 << int(longest + 2).bit_length())
+    return max(8 << 20, 1 << int(longest + 2).bit_length())
 
 
 def _fast_conversations(examples) -> list[Conversation] | None:

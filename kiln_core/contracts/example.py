@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-U32 = Field(ge=0, le=2**32 - 1)
+U32_MAX = 2**32 - 1
 
 
 class ContentPart(BaseModel):
@@ -40,7 +40,7 @@ class TopLogprob(BaseModel):
     """One ranked teacher candidate."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
-    token_id: int = U32
+    token_id: int = Field(ge=0, le=U32_MAX)
     """Vocabulary id; must be < the student's ``vocab_size`` for the consumed candidates."""
     logprob: float
     """Raw full-vocabulary log-probability; finite and ≤ 0 for the consumed candidates."""
@@ -52,7 +52,7 @@ class TeacherToken(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     token: str | None = None
     """Audit text only; never used for the loss or identity."""
-    token_id: int | None = U32
+    token_id: int | None = Field(default=None, ge=0, le=U32_MAX)
     """If present, must equal the tokenized action target at this position."""
     logprob: float | None = None
     """Audit value for the selected token; its presence still means numeric logits."""
@@ -69,7 +69,7 @@ class TrajectorySegment(BaseModel):
     kind: Literal["context", "action", "observation"] | None = None
     """``action`` → reverse-KL targets, ``observation`` → ECHO targets, ``context``/missing → none."""
     tool_call_id: str | None = None
-    warning_prefix_len: int | None = U32
+    warning_prefix_len: int | None = Field(default=None, ge=0, le=U32_MAX)
     """Leading content bytes left out of the ECHO loss when the warning filter is on."""
 
 
