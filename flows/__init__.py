@@ -2,6 +2,9 @@
 
 Flows are imported lazily (``from flows import opd_distill``) so that ``flows.cli`` and
 ``kiln-flows <command> --help`` never pay for importing Prefect or torch.
+
+Flow modules avoid ``from __future__ import annotations``: Prefect builds each flow's parameter
+schema from the real annotations, also in the child processes that ``serve`` and workers start.
 """
 
 from __future__ import annotations

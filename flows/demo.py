@@ -6,7 +6,6 @@ admitted and materialized, the student trains with exact checkpoints, and the ad
 are published under ``./kiln-data``.
 """
 
-from __future__ import annotations
 
 import json
 from pathlib import Path

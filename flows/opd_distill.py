@@ -6,7 +6,6 @@ location ``<root>/runs/<adapter>/<run key>/`` is derived from the input digests,
 same process, from the UI, or on new infrastructure — resumes from the same checkpoints.
 """
 
-from __future__ import annotations
 
 from contextlib import contextmanager
 from typing import Any

@@ -12,7 +12,6 @@ Example:
     ```
 """
 
-from __future__ import annotations
 
 import re
 from typing import Literal

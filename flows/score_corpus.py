@@ -1,6 +1,5 @@
 """``score_corpus``: score unscored examples with a local teacher into a Kiln-admissible corpus."""
 
-from __future__ import annotations
 
 import hashlib
 from typing import Any

@@ -25,7 +25,7 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kiln_core.contracts.opd_config import OpdConfig
 
@@ -110,6 +110,35 @@ class RunOptions(BaseModel):
     )
 
 
+class DistributedOptions(BaseModel):
+    """Data-parallel training on several processes of one machine (``torch.distributed``, via torchrun).
+
+    Each optimizer step takes ``nproc × config.sequences_per_step`` consecutive candidates (rank r
+    trains the r-th block of them) and the LoRA gradients are summed across ranks, so the result
+    equals a one-process run with ``sequences_per_step × nproc``. Checkpoints resume only with the
+    same ``nproc``. Storage must be reachable from every process (not ``memory://``).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    nproc: int = Field(default=1, ge=1, le=1024, description="Processes (ranks) on the training machine; 1 = no torchrun.")
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        default="auto", description="torch.distributed backend: auto = gloo on CPU, nccl on CUDA (one GPU per rank)."
+    )
+    strategy: Literal["ddp", "fsdp"] = Field(
+        default="ddp",
+        description="ddp: the LoRA adapter is replicated and its gradients all-reduced. fsdp is not implemented yet.",
+    )
+
+    @field_validator("strategy")
+    @classmethod
+    def _implemented(cls, value: str) -> str:
+        # Where FSDP would plug in: kiln_core/training/distributed.py (module docstring).
+        if value == "fsdp":
+            raise ValueError("fsdp is not implemented; use ddp")
+        return value
+
+
 class PipelineSpec(BaseModel):
     """A Kiln-compatible offline distillation run: teacher → corpus → student → adapter."""
 
@@ -149,6 +178,11 @@ class PipelineSpec(BaseModel):
         json_schema_extra={"position": 6},
     )
     options: RunOptions = Field(default_factory=RunOptions, json_schema_extra={"position": 7})
+    distributed: DistributedOptions | None = Field(
+        default=None,
+        description="Optional: train on several processes with torch.distributed (nproc, backend).",
+        json_schema_extra={"position": 8},
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> "PipelineSpec":

@@ -7,7 +7,6 @@ retry of the parent never starts a second GPU run while one is running or has fi
 that ended failed or crashed is followed by a new one — which resumes from the newest checkpoint.
 """
 
-from __future__ import annotations
 
 import time
 from typing import Any

@@ -4,7 +4,6 @@ Nothing is materialized. A rejected corpus ends the run as Failed with the rule,
 both the state message and the artifact, so a scheduled validation shows red in the UI.
 """
 
-from __future__ import annotations
 
 from typing import Any
 

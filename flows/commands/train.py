@@ -9,6 +9,15 @@ Outputs go under ``<out>/runs/<adapter>/``: periodic ``.kiln-checkpoint`` direct
 ``{"status", "adapter", "receipt", "latest_checkpoint", "final_loss"}``. Exit codes: 0 success,
 2 rejected input (request, config, admission, resume checkpoint), 3 failed or cancelled run.
 SIGTERM/SIGINT stop the run at the next step boundary after publishing a checkpoint (exit 3).
+
+Several processes on this machine (data parallel on ``torch.distributed``)::
+
+    $ kiln-flows train --request opd-request.json --adapter demo --student ./student --nproc 4 --json
+
+validates and admits here, then launches ``python -m torch.distributed.run --standalone
+--nproc-per-node 4 -m kiln_core.training.distributed`` (gloo on CPU, nccl on CUDA: one GPU per rank).
+Each optimizer step takes ``4 × sequences_per_step`` candidates; rank 0 publishes checkpoints, the
+adapter and the receipt. A checkpoint resumes only with the ``--nproc`` that wrote it.
 """
 
 from __future__ import annotations
@@ -32,6 +41,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision", choices=("fp32", "bf16"), help="default: bf16 on cuda, fp32 on cpu")
     parser.add_argument("--gradient-checkpointing", action="store_true",
                         help="recompute activations in backward (less memory, same result)")
+    parser.add_argument("--nproc", type=int, default=1, metavar="N",
+                        help="data-parallel processes on this machine, launched with torchrun (default 1); each "
+                        "optimizer step takes N × sequences_per_step candidates")
+    parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
+                        help="torch.distributed backend with --nproc > 1 (default: gloo on cpu, nccl on cuda)")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON line on stdout")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -62,6 +76,8 @@ def run(args: argparse.Namespace) -> int:
             device=args.device,
             precision=args.precision,
             gradient_checkpointing=args.gradient_checkpointing,
+            nproc=args.nproc,
+            backend=args.backend,
         )
     except (AdmissionError, ConfigError, CheckpointError) as error:
         return _rejected(args, bar, error.to_json())

@@ -1,0 +1,98 @@
+"""``kiln-flows run PIPELINE.yaml``: run ``opd_distill`` for one pipeline spec in this process.
+
+The spec is validated before anything is imported from Prefect or torch; an invalid one exits 2 with
+the offending field named. The flow runs in-process against ``PREFECT_API_URL`` when it is set (the
+run then shows in that server's UI), otherwise against a temporary local API that Prefect starts for
+the duration of the command.
+
+Exit codes: 0 success; 2 rejected (invalid spec, config or corpus: nothing was trained); 3 the run
+failed or was cancelled (Ctrl-C stops training at the next step boundary after a checkpoint).
+With ``--json`` the last stdout line is one JSON object: the run summary, or
+``{"status": "rejected"|"failed"|"cancelled", ...}``.
+
+Example:
+    $ kiln-flows run deployments/example-pipeline.yaml --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+NAME = "run"
+HELP = "Run the distillation pipeline described by a PipelineSpec YAML file, in this process."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("pipeline", metavar="PIPELINE.yaml", help="PipelineSpec file (YAML or JSON)")
+    parser.add_argument("--json", action="store_true", help="print the summary as one JSON object on the last stdout line")
+    parser.add_argument("--quiet", action="store_true", help="only warnings from Prefect's run logger; no report")
+
+
+def run(args: argparse.Namespace) -> int:
+    from flows.spec import SpecError, load_spec
+
+    try:
+        spec = load_spec(args.pipeline)
+    except SpecError as error:
+        return _emit(args, 2, {"status": "rejected", "message": str(error)}, f"rejected: {error}")
+
+    # Before Prefect is imported: a cold local API runs its migrations first (tens of seconds).
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.quiet:
+        os.environ["PREFECT_LOGGING_LEVEL"] = "WARNING"
+    from flows.opd_distill import opd_distill
+
+    state = opd_distill(spec, return_state=True)
+    if state.is_completed():
+        summary = state.result()
+        return _emit(args, 0, summary, _report(spec.adapter, summary))
+    if state.is_cancelled():
+        record = {"status": "cancelled", "message": state.message}
+        return _emit(args, 3, record, f"cancelled: {state.message}")
+    return _failure(args, state)
+
+
+def _failure(args: argparse.Namespace, state) -> int:
+    """Exit 2 for rejected input (spec, config, corpus), 3 for anything else."""
+    from kiln_core.contracts.opd_config import ConfigError
+    from kiln_core.errors import AdmissionError
+
+    from flows.opd_distill import PipelineRejected
+    from flows.spec import SpecError
+
+    try:
+        state.result(raise_on_failure=True)
+        error: BaseException | None = None
+    except BaseException as raised:  # the flow's own exception, re-raised from its Failed state
+        error = raised
+    if isinstance(error, AdmissionError):
+        return _emit(args, 2, error.to_json(), f"rejected: {error}")
+    if isinstance(error, (SpecError, ConfigError, PipelineRejected)):
+        return _emit(args, 2, {"status": "rejected", "message": str(error)}, f"rejected: {error}")
+    message = str(error) if error is not None else (state.message or state.type.value)
+    return _emit(args, 3, {"status": "failed", "message": message}, f"failed: {message}")
+
+
+def _emit(args: argparse.Namespace, code: int, record: dict, human: str) -> int:
+    if args.json:
+        print(json.dumps(record, ensure_ascii=False, default=str), flush=True)
+    elif not args.quiet or code != 0:
+        print(human, file=sys.stdout if code == 0 else sys.stderr, flush=True)
+    return code
+
+
+def _report(adapter: str, summary: dict) -> str:
+    lines = [f"trained {adapter} ({summary.get('status')})"]
+    if summary.get("final_loss") is not None:
+        steps = len(summary.get("loss_history") or [])
+        lines[0] += f": final loss {summary['final_loss']:.6g} after {steps} steps"
+    for label, key in (("adapter", "adapter"), ("receipt", "receipt"), ("latest.json", "latest"), ("run", "run")):
+        if summary.get(key):
+            lines.append(f"  {label:<12} {summary[key]}")
+    for checkpoint in summary.get("checkpoints") or []:
+        lines.append(f"  {'checkpoint':<12} {checkpoint}")
+    return "\n".join(lines)

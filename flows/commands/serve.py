@@ -1,0 +1,94 @@
+"""``kiln-flows serve``: serve ``opd_distill`` from this process, for the Prefect UI and schedules.
+
+Creates (or updates) the deployment ``opd-distill/<name>`` and polls for its runs; each run executes
+in a subprocess of this one, in the current directory (relative paths in the spec resolve here).
+``--spec`` makes a PipelineSpec file the deployment's default parameters, so the UI's Run button
+starts with it filled in; ``--cron`` adds a schedule; ``--limit`` caps concurrent runs (default 1:
+one training at a time). Ctrl-C stops serving and pauses the schedule.
+
+Schedules and the UI need a real server: ``prefect server start`` and
+``PREFECT_API_URL=http://127.0.0.1:4200/api``. Without ``PREFECT_API_URL`` Prefect serves against a
+temporary API of this process only (no UI, no schedules), and the command says so.
+
+For workers and work pools (several machines, a GPU pool), use ``deployments/prefect.yaml`` instead.
+
+Example:
+    $ kiln-flows serve --spec deployments/example-pipeline.yaml --cron "0 2 * * *" --timezone Europe/Berlin
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+NAME = "serve"
+HELP = "Serve the opd-distill flow from this process (UI runs, schedules) with a spec as defaults."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--name", default="local", help="deployment name: opd-distill/NAME (default local)")
+    parser.add_argument("--cron", default=None, help='cron schedule, e.g. "0 2 * * *" (default: no schedule)')
+    parser.add_argument("--timezone", default=None, help="IANA time zone of --cron (default UTC)")
+    parser.add_argument("--spec", metavar="PIPELINE.yaml", default=None, help="PipelineSpec file used as the default parameters")
+    parser.add_argument("--limit", type=int, default=1, help="most runs at once (default 1)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from flows.spec import SpecError, load_spec
+
+    if args.limit < 1:
+        print("error: --limit must be at least 1", file=sys.stderr)
+        return 2
+    if args.timezone and not args.cron:
+        print("error: --timezone applies to --cron", file=sys.stderr)
+        return 2
+    parameters = None
+    if args.spec:
+        try:
+            spec = load_spec(args.spec)
+        except SpecError as error:
+            print(f"rejected: {error}", file=sys.stderr)
+            return 2
+        # Every field spelled out (by alias, e.g. ECHO's `lambda`): the UI picks the tab of a union
+        # such as the optimizer by the keys its value shares with each branch.
+        parameters = {"spec": spec.model_dump(mode="json", by_alias=True)}
+
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from prefect import serve
+    from prefect.deployments.runner import EntrypointType
+    from prefect.schedules import Cron
+    from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL
+
+    from flows.opd_distill import opd_distill
+
+    schedules = [Cron(args.cron, timezone=args.timezone)] if args.cron else None
+    deployment = opd_distill.to_deployment(
+        name=args.name,
+        schedules=schedules,
+        parameters=parameters,
+        tags=["kiln-flows", "served"],
+        # The package is installed: each run imports `flows.opd_distill` in a fresh
+        # `python -m prefect.engine` process. (`opd_distill.serve()` would instead ship the in-memory
+        # flow to the child, where the postponed `PipelineSpec` annotation cannot be resolved.)
+        entrypoint_type=EntrypointType.MODULE_PATH,
+    )
+    _print_hint(args.name, PREFECT_API_URL.value(), PREFECT_UI_URL.value(), schedules is not None)
+    serve(deployment, limit=args.limit, pause_on_shutdown=True)
+    return 0
+
+
+def _print_hint(name: str, api_url: str | None, ui_url: str | None, scheduled: bool) -> None:
+    deployment = f"opd-distill/{name}"
+    if api_url:
+        where = f"{ui_url}/deployments" if ui_url else api_url
+        print(f"serving {deployment} against {api_url}\n  UI: {where} → {name} → Run → Custom run", flush=True)
+        return
+    print(
+        f"warning: serving {deployment} on a temporary local API (PREFECT_API_URL is not set): no UI"
+        + (", and the schedule will not fire" if scheduled else "") + ".\n"
+        "  Run `prefect server start` and set PREFECT_API_URL=http://127.0.0.1:4200/api first.",
+        file=sys.stderr,
+        flush=True,
+    )
