@@ -8,6 +8,12 @@ Deterministic failures (rejected input, a checkpoint that does not match the run
 The task is called directly on the flow's main thread so that cancellation (SIGTERM from the worker)
 reaches it; the trainer turns SIGTERM into a cooperative stop at the next step boundary, publishes a
 checkpoint, and the task reports ``cancelled``.
+
+With ``distributed.nproc > 1`` (``PipelineSpec.distributed``) the task launches ``torchrun`` as a
+subprocess (``kiln_core.training.distributed.launch``): the ranks read the corpus materialization and
+write into the same run directory, rank 0 publishes, and the task returns rank 0's result. A Prefect
+cancellation or SIGTERM is passed on to every rank (cooperative stop + checkpoint); a crashed rank
+fails the attempt, and the retry resumes from the newest checkpoint with the same number of ranks.
 """
 
 from __future__ import annotations
@@ -89,8 +95,11 @@ def train_task(
     run_uri: str,
     progress_every_seconds: float = 5.0,
     cancel_poll_seconds: float = 2.0,
+    distributed: Any = None,
 ) -> TrainRef:
     """Train (or resume training) the adapter in ``run_uri`` and return where its outputs are.
+
+    ``distributed``: ``PipelineSpec.distributed`` (or its dict); ``nproc > 1`` trains under torchrun.
 
     Example:
         ```python
@@ -117,6 +126,23 @@ def train_task(
         description=f"training {adapter}" + (f" (resuming from {resume})" if resume else ""),
         every_seconds=progress_every_seconds,
     )
+    fail_at_step = int(fail_at) if fail_at and task_run.run_count <= 1 else None
+    options = _distributed_options(distributed)
+    if options["nproc"] > 1:
+        from kiln_core.training.checkpoint import check_world_size, load_checkpoint
+        from kiln_core.training.distributed import DistributedJob, check_strategy, launch
+
+        check_strategy(options["strategy"])
+        if resume is not None:  # a retry with another number of ranks is a rejection, before any launch
+            check_world_size(load_checkpoint(run, resume), options["nproc"])
+        job = DistributedJob(
+            materialization=corpus.uri, dataset_sha256=corpus.dataset_sha256, dataset_path=corpus.source_uri,
+            student_dir=student_dir, adapter_name=adapter, config=config.model_dump(mode="json", by_alias=True),
+            run_root=run.uri, manifest_line=manifest.manifest_line, teacher_alias=manifest.teacher,
+            resume_checkpoint=resume, fail_at_step=fail_at_step, backend=options["backend"])
+        result = launch(job, options["nproc"], on_progress=lambda step, total, loss: reporter.update(step, total, loss),
+                        should_cancel=_cancel_poller(cancel_poll_seconds), forward_signals=True)
+        return _train_ref(run, reporter, result)
     materialization = read_materialization(corpus.uri)
     result = train_opd(
         tables=materialization.tables,
@@ -131,9 +157,20 @@ def train_task(
         resume_checkpoint=resume,
         should_cancel=_cancel_poller(cancel_poll_seconds),
         on_progress=lambda step, total, loss: reporter.update(step, total, loss),
-        fail_at_step=int(fail_at) if fail_at and task_run.run_count <= 1 else None,
+        fail_at_step=fail_at_step,
         handle_signals=True,
     )
+    return _train_ref(run, reporter, result)
+
+
+def _distributed_options(value: Any) -> dict[str, Any]:
+    """``PipelineSpec.distributed`` as a dict with defaults (None → one process)."""
+    options = value.model_dump() if hasattr(value, "model_dump") else dict(value or {})
+    return {"nproc": int(options.get("nproc") or 1), "backend": options.get("backend") or "auto",
+            "strategy": options.get("strategy") or "ddp"}
+
+
+def _train_ref(run, reporter: ProgressReporter, result) -> TrainRef:
     reporter.update(result.steps, result.total_steps, result.final_loss, force=True)
     return TrainRef(
         run_uri=run.uri,

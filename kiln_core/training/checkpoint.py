@@ -14,6 +14,10 @@ the current run and raises its own ``ResumeError`` for the first that differs.
 
 RNG generator states are stored as base64 of their exact bytes with a SHA-256 each (JSON has no
 bytes), so a restore is bit-exact and a corrupted state is detected rather than silently used.
+
+A multi-process run (``kiln_core.training.distributed``) adds one block of ours, ``distributed``
+(world size, backend, strategy, every rank's RNG streams); rank 0 alone writes the checkpoint. A
+single-process manifest has no such block. Resuming needs the same world size (``resume_world_size``).
 """
 
 from __future__ import annotations
@@ -112,6 +116,21 @@ class RngStates(_Contract):
     numpy: GeneratorState
 
 
+class DistributedRecord(_Contract):
+    """Present only in checkpoints written by a multi-process (``torch.distributed``) run.
+
+    ``rank_rng_states[r]`` holds rank r's RNG streams (rank 0's equal the manifest's ``rng_states``);
+    a resume restores each rank's own streams and needs the same ``world_size`` (the schedule puts
+    ``world_size × sequences_per_step`` candidates in each optimizer step). A single-process
+    checkpoint has no such block, so its manifest stays exactly Kiln's layout.
+    """
+
+    world_size: int = Field(ge=2)
+    backend: str
+    strategy: Literal["ddp"]
+    rank_rng_states: list[RngStates]
+
+
 class OptimizerRecord(_Contract):
     kind: Literal["sgd", "adam_w", "muon"]
     step: int = Field(ge=0)
@@ -149,6 +168,19 @@ class CheckpointManifest(_Contract):
     state_files: StateFiles
     auxiliary_state: dict[str, Any]
     files: dict[str, FileEntry]
+    # Our extension, omitted when None so single-process manifests are byte-for-byte Kiln's layout.
+    distributed: DistributedRecord | None = Field(default=None, exclude_if=lambda value: value is None)
+
+    @property
+    def world_size(self) -> int:
+        """How many processes wrote this checkpoint (1 without a ``distributed`` block)."""
+        return self.distributed.world_size if self.distributed is not None else 1
+
+    def rng_states_of_rank(self, rank: int) -> RngStates:
+        """The RNG streams rank ``rank`` saved (the manifest's ``rng_states`` for a single process)."""
+        if self.distributed is None:
+            return self.rng_states
+        return self.distributed.rank_rng_states[rank]
 
 
 class OpdLoopState(_Contract):
@@ -334,8 +366,11 @@ def write_checkpoint(
     adapter_bytes: bytes,
     optimizer_bytes: bytes | None,
     loop_state: OpdLoopState,
+    distributed: DistributedRecord | None = None,
 ) -> str:
     """Publish one checkpoint atomically and return its basename.
+
+    ``distributed`` (multi-process runs only) adds every rank's RNG streams and the world size.
 
     Raises:
         CheckpointError: ``checkpoint_exists`` ("refusing to overwrite immutable training checkpoint …")
@@ -387,6 +422,7 @@ def write_checkpoint(
             rel: FileEntry(role=role, size_bytes=len(payload), sha256=sha256_hex(payload))
             for rel, (role, payload) in artifacts.items()
         },
+        distributed=distributed,
     )
     manifest_bytes = _pretty(manifest)
     if len(manifest_bytes) > MAX_MANIFEST_BYTES:
@@ -546,6 +582,9 @@ def _check_semantics(manifest: CheckpointManifest, basename: str, label: str) ->
     for rel, role in roles.items():
         if rel not in manifest.files or manifest.files[rel].role != role:
             problems.append(f"state file {rel} is not listed with role {role}")
+    dist = manifest.distributed
+    if dist is not None and (len(dist.rank_rng_states) != dist.world_size or dist.rank_rng_states[0] != manifest.rng_states):
+        problems.append("distributed.rank_rng_states must hold world_size entries, rank 0's equal to rng_states")
     if problems:
         raise CheckpointError("checkpoint_manifest_invalid", f"{label}: invalid manifest: {'; '.join(problems)}")
 
@@ -573,10 +612,31 @@ class ResumeExpectation:
     auxiliary_state: dict[str, Any]
     data_stats: dict[str, int]
     expected_cursor: Any  # Callable[[int], tuple[int, int]]: (epoch_index, cursor) after a step
+    world_size: int = 1  # processes of the run asking to resume (torch.distributed world size)
 
 
 def _both(a: Any, b: Any) -> str:
     return f"checkpoint={json.dumps(a, sort_keys=True)}, request={json.dumps(b, sort_keys=True)}"
+
+
+def check_world_size(loaded: LoadedCheckpoint, world_size: int) -> None:
+    """Refuse to resume a checkpoint written by a different number of processes.
+
+    The world size decides which candidates form each optimizer step (``world_size ×
+    sequences_per_step`` of them) and how many per-rank RNG streams exist, so a resume with another
+    size could not continue the same run.
+
+    Raises:
+        ResumeError: ``resume_world_size`` naming both sizes.
+    """
+    if loaded.manifest.world_size != world_size:
+        saved = loaded.manifest.world_size
+        raise ResumeError(
+            "resume_world_size",
+            f"resume checkpoint {loaded.basename}: checkpoint was written by a run of world size {saved} "
+            f"({saved} process{'es' if saved != 1 else ''}), this run has world size {world_size}; resume with "
+            f"--nproc {saved} (the world size fixes which candidates form each optimizer step)",
+        )
 
 
 def validate_resume(loaded: LoadedCheckpoint, expected: ResumeExpectation) -> int:
@@ -592,6 +652,7 @@ def validate_resume(loaded: LoadedCheckpoint, expected: ResumeExpectation) -> in
     fail = lambda code, message: ResumeError(code, f"resume checkpoint {loaded.basename}: {message}")  # noqa: E731
     if m.training_kind != "opd":
         raise fail("resume_training_kind", "resume checkpoint is not an OPD checkpoint")
+    check_world_size(loaded, expected.world_size)
     if m.adapter_name != expected.adapter_name:
         raise fail("resume_adapter_name", f"checkpoint adapter {m.adapter_name!r} differs from {expected.adapter_name!r}")
     if m.data.content_sha256 != expected.data.content_sha256:

@@ -14,6 +14,12 @@ Read ``train_opd`` top to bottom; it runs in the order the work happens:
 Exactness (DESIGN.md decision 8): a step depends only on the LoRA weights, the optimizer state and the
 candidate, all of which a checkpoint restores bit for bit, so an interrupted-and-resumed CPU run ends
 with the same ``adapter_model.safetensors`` bytes as an uninterrupted one.
+
+Several processes (``torch.distributed``, see ``kiln_core.training.distributed``): with world size W each
+step takes ``W × sequences_per_step`` candidates, rank r trains its own contiguous block of them and the
+LoRA gradients are summed across ranks (``_train_step_distributed``), so a W-process run is the
+single-process run with ``sequences_per_step × W``. Rank 0 alone publishes checkpoints, the adapter and
+the receipt. With one process (the default) none of that code runs.
 """
 
 from __future__ import annotations
@@ -46,9 +52,18 @@ from kiln_core.contracts.opd_config import (
 from kiln_core.corpus import CorpusTables
 from kiln_core.storage import StagedDirectory, resolve
 from kiln_core.training import checkpoint as ckpt
+from kiln_core.training.distributed import World
 from kiln_core.training.loss import compose_step_loss, echo_env_cross_entropy, topk_reverse_kl, topk_tail_reverse_kl
 from kiln_core.training.optim import build_optimizer, load_optimizer_state, optimizer_hyperparameters, optimizer_state_tensors
-from kiln_core.training.receipt import RunFacts, RunOutcome, build_receipt, library_versions, write_receipt
+from kiln_core.training.receipt import (
+    RECEIPT_FILE,
+    TOKEN_COUNT_KEYS,
+    RunFacts,
+    RunOutcome,
+    build_receipt,
+    library_versions,
+    write_receipt,
+)
 from kiln_core.training.student import LORA_TARGET_MODULES, Student, load_student, precision_policy, resolve_device, resolve_precision, student_identity
 
 __all__ = ["TrainResult", "SimulatedCrash", "Schedule", "train_opd"]
@@ -85,6 +100,7 @@ class TrainResult(BaseModel):
     total_steps: int
     effective_seed: int
     phase_timings_ms: dict[str, float]
+    world_size: int = 1
 
 
 @dataclass(frozen=True)
@@ -180,6 +196,7 @@ def train_opd(
     precision: str | None = None,
     gradient_checkpointing: bool = False,
     handle_signals: bool = False,
+    world: World | None = None,
 ) -> TrainResult:
     """Train a LoRA student on an admitted corpus and publish the adapter and receipt under ``run_root``.
 
@@ -201,6 +218,8 @@ def train_opd(
         precision: ``fp32``/``bf16`` (default: bf16 on CUDA, fp32 on CPU).
         gradient_checkpointing: Recompute activations in backward to save memory.
         handle_signals: Turn SIGTERM/SIGINT into a cooperative cancel (main thread only).
+        world: This process's rank and world size (default: the initialized ``torch.distributed``
+            process group, else one process). Every rank calls ``train_opd`` with the same arguments.
 
     Returns:
         ``TrainResult``; status ``failed`` (nan_loss) and ``cancelled`` are returned, not raised.
@@ -218,10 +237,12 @@ def train_opd(
         'success'
     """
     clock = _Clock()
+    world = world if world is not None else World.current()
     # ---- 1. plan: every refusal (bad resume name, mismatching checkpoint, published adapter) happens here
     plan = _plan_run(tables=tables, dataset_sha256=dataset_sha256, dataset_path=dataset_path, student_dir=student_dir,
                      adapter_name=adapter_name, config=config, run_root=run_root, teacher_identity=teacher_identity,
-                     teacher_alias=teacher_alias, resume_checkpoint=resume_checkpoint, device=device, precision=precision)
+                     teacher_alias=teacher_alias, resume_checkpoint=resume_checkpoint, device=device, precision=precision,
+                     world=world)
     schedule, loaded, run_dir = plan.schedule, plan.loaded, plan.run_dir
     outcome = RunOutcome(resumed_from=loaded.basename if loaded else None)
     progress = _Progress()
@@ -238,7 +259,7 @@ def train_opd(
                 if loaded is not None:
                     student.load_adapter_tensors(loaded.adapter_tensors)
                     load_optimizer_state(optimizer, student.lora_parameters, loaded.optimizer_tensors)
-                    ckpt.restore_rng_states(loaded.manifest.rng_states)
+                    ckpt.restore_rng_states(loaded.manifest.rng_states_of_rank(world.rank))
                     progress = _Progress.from_loop_state(loaded.loop_state)
             published = loaded.basename if loaded else None
 
@@ -249,14 +270,18 @@ def train_opd(
                         published = _write_checkpoint(plan, student, optimizer, progress)
                 return published
 
-            # ---- 3. the loop: one optimizer step per group of `sequences_per_step` candidates
+            # ---- 3. the loop: one optimizer step per group of `sequences_per_step` (× world size) candidates
+            step_fn = _train_step if world.size == 1 else _train_step_distributed
             loop_started = time.perf_counter()
             while progress.global_step < schedule.total_steps:
-                if signalled.is_set() or (should_cancel is not None and should_cancel()):
+                stop = signalled.is_set() or (should_cancel is not None and should_cancel())
+                if world.size > 1:  # every rank stops at the same step boundary when any rank was asked to
+                    stop = world.any_rank(stop)
+                if stop:
                     if progress.global_step > 0:  # nothing to save before the first step
                         checkpoint_now()
                     raise _Stop("cancelled", CANCEL_MESSAGE)
-                loss = _train_step(student, optimizer, tables, plan, progress, clock)
+                loss = step_fn(student, optimizer, tables, plan, progress, clock)
                 if on_progress is not None:
                     on_progress(progress.global_step, schedule.total_steps, loss)
                 interval = config.checkpoint_interval
@@ -266,16 +291,14 @@ def train_opd(
                     raise SimulatedCrash(f"simulated crash after step {fail_at_step}")
             clock.totals_ms["train_loop"] = (time.perf_counter() - loop_started) * 1e3
 
-            # ---- 4. publish the PEFT adapter (the receipt follows in _finish)
+            # ---- 4. publish the PEFT adapter (rank 0 only; the receipt follows in _finish)
             with clock.phase("publish"):
-                files = student.peft_adapter_files()
-                with StagedDirectory(run_dir.child(ADAPTER_DIR), commit_name="adapter_config.json") as staged:
-                    staged.write("adapter_model.safetensors", files["adapter_model.safetensors"])
-                    staged.commit(files["adapter_config.json"])
+                files = world.publish_on_main(lambda: _publish_adapter(student, run_dir))
             outcome.status = "success"
             outcome.adapter_uri = run_dir.child(ADAPTER_DIR).uri
-            outcome.adapter_sha256 = sha256_prefixed(files["adapter_model.safetensors"])
-            outcome.adapter_bytes = len(files["adapter_model.safetensors"])
+            if files is not None:  # rank 0, the only rank of a single-process run
+                outcome.adapter_sha256 = sha256_prefixed(files["adapter_model.safetensors"])
+                outcome.adapter_bytes = len(files["adapter_model.safetensors"])
             outcome.lora_delta_norms = _lora_delta_norms(student)
         except _Stop as stop:
             outcome.failure_reason, outcome.failure_message = stop.reason, stop.message
@@ -285,13 +308,23 @@ def train_opd(
             _finish(plan, outcome, progress, clock)
             raise
     receipt_uri = _finish(plan, outcome, progress, clock)
+    world.barrier()  # the other ranks return once rank 0's receipt is written
     status = "success" if outcome.status == "success" else "cancelled" if outcome.failure_reason == "cancelled" else "failed"
     return TrainResult(
         status=status, failure_reason=outcome.failure_reason, failure_message=outcome.failure_message,
         adapter=outcome.adapter_uri, receipt=receipt_uri, latest_checkpoint=ckpt.latest_checkpoint(run_dir, adapter_name),
         resumed_from=outcome.resumed_from, final_loss=progress.loss_history[-1] if progress.loss_history else None,
         loss_history=list(progress.loss_history), steps=progress.global_step, total_steps=schedule.total_steps,
-        effective_seed=plan.seed, phase_timings_ms=dict(clock.totals_ms))
+        effective_seed=plan.seed, phase_timings_ms=dict(clock.totals_ms), world_size=world.size)
+
+
+def _publish_adapter(student: Student, run_dir) -> dict[str, bytes]:
+    """Write the PEFT adapter directory (``adapter_config.json`` last = committed); returns its files."""
+    files = student.peft_adapter_files()
+    with StagedDirectory(run_dir.child(ADAPTER_DIR), commit_name="adapter_config.json") as staged:
+        staged.write("adapter_model.safetensors", files["adapter_model.safetensors"])
+        staged.commit(files["adapter_config.json"])
+    return files
 
 
 def _train_step(student: Student, optimizer: torch.optim.Optimizer, tables: CorpusTables, plan: "_Plan",
@@ -314,6 +347,12 @@ def _train_step(student: Student, optimizer: torch.optim.Optimizer, tables: Corp
             _sync(student.device)
         losses.append(value)
         progress.record_candidate(counts, env_ce)
+    return _apply_update(student, optimizer, progress, losses, clock)
+
+
+def _apply_update(student: Student, optimizer: torch.optim.Optimizer, progress: _Progress, losses: list[float],
+                  clock: _Clock) -> float:
+    """Optimizer step on the accumulated gradients, finite check, commit; returns the step loss."""
     with clock.phase("optimizer"):
         params = list(student.lora_parameters.values())
         grad_norm = float(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
@@ -322,6 +361,54 @@ def _train_step(student: Student, optimizer: torch.optim.Optimizer, tables: Corp
             raise _Stop("nan_loss", f"OPD LoRA parameters became non-finite after step {progress.global_step + 1}")
     progress.commit_step(sum(losses) / len(losses), grad_norm)
     return progress.loss_history[-1]
+
+
+# One row per candidate a rank trains in a step: present, loss, ECHO fired, ECHO env CE, token counts.
+_STAT_COLUMNS = 4 + len(TOKEN_COUNT_KEYS)
+
+
+def _train_step_distributed(student: Student, optimizer: torch.optim.Optimizer, tables: CorpusTables, plan: "_Plan",
+                            progress: _Progress, clock: _Clock) -> float:
+    """One optimizer step of a multi-process run: ``_train_step``'s math over the whole group.
+
+    Rank r trains its contiguous block of ``sequences_per_step`` candidates of the group and
+    back-propagates ``loss / len(group)`` for each; the LoRA gradients are then summed across ranks,
+    so every rank holds the gradient of the group's mean loss and applies the same optimizer step to
+    its replica. Per-candidate losses, token counts and ECHO values are gathered first, so every rank
+    checks and records them in candidate order, exactly as one process would (a non-finite loss
+    stops every rank at the same candidate, before any update).
+    """
+    world, config = plan.world, plan.config
+    group = plan.schedule.candidates_of_step(progress.global_step)
+    per_rank = config.sequences_per_step
+    optimizer.zero_grad(set_to_none=True)
+    rows = torch.zeros(per_rank, _STAT_COLUMNS, dtype=torch.float64)
+    for slot, candidate in enumerate(world.shard(group, per_rank)):
+        with clock.phase("data"):
+            batch = tables.example(plan.schedule.example_of(candidate)).to_torch(student.device)
+        with clock.phase("forward_backward"):
+            loss, env_ce, counts = _sequence_loss(student, batch, plan.loss_fn, config)
+            value = float(loss.detach())
+            if math.isfinite(value):  # a non-finite loss is reported below, on every rank alike
+                with torch.autograd.detect_anomaly() if config.detect_anomaly else contextlib.nullcontext():
+                    (loss / len(group)).backward()  # gradient of the mean of the group's per-sequence losses
+            _sync(student.device)
+        rows[slot] = torch.tensor([1.0, value, 0.0 if env_ce is None else 1.0, env_ce or 0.0,
+                                   *(counts[key] for key in TOKEN_COUNT_KEYS)], dtype=torch.float64)
+    with clock.phase("all_reduce"):
+        gathered = world.all_gather_rows(rows)  # [W, sequences_per_step, columns], rank-major = candidate order
+    losses = []
+    for offset, candidate in enumerate(group):
+        row = gathered[offset // per_rank, offset % per_rank].tolist()
+        value = row[1]
+        if not math.isfinite(value):
+            raise _Stop("nan_loss", f"OPD loss became non-finite at candidate {candidate}")
+        losses.append(value)
+        progress.record_candidate({key: int(count) for key, count in zip(TOKEN_COUNT_KEYS, row[4:])},
+                                  row[3] if row[2] else None)
+    with clock.phase("all_reduce"):
+        world.all_reduce_gradients_(list(student.lora_parameters.values()))
+    return _apply_update(student, optimizer, progress, losses, clock)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -348,6 +435,7 @@ class _Plan:
     data_stats: dict[str, int]
     loaded: ckpt.LoadedCheckpoint | None
     facts: RunFacts
+    world: World = field(default_factory=World)
 
     @property
     def loss_fn(self) -> Callable:
@@ -355,7 +443,7 @@ class _Plan:
 
 
 def _plan_run(*, tables, dataset_sha256, dataset_path, student_dir, adapter_name, config, run_root, teacher_identity,
-              teacher_alias, resume_checkpoint, device, precision) -> _Plan:
+              teacher_alias, resume_checkpoint, device, precision, world: World) -> _Plan:
     """Resolve the run and apply every refusal before any model loads (cheapest checks first)."""
     run_dir = resolve(run_root)
     basename = ckpt.check_resume_basename(resume_checkpoint, run_dir, adapter_name) if resume_checkpoint else None
@@ -363,7 +451,8 @@ def _plan_run(*, tables, dataset_sha256, dataset_path, student_dir, adapter_name
     if tables.num_examples == 0 or tables.top_k != top_k:
         raise ConfigError(f"corpus has {tables.num_examples} examples at top_k {tables.top_k}; the config resolves "
                           f"top_k to {top_k}", "config.top_k")
-    schedule = Schedule(tables.num_examples, effective_samples_per_prompt(config), config.epochs, config.sequences_per_step)
+    schedule = Schedule(tables.num_examples, effective_samples_per_prompt(config), config.epochs,
+                        config.sequences_per_step * world.size)  # candidates per optimizer step, all ranks together
     dev = resolve_device(device)
     prec = resolve_precision(dev, precision)
     policy = precision_policy(dev, prec)
@@ -393,9 +482,9 @@ def _plan_run(*, tables, dataset_sha256, dataset_path, student_dir, adapter_name
             total_steps=schedule.total_steps, data_order=list(range(schedule.candidates_per_epoch)),
             optimizer_kind=config.optimizer.kind, optimizer_hyperparameters=optimizer_hyperparameters(config.optimizer, lr),
             learning_rate=lr, cuda_streams=_cuda_streams(), auxiliary_state=aux, data_stats=data_stats,
-            expected_cursor=schedule.cursor_after))
-    else:  # Kiln draws the seed once when the request leaves it null; it is recorded everywhere
-        seed = config.seed if config.seed is not None else secrets.randbits(63)
+            expected_cursor=schedule.cursor_after, world_size=world.size))
+    else:  # Kiln draws the seed once when the request leaves it null; it is recorded everywhere (rank 0's)
+        seed = config.seed if config.seed is not None else world.broadcast_int(secrets.randbits(63))
     _preflight_outputs(run_dir, adapter_name, config.checkpoint_interval,
                        loaded.manifest.progress.global_step if loaded else 0, schedule.total_steps)
     eff = effective_config(config, seed, top_k)
@@ -408,11 +497,30 @@ def _plan_run(*, tables, dataset_sha256, dataset_path, student_dir, adapter_name
         precision_policy=policy, library_versions=versions)
     return _Plan(run_dir=run_dir, adapter_name=adapter_name, config=config, schedule=schedule, seed=seed, top_k=top_k,
                  learning_rate=lr, effective_config=eff, device=dev, precision=prec, precision_policy=policy,
-                 auxiliary_state=aux, data=data, data_stats=data_stats, loaded=loaded, facts=facts)
+                 auxiliary_state=aux, data=data, data_stats=data_stats, loaded=loaded, facts=facts, world=world)
 
 
 def _write_checkpoint(plan: _Plan, student: Student, optimizer: torch.optim.Optimizer, progress: _Progress) -> str:
-    """Publish the state after ``progress.global_step`` committed steps; returns the basename."""
+    """Publish the state after ``progress.global_step`` committed steps; returns the basename.
+
+    In a multi-process run every rank calls this: their RNG streams are gathered, rank 0 writes the
+    checkpoint and the others wait until it is committed.
+    """
+    world = plan.world
+    if world.size == 1:
+        return _write_checkpoint_files(plan, student, optimizer, progress, ckpt.capture_rng_states(plan.seed), None)
+    rng = ckpt.capture_rng_states(plan.seed)
+    payloads = world.gather_bytes(rng.model_dump_json(by_alias=True).encode("utf-8"))
+    record = None
+    if world.is_main:
+        record = ckpt.DistributedRecord(world_size=world.size, backend=world.backend or "", strategy="ddp",
+                                        rank_rng_states=[ckpt.RngStates.model_validate_json(p) for p in payloads])
+    world.publish_on_main(lambda: _write_checkpoint_files(plan, student, optimizer, progress, rng, record))
+    return ckpt.checkpoint_basename(plan.adapter_name, progress.global_step)
+
+
+def _write_checkpoint_files(plan: _Plan, student: Student, optimizer: torch.optim.Optimizer, progress: _Progress,
+                            rng_states: ckpt.RngStates, distributed: ckpt.DistributedRecord | None) -> str:
     epoch, cursor = plan.schedule.cursor_after(progress.global_step)
     stateful = plan.config.optimizer.kind != "sgd"
     return ckpt.write_checkpoint(
@@ -420,12 +528,12 @@ def _write_checkpoint(plan: _Plan, student: Student, optimizer: torch.optim.Opti
         precision_policy=plan.precision_policy,
         progress=ckpt.Progress(global_step=progress.global_step, total_steps=plan.schedule.total_steps, epoch_index=epoch,
                                cursor_in_epoch=cursor, data_order=list(range(plan.schedule.candidates_per_epoch))),
-        data=plan.data, rng_states=ckpt.capture_rng_states(plan.seed), optimizer_kind=plan.config.optimizer.kind,
+        data=plan.data, rng_states=rng_states, optimizer_kind=plan.config.optimizer.kind,
         optimizer_hyperparameters=optimizer_hyperparameters(plan.config.optimizer, plan.learning_rate),
         learning_rate=plan.learning_rate, auxiliary_state=plan.auxiliary_state,
         adapter_bytes=save_safetensors(student.adapter_tensors()),
         optimizer_bytes=save_safetensors(optimizer_state_tensors(optimizer, student.lora_parameters)) if stateful else None,
-        loop_state=progress.loop_state(plan.schedule, plan.data_stats))
+        loop_state=progress.loop_state(plan.schedule, plan.data_stats), distributed=distributed)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -559,7 +667,18 @@ def _finish(plan: _Plan, outcome: RunOutcome, progress: _Progress, clock: _Clock
     if plan.device.type == "cuda":  # on a GPU the number that matters is device memory
         outcome.peak_vram_mib = round(torch.cuda.max_memory_allocated(plan.device) / 2**20, 1)
         outcome.peak_memory_mib = outcome.peak_vram_mib
-    return write_receipt(plan.run_dir, build_receipt(plan.facts, outcome))
+    world = plan.world
+    if world.size == 1:
+        return write_receipt(plan.run_dir, build_receipt(plan.facts, outcome))
+    if not world.is_main:  # rank 0 writes the run's one receipt
+        return plan.run_dir.child(RECEIPT_FILE).uri
+    receipt = build_receipt(plan.facts, outcome)
+    receipt["distributed"] = {  # our extension; runtime figures above are rank 0's
+        "world_size": world.size, "backend": world.backend, "strategy": world.strategy,
+        "sequences_per_step_per_rank": plan.config.sequences_per_step,
+        "sequences_per_optimizer_step": plan.schedule.sequences_per_step,
+    }
+    return write_receipt(plan.run_dir, receipt)
 
 
 @contextlib.contextmanager
