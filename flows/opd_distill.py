@@ -83,7 +83,11 @@ def run_location(spec: PipelineSpec, corpus_ref, manifest_ref, student_dir: str)
     from kiln_core.storage import resolve
 
     config = spec.config
-    key = run_key(corpus_ref, manifest_ref, base_model_sha256(student_dir), config.model_dump(mode="json"))
+    decides = config.model_dump(mode="json")
+    if spec.distributed and spec.distributed.nproc > 1:
+        # The world size decides which candidates share a step, so it decides the run (and its checkpoints).
+        decides["world_size"] = spec.distributed.nproc
+    key = run_key(corpus_ref, manifest_ref, base_model_sha256(student_dir), decides)
     if config.seed is None:
         # Kiln draws a seed once per job; deriving it from the run key gives every retry the same one.
         config = config.model_copy(update={"seed": int(key, 16) % (2**63)})
@@ -149,6 +153,7 @@ def _run_pipeline(spec: PipelineSpec):
             run_uri,
             spec.options.progress_every_seconds,
             spec.options.cancel_poll_seconds,
+            spec.distributed,
         )
     summary = {
         "status": train_ref.status,
@@ -187,6 +192,7 @@ def _train_on_pool(spec: PipelineSpec, corpus_ref, manifest_ref, student_dir: st
         "progress_every_seconds": spec.options.progress_every_seconds,
         "cancel_poll_seconds": spec.options.cancel_poll_seconds,
         "retries": spec.options.train_retries,
+        "distributed": spec.distributed.model_dump(mode="json") if spec.distributed else None,
     }
     return dispatch_training(
         spec.options.train_deployment,

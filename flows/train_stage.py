@@ -28,6 +28,7 @@ def train_stage(
     progress_every_seconds: float = 5.0,
     cancel_poll_seconds: float = 2.0,
     retries: int = 2,
+    distributed: dict[str, Any] | None = None,
 ) -> TrainRef:
     """Train one run directory to completion (resuming from its newest checkpoint).
 
@@ -38,7 +39,7 @@ def train_stage(
 
     return train_task.with_options(retries=retries)(
         corpus, manifest, localize_directory(student_dir), adapter, OpdConfig.model_validate(config), run_uri,
-        progress_every_seconds, cancel_poll_seconds,
+        progress_every_seconds, cancel_poll_seconds, distributed,
     )
 
 
