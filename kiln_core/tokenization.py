@@ -184,15 +184,15 @@ def encode_conversations(student: StudentTokenizer, conversations: Sequence[Conv
         )
     except Exception as error:
         raise TokenizationError(f"chat template failed to render: {error}") from None
-    encodings = student.tokenizer(
-        list(texts), add_special_tokens=False, return_offsets_mapping=True, return_attention_mask=False
-    )
+    # The Rust backend directly: the transformers wrapper's per-example conversions cost more than
+    # the tokenization itself on large corpora.
+    encodings = student.tokenizer.backend_tokenizer.encode_batch(list(texts), add_special_tokens=False)
     prompt_texts = _render_prompt_scaffolds(student, conversations, template_kwargs)
 
     results = []
     for i, conversation in enumerate(conversations):
-        ids = np.asarray(encodings["input_ids"][i], dtype=np.int32)
-        offsets = np.asarray(encodings["offset_mapping"][i], dtype=np.int64).reshape(-1, 2)
+        ids = np.asarray(encodings[i].ids, dtype=np.int32)
+        offsets = np.asarray(encodings[i].offsets, dtype=np.int64).reshape(-1, 2)
         starts, ends = offsets[:, 0], offsets[:, 1]
         text = texts[i]
         if conversation.trajectory:

@@ -8,8 +8,6 @@ Kiln would split differently) it returns ``None`` and the exact parser in ``reco
 
 from __future__ import annotations
 
-import io
-
 import numpy as np
 
 from kiln_core.admission.records import (
@@ -77,7 +75,7 @@ def parse_columnar(data: bytes, lines: LineIndex) -> ParsedCorpus | None:
         return None  # arbitrary JSON the chat template reads: Arrow cannot carry it through
     try:
         table = pj.read_json(
-            io.BytesIO(data),
+            pa.BufferReader(data),  # zero-copy, unlike io.BytesIO of a bytearray
             read_options=pj.ReadOptions(block_size=_block_size(lines)),
             parse_options=pj.ParseOptions(explicit_schema=_fast_schema(), unexpected_field_behavior="ignore"),
         )
@@ -98,7 +96,11 @@ def parse_columnar(data: bytes, lines: LineIndex) -> ParsedCorpus | None:
             return None
         parsed.manifest_records.append((number, raw, value))
 
-    examples = table.filter(pa.array(~is_manifest))
+    manifest_rows = np.flatnonzero(is_manifest)
+    if manifest_rows.size == 0 or np.array_equal(manifest_rows, np.arange(manifest_rows.size)):
+        examples = table.slice(manifest_rows.size)  # the usual layout: zero-copy
+    else:
+        examples = table.filter(pa.array(~is_manifest))  # misplaced manifests: admission rejects them anyway
     parsed.example_lines = record_lines[~is_manifest].astype(np.int64)
     if parsed.example_lines.size:
         parsed.first_example_line = int(parsed.example_lines[0])

@@ -112,9 +112,9 @@ class LineIndex:
 
 
 def index_lines(data: bytes) -> LineIndex:
-    """Find every physical line with numpy (no Python loop over bytes)."""
+    """Find every physical line without a Python loop over bytes."""
     buffer = np.frombuffer(data, dtype=np.uint8)
-    newlines = np.flatnonzero(buffer == 0x0A)
+    newlines = _newline_offsets(data, buffer)
     starts = np.concatenate([[0], newlines + 1]).astype(np.int64)
     ends = np.concatenate([newlines, [len(data)]]).astype(np.int64)
     if len(data) and data.endswith(b"\n"):
@@ -128,6 +128,19 @@ def index_lines(data: bytes) -> LineIndex:
         cr = has_cr & (buffer[before] == 0x0D)
         ends = ends - cr.astype(np.int64)
     return LineIndex(starts=starts, ends=ends)
+
+
+def _newline_offsets(data: bytes, buffer: np.ndarray) -> np.ndarray:
+    """Offsets of every ``\n``: memchr per line when lines are long (the common case), numpy otherwise."""
+    count = data.count(b"\n")
+    if count > 50_000:  # many short lines: one vectorized comparison beats a Python loop
+        return np.flatnonzero(buffer == 0x0A)
+    offsets = np.empty(count, dtype=np.int64)
+    position = -1
+    for i in range(count):
+        position = data.index(b"\n", position + 1)
+        offsets[i] = position
+    return offsets
 
 
 def json_blank_lines(data: bytes, lines: LineIndex) -> np.ndarray:
