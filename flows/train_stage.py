@@ -76,6 +76,17 @@ def dispatch_training(
                 time.sleep(poll_seconds)
                 state = client.read_flow_run(child.id).state
         if state.is_completed():
-            return TrainRef.model_validate(state.result(raise_on_failure=True, fetch=True))
+            return _published_run(parameters["run_uri"], parameters["adapter"])
         raise RuntimeError(f"training deployment run {child.name} ended {state.type.value}: {state.message}")
     raise RuntimeError(f"{max_children} training runs of {deployment} failed for run key {run_key}")
+
+
+def _published_run(run_uri: str, adapter: str) -> TrainRef:
+    """The finished run as shared storage shows it (the child's Prefect result may live elsewhere)."""
+    from kiln_core.storage import resolve
+    from tasks.train import finished_run
+
+    ref = finished_run(resolve(run_uri), adapter)
+    if ref is None:
+        raise RuntimeError(f"the training deployment completed but {run_uri} holds no successful receipt and adapter")
+    return ref

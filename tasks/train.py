@@ -116,7 +116,7 @@ def train_task(
     from kiln_core.training.trainer import train_opd
 
     run = resolve(run_uri)
-    finished = _finished_run(run, adapter)
+    finished = finished_run(run, adapter)
     if finished is not None:
         return finished
     resume = latest_checkpoint(run, adapter)
@@ -185,7 +185,7 @@ def _train_ref(run, reporter: ProgressReporter, result) -> TrainRef:
     )
 
 
-def _finished_run(run, adapter: str) -> TrainRef | None:
+def finished_run(run, adapter: str) -> TrainRef | None:
     """A run whose adapter and successful receipt are already committed is not trained again."""
     import json
 
