@@ -18,7 +18,6 @@ corpus is encoded in one batched call.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,25 +99,6 @@ class StudentTokenizer:
         }
 
 
-def read_vocab_size(model_dir: str | Path) -> int:
-    """The logit width from ``config.json`` (``vocab_size`` or ``text_config.vocab_size``; both must agree)."""
-    path = Path(model_dir) / "config.json"
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise TokenizationError(f"student directory {model_dir} has no config.json") from None
-    except json.JSONDecodeError as error:
-        raise TokenizationError(f"{path} is not valid JSON: {error}") from None
-    top = config.get("vocab_size")
-    nested = (config.get("text_config") or {}).get("vocab_size")
-    if top is not None and nested is not None and top != nested:
-        raise TokenizationError(f"{path}: vocab_size {top} disagrees with text_config.vocab_size {nested}")
-    value = top if top is not None else nested
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise TokenizationError(f"{path} has no positive integer vocab_size")
-    return value
-
-
 def load_student_tokenizer(model_dir: str | Path) -> StudentTokenizer:
     """Load a student's fast tokenizer and chat template.
 
@@ -139,7 +119,12 @@ def load_student_tokenizer(model_dir: str | Path) -> StudentTokenizer:
     model_dir = str(model_dir)
     if not Path(model_dir).is_dir():
         raise TokenizationError(f"student directory {model_dir} does not exist")
-    vocab_size = read_vocab_size(model_dir)
+    from kiln_core.identity.hashing import IdentityHashError, model_vocab_size
+
+    try:
+        vocab_size = model_vocab_size(model_dir)
+    except IdentityHashError as error:
+        raise TokenizationError(f"student {model_dir}: {error}") from None
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir, use_fast=True, local_files_only=True)
     except Exception as error:  # transformers raises many types for a broken dir
