@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import sys
 import time
 from typing import Any
 
@@ -20,11 +22,16 @@ def artifact_key(*parts: str) -> str:
     return _NOT_KEY.sub("-", text).strip("-")[:100] or "kiln-flows"
 
 
+# Set by the interactive CLI commands (`run`, `demo`) unless --quiet/--json: a console progress bar
+# next to the artifact. Workers leave it unset, so their logs stay free of bar redraws.
+CONSOLE_PROGRESS_ENV = "KILN_FLOWS_PROGRESS"
+
+
 class ProgressReporter:
     """A progress artifact created once and updated at most every ``every_seconds``.
 
     Every update is an API call, so a training loop calls ``update`` each step and the reporter decides
-    whether to send it.
+    whether to send it. When ``KILN_FLOWS_PROGRESS=1`` a tqdm bar on stderr follows every step too.
     """
 
     def __init__(self, key: str, description: str, every_seconds: float = 5.0) -> None:
@@ -33,10 +40,23 @@ class ProgressReporter:
         self.every_seconds = every_seconds
         self._last = 0.0
         self.artifact_id = create_progress_artifact(progress=0.0, key=key, description=description)
+        self._bar = None
+        if os.environ.get(CONSOLE_PROGRESS_ENV) == "1":
+            from tqdm import tqdm
+
+            self._bar = tqdm(desc=description, unit="step", file=sys.stderr, leave=True)
 
     def update(self, step: int, total: int, loss: float | None = None, *, force: bool = False) -> None:
         from prefect.artifacts import update_progress_artifact
 
+        if self._bar is not None:
+            self._bar.total = total
+            self._bar.n = step
+            if loss is not None:
+                self._bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+            self._bar.refresh()
+            if force:
+                self._bar.close()
         now = time.monotonic()
         if not force and now - self._last < self.every_seconds:
             return

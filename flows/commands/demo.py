@@ -22,6 +22,8 @@ def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if not args.json:
+        os.environ.setdefault("KILN_FLOWS_PROGRESS", "1")  # a training progress bar on stderr
     started = time.perf_counter()
     from prefect import get_client
 

@@ -44,6 +44,8 @@ def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if args.quiet:
         os.environ["PREFECT_LOGGING_LEVEL"] = "WARNING"
+    elif not args.json:
+        os.environ.setdefault("KILN_FLOWS_PROGRESS", "1")  # a training progress bar on stderr
     from flows.opd_distill import opd_distill
 
     state = opd_distill(spec, return_state=True)
