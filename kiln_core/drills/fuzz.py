@@ -1,0 +1,504 @@
+"""Bad input at scale: mutated corpora through admission, mutated requests through the oracle.
+
+``fuzz-admission`` — the admission mutation property of ``tests/test_admission_paths.py`` run for many
+thousands of cases. A seeded mutator (byte flips, inserted bytes, cuts, truncation; JSON field
+deletions, type swaps, number edits — NaN, ±Infinity, 1e400, 2**32 - 1, −1, ... —; line shuffles,
+duplicates, drops, blank lines; duplicate keys) damages a small valid corpus; each case is admitted
+with an output root and must end in an admission or in exactly one ``AdmissionError`` with a code
+from ``ADMISSION_CODES`` and a line inside the file. Any other exception is a crash. A rejection must
+leave nothing under ``<root>/corpora``; an admission must leave exactly one committed directory and
+no staging entries. Every ``parity_every``-th case is also admitted with the exact parser only (the
+fast one stepped aside) and must get the same verdict. Case ``i`` of seed ``s`` is reproducible:
+``mutate_corpus(base, case_ops(s, i))``.
+
+``fuzz-oracle`` — valid ``kiln.hf-next-token-request.v1`` files made by ``make_request`` from the tiny
+student are mutated (bytes; JSON fields: deletions, type swaps, numbers, strings, lists, unknown and
+duplicate keys, non-canonical number literals; half of the JSON mutations get their derived hashes
+recomputed so the deeper rules are reached) and run through the oracle's gates in the runner's order:
+strict JSON + schema + cross-field (``parse_request_bytes``), receipts (``check_source_receipts``),
+model identity (``check_model_identity``) and the tokenizer re-check (``check_model_inputs``). Each
+case is accepted or raises ``OracleRejection`` with a rule from ``ALL_RULES``; anything else is a crash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+from kiln_core.drills import DrillReport, tiny_student, where
+
+# ----------------------------------------------------------------------------------- corpus mutator
+
+INSERT_BYTES = [b"{", b"}", b"[", b"]", b'"', b",", b":", b"\n", b"\r", b"\r\n", b" ", b"\t", b"\x0c", b"\xff",
+                b"\xc3", b"\x00", b"0", b"-", b"9", b"e", b"NaN", b"null", "\u3000".encode(), b"\\", b"\\u0000",
+                b"\\ud800", "\u2028".encode(), b"\xef\xbb\xbf"]
+SWAP_VALUES = [None, True, False, 0, -1, 1.5, "x", "", [], {}, [None], {"token_id": 1}, 2**32, 2**64, -0.0, "\u0000",
+               "\ud7ff\U0001f600", 10**40]
+NUMBER_SENTINELS = {"@@NAN@@": "NaN", "@@INF@@": "Infinity", "@@NINF@@": "-Infinity", "@@HUGE@@": "1e400",
+                    "@@TINY@@": "-1e-400", "@@BIGNEG@@": "-1e39", "@@BIGINT@@": "-1" + "0" * 400, "@@LONGINT@@": "9" * 5000}
+CORPUS_OPS = ["flip", "insert", "cut", "truncate", "delete", "swap", "number", "number", "string", "shuffle",
+              "duplicate", "drop", "blank", "dupkey", "parts", "uspace"]
+# "parts" (content parts) and "uspace" (Unicode whitespace around a record) are valid shapes that only
+# the exact parser reads: they send the following mutations down the exact path of the default flow.
+
+
+def _nodes(value: Any, path: tuple = ()) -> Iterator[tuple]:
+    if isinstance(value, dict):
+        for key, child in value.items():
+            yield path + (key,)
+            yield from _nodes(child, path + (key,))
+    elif isinstance(value, list):
+        for index, child in enumerate(value):
+            yield path + (index,)
+            yield from _nodes(child, path + (index,))
+
+
+def _get(value: Any, path: tuple) -> Any:
+    for part in path:
+        value = value[part]
+    return value
+
+
+def _dumps(value: Any) -> str:
+    text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    for sentinel, literal in NUMBER_SENTINELS.items():
+        text = text.replace(f'"{sentinel}"', literal)
+    return text
+
+
+def _mutate_value(rng: random.Random, record: Any, op: str) -> bool:
+    """Mutate one node of a parsed JSON value in place; False when there was nothing to mutate."""
+    if op == "number":
+        paths = [p for p in _nodes(record) if isinstance(_get(record, p), (int, float)) and not isinstance(_get(record, p), bool)]
+    elif op == "string":
+        paths = [p for p in _nodes(record) if isinstance(_get(record, p), str)]
+    else:
+        paths = list(_nodes(record))
+    if not paths:
+        return False
+    path = rng.choice(paths)
+    parent, key = _get(record, path[:-1]), path[-1]
+    if op == "delete":
+        del parent[key]
+    elif op == "swap":
+        parent[key] = rng.choice(SWAP_VALUES)
+    elif op == "string":
+        old = parent[key]
+        parent[key] = rng.choice([old + "x", "", old[:-1], old.upper(), "../" + old, old + "\u0301", old * 3, "\x00" + old,
+                                  old.replace(" ", "\u00a0")])
+    else:
+        old = parent[key]
+        choice = rng.randrange(len(NUMBER_SENTINELS) + 9)
+        if choice < len(NUMBER_SENTINELS):
+            parent[key] = rng.choice(list(NUMBER_SENTINELS))
+        else:
+            edits = [old + 1, old - 1, -old, old * 1e30, float(old), 2**32 - 1, 0.5, -1, 2**31]
+            parent[key] = edits[choice - len(NUMBER_SENTINELS)]
+    return True
+
+
+def _mutate_record_line(rng: random.Random, lines: list[str], op: str) -> list[str]:
+    candidates = [i for i, line in enumerate(lines) if line.strip().startswith("{")]
+    if not candidates:
+        return lines
+    index = rng.choice(candidates)
+    try:
+        record = json.loads(lines[index])
+    except ValueError:
+        return lines
+    if op == "uspace":
+        lines = list(lines)
+        lines[index] = rng.choice(["\u3000", "\x0c", "\u00a0", "\u2009"]) + lines[index]
+        return lines
+    if op == "parts":
+        messages = record.get("messages") if isinstance(record, dict) else None
+        if not isinstance(messages, list):
+            return lines
+        for message in messages:
+            if isinstance(message, dict) and isinstance(message.get("content"), str):
+                message["content"] = [{"type": "text", "text": message["content"]}]
+        lines = list(lines)
+        lines[index] = _dumps(record)
+        return lines
+    if op == "dupkey":
+        objects = [p for p in _nodes(record) if isinstance(_get(record, p), dict) and _get(record, p)] + [()]
+        path = rng.choice(objects)
+        target = _get(record, path) if path else record
+        if not isinstance(target, dict) or not target:
+            return lines
+        key = rng.choice(list(target))
+        text = _dumps(record)
+        needle = json.dumps(key, ensure_ascii=False) + ":"
+        position = text.find(needle)
+        if position < 0:
+            return lines
+        value = rng.choice(['1', '"x"', 'null', json.dumps(target[key], ensure_ascii=False)])
+        lines = list(lines)
+        lines[index] = text[:position] + needle + value + "," + text[position:]
+        return lines
+    if not _mutate_value(rng, record, op):
+        return lines
+    lines = list(lines)
+    lines[index] = _dumps(record)
+    return lines
+
+
+def joined(lines: list[str]) -> bytes:
+    return ("\n".join(lines) + "\n").encode("utf-8", "surrogatepass")  # a lone surrogate stays (invalid UTF-8)
+
+
+def mutate_corpus(base: list[str], ops: list[tuple[str, int]]) -> bytes:
+    """Apply ``ops`` (name, seed) in order to the corpus lines ``base``; returns the file bytes."""
+    lines = list(base)
+    data: bytes | None = None
+    for op, seed in ops:
+        rng = random.Random(seed)
+        if op in ("delete", "swap", "number", "string", "dupkey", "parts", "uspace", "shuffle", "duplicate", "drop", "blank"):
+            if data is not None:
+                lines = data.decode("utf-8", "replace").split("\n")
+                data = None
+            if op in ("delete", "swap", "number", "string", "dupkey", "parts", "uspace"):
+                lines = _mutate_record_line(rng, lines, op)
+            elif op == "shuffle":
+                rng.shuffle(lines)
+            elif op == "duplicate" and lines:
+                lines.insert(rng.randrange(len(lines) + 1), rng.choice(lines))
+            elif op == "drop" and lines:
+                lines.pop(rng.randrange(len(lines)))
+            elif op == "blank":
+                lines.insert(rng.randrange(len(lines) + 1), rng.choice(["", " ", "\t", "\u3000", "\r", "\x0c"]))
+            continue
+        buffer = bytearray(data if data is not None else joined(lines))
+        if not buffer:
+            continue
+        position = rng.randrange(len(buffer))
+        if op == "flip":
+            buffer[position] ^= rng.randrange(1, 256)
+        elif op == "insert":
+            buffer[position:position] = rng.choice(INSERT_BYTES)
+        elif op == "cut":
+            del buffer[position: position + rng.randrange(1, 9)]
+        else:  # truncate
+            del buffer[position:]
+        data = bytes(buffer)
+    return data if data is not None else joined(lines)
+
+
+def case_ops(seed: int, index: int) -> list[tuple[str, int]]:
+    """The operations of case ``index`` of a run with ``seed`` (reproducible on their own)."""
+    rng = random.Random(seed * 1_000_003 + index)
+    return [(rng.choice(CORPUS_OPS), rng.randrange(2**32)) for _ in range(rng.randint(1, 3))]
+
+
+def physical_lines(data: bytes) -> int:
+    if not data:
+        return 0
+    return data.count(b"\n") + (0 if data.endswith(b"\n") else 1)
+
+
+def _visible(root: Path) -> list[str]:
+    corpora = root / "corpora"
+    if not corpora.exists():
+        return []
+    return sorted(str(p.relative_to(corpora)) for p in corpora.rglob("*"))
+
+
+@contextmanager
+def _exact_parser_only() -> Iterator[None]:
+    from kiln_core.admission import columnar
+
+    original = columnar.parse_columnar
+    columnar.parse_columnar = lambda data, lines: None
+    try:
+        yield
+    finally:
+        columnar.parse_columnar = original
+
+
+def _verdict(corpus: Path, student_dir: Path, student: Any, out: Path | None) -> tuple:
+    from kiln_core.admission import admit_corpus
+    from kiln_core.errors import AdmissionError
+
+    try:
+        result = admit_corpus(str(corpus), str(student_dir), top_k=16, student=student,
+                              out_root=str(out) if out is not None else None)
+    except AdmissionError as error:
+        return ("rejected", error.code, error.line), None
+    return ("admitted", result.examples, result.action_tokens, result.env_tokens, result.dataset_sha256), result
+
+
+def run_fuzz_admission(*, workdir: Path, examples: int = 10_000, seed: int = 0, parity_every: int = 25,
+                       **_: Any) -> dict[str, Any]:
+    """Admit ``examples`` mutated corpora; see the module docstring."""
+    from kiln_core.errors import ADMISSION_CODES
+    from kiln_core.synthetic import synthesize_corpus
+    from kiln_core.tokenization import load_student_tokenizer
+
+    report = DrillReport("fuzz-admission", seed=seed, mutator="seeded (kiln_core.drills.fuzz.case_ops)")
+    student_dir = tiny_student(workdir)
+    student = load_student_tokenizer(student_dir)
+    base_path = synthesize_corpus(student_dir, workdir / "base.jsonl", n_examples=3, top_k=16, seed=5, trajectory_every=2,
+                                  words=3)
+    base = base_path.read_text(encoding="utf-8").splitlines()
+    cases = workdir / "cases"
+    shutil.rmtree(cases, ignore_errors=True)
+    cases.mkdir()
+    corpus = cases / "corpus.jsonl"
+    out = cases / "out"
+    distinct: set[str] = set()
+    for index in range(examples):
+        ops = case_ops(seed, index)
+        label = f"case {index} ops={ops}"
+        try:
+            data = mutate_corpus(base, ops)
+        except Exception as error:  # the drill's own mutator broke: not a finding about admission
+            report.count("mutator_errors")
+            report.note(f"{label}: mutator error {type(error).__name__}: {error}")
+            continue
+        try:
+            distinct.add(hashlib.sha256(data).hexdigest())
+            corpus.write_bytes(data)
+            verdict, result = _verdict(corpus, student_dir, student, out)
+            report.count("cases_tried")
+            problems = []
+            if verdict[0] == "rejected":
+                _, code, line = verdict
+                report.count("rejected")
+                report.bump("rejected_by_code", code)
+                if code not in ADMISSION_CODES:
+                    problems.append(f"unknown code {code}")
+                if line is not None and not 1 <= line <= physical_lines(data):
+                    problems.append(f"line {line} outside the file's {physical_lines(data)} lines")
+                left = _visible(out)
+                if left:
+                    problems.append(f"rejection left {left[:5]} under corpora/")
+            else:
+                report.count("admitted")
+                entries = _visible(out)
+                hex_digest = verdict[4].removeprefix("sha256:")
+                if [e for e in entries if e.startswith(".") or "/." in e or "incomplete" in e]:
+                    problems.append(f"staging entries left: {entries}")
+                if not (out / "corpora" / hex_digest / "admission.json").is_file():
+                    problems.append("admitted but no committed admission.json")
+                if verdict[1] < 1 or verdict[2] < 1:
+                    problems.append(f"admitted {verdict[1]} examples / {verdict[2]} action tokens")
+            if parity_every and index % parity_every == 0:
+                report.count("parity_checked")
+                try:
+                    with _exact_parser_only():
+                        exact, _ = _verdict(corpus, student_dir, student, None)
+                except Exception as error:  # a crash on the exact path is a crash of admission
+                    report.bump("crashes_by_type", type(error).__name__)
+                    report.failed_trial(f"{label} (exact parser only): {type(error).__name__}: {error} @ {where(error)}",
+                                        crash=True)
+                    continue
+                if exact != verdict:
+                    problems.append(f"parsers disagree: default {verdict}, exact-only {exact}")
+                    report.count("parity_mismatches")
+            if problems:
+                report.failed_trial(f"{label}: " + "; ".join(problems))
+            else:
+                report.passed_trial()
+        except Exception as error:  # anything but AdmissionError is a crash
+            report.count("cases_tried")
+            report.bump("crashes_by_type", type(error).__name__)
+            report.failed_trial(f"{label}: {type(error).__name__}: {error} @ {where(error)}", crash=True)
+        finally:
+            shutil.rmtree(out, ignore_errors=True)
+    report["distinct_inputs"] = len(distinct)
+    report["codes_seen"] = len(report.figures.get("rejected_by_code", {}))
+    figures = report.finish()
+    figures["passed"] = (figures["passed"] and figures.get("admitted", 0) > 0 and figures["codes_seen"] >= 5
+                         and not figures.get("mutator_errors"))
+    return figures
+
+
+# ----------------------------------------------------------------------------------- oracle mutator
+
+ORACLE_OPS = ["flip", "insert", "cut", "truncate", "delete", "swap", "number", "number", "string", "list", "list",
+              "unknown-key", "dupkey", "literal", "candidates"]
+
+
+def _refresh(doc: dict) -> dict:
+    """Recompute the derived fields so that only the mutation itself is left to catch (best effort)."""
+    from kiln_core.canonical import canonical_sha256, sha256_prefixed
+
+    try:
+        prompt = doc["prompt"]
+        prompt["utf8_sha256"] = sha256_prefixed(prompt["messages"][0]["content"].encode("utf-8"))
+        prompt["token_count"] = len(prompt["token_ids"])
+        doc["input_token_ids"] = prompt["token_ids"] + [item["token_id"] for item in doc["continuation_prefix"]]
+        doc["input_token_ids_sha256"] = canonical_sha256(doc["input_token_ids"])
+    except Exception:  # the mutation broke the shape: leave the document as it is
+        pass
+    return doc
+
+
+def mutate_request(base: bytes, ops: list[tuple[str, int]], refresh: bool) -> bytes:
+    """Apply ``ops`` to a request file's bytes (JSON-level ops parse, mutate and re-serialize)."""
+    data = base
+    for op, seed in ops:
+        rng = random.Random(seed)
+        if op in ("flip", "insert", "cut", "truncate"):
+            buffer = bytearray(data)
+            if not buffer:
+                continue
+            position = rng.randrange(len(buffer))
+            if op == "flip":
+                buffer[position] ^= rng.randrange(1, 256)
+            elif op == "insert":
+                buffer[position:position] = rng.choice(INSERT_BYTES)
+            elif op == "cut":
+                del buffer[position: position + rng.randrange(1, 9)]
+            else:
+                del buffer[position:]
+            data = bytes(buffer)
+            continue
+        try:
+            doc = json.loads(data)
+        except (ValueError, UnicodeDecodeError):
+            continue
+        if op == "literal":  # a literal strict JSON refuses, in place of one number
+            numbers = [m for m in _number_spans(data)]
+            if numbers:
+                start, end = rng.choice(numbers)
+                literal = rng.choice([b"NaN", b"Infinity", b"-Infinity", b"1e400", b"1e-400", b"0.10000000000000001",
+                                      b"9" * 4100, b"1.0", b"-0", b"1E2", b"17.000"])
+                data = data[:start] + literal + data[end:]
+            continue
+        if op == "dupkey":
+            text = data.decode("utf-8", "replace")
+            keys = [k for k in ('"id":', '"schema":', '"token_id":', '"text":', '"engine":', '"path":', '"sha256":')
+                    if k in text]
+            if keys:
+                key = rng.choice(keys)
+                position = text.find(key)
+                data = (text[:position] + key + rng.choice(['"x"', "1", "null", "[]"]) + "," + text[position:]).encode(
+                    "utf-8", "surrogatepass")
+            continue
+        if op == "unknown-key":
+            objects = [p for p in _nodes(doc) if isinstance(_get(doc, p), dict)] + [()]
+            path = rng.choice(objects)
+            (_get(doc, path) if path else doc)[rng.choice(["extra", "x-unknown", "Id", "schema "])] = rng.choice(SWAP_VALUES)
+        elif op == "list":
+            lists = [p for p in _nodes(doc) if isinstance(_get(doc, p), list)]
+            if lists:
+                target = _get(doc, rng.choice(lists))
+                action = rng.randrange(6)
+                if action == 0 and target:
+                    target.append(json.loads(json.dumps(rng.choice(target))))
+                elif action == 1 and target:
+                    target.pop(rng.randrange(len(target)))
+                elif action == 2:
+                    rng.shuffle(target)
+                elif action == 3:
+                    target.clear()
+                elif action == 4 and target:
+                    target.insert(0, json.loads(json.dumps(target[-1])))
+                else:
+                    target.append(rng.choice(SWAP_VALUES))
+        elif op == "candidates":
+            candidates = doc.get("candidates") if isinstance(doc, dict) else None
+            if isinstance(candidates, list) and len(candidates) == 2 and all(isinstance(c, dict) for c in candidates):
+                action = rng.randrange(4)
+                if action == 0:
+                    candidates.reverse()
+                elif action == 1:
+                    candidates[1]["token_id"] = candidates[0].get("token_id")
+                elif action == 2:
+                    candidates[rng.randrange(2)]["token_id"] = rng.choice([0, 1, 399, 400, 401, 248319, 2**32])
+                else:
+                    candidates[rng.randrange(2)]["engine"] = rng.choice(["kiln", "vllm", "hf", ""])
+        elif not _mutate_value(rng, doc, op):
+            continue
+        if refresh and isinstance(doc, dict):
+            doc = _refresh(doc)
+        text = json.dumps(doc, ensure_ascii=rng.random() < 0.5, indent=rng.choice([None, 2]))
+        for sentinel, literal in NUMBER_SENTINELS.items():
+            text = text.replace(f'"{sentinel}"', literal)
+        data = text.encode("utf-8", "surrogatepass")
+    return data
+
+
+def _number_spans(data: bytes) -> list[tuple[int, int]]:
+    import re
+
+    return [(m.start(1), m.end(1)) for m in re.finditer(rb"[:\[,]\s*(-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?)", data)]
+
+
+def oracle_case_ops(seed: int, index: int) -> tuple[list[tuple[str, int]], bool, bool]:
+    """(ops, refresh derived fields, check receipts) of case ``index`` (half skip the receipts, as a run
+    without ``--receipts-root`` does, so the model-identity gate sees the mutated identities)."""
+    rng = random.Random(seed * 2_000_003 + index)
+    ops = [(rng.choice(ORACLE_OPS), rng.randrange(2**32)) for _ in range(rng.randint(1, 3))]
+    return ops, rng.random() < 0.5, rng.random() < 0.5
+
+
+def run_fuzz_oracle(*, workdir: Path, examples: int = 10_000, seed: int = 0, **_: Any) -> dict[str, Any]:
+    """Run ``examples`` mutated oracle requests through every input gate; see the module docstring."""
+    from kiln_core.oracle import OracleRejection, check_model_identity, check_source_receipts, make_request
+    from kiln_core.oracle.errors import ALL_RULES
+    from kiln_core.oracle.reference import check_model_inputs, load_tokenizer
+    from kiln_core.oracle.request import parse_request_bytes
+
+    report = DrillReport("fuzz-oracle", seed=seed)
+    student_dir = tiny_student(workdir)
+    oracle_dir = workdir / "oracle"
+    shutil.rmtree(oracle_dir, ignore_errors=True)
+    oracle_dir.mkdir()
+    made = make_request(student_dir, message="What is two plus two?", prefix_text="Two plus", kiln_id=17, vllm_id=42,
+                        request_id="drill-request-1", out=oracle_dir / "drill-request-1.json", source_commit="ab" * 20)
+    base = Path(made.request_uri).read_bytes()
+    tokenizer = load_tokenizer(student_dir)
+    # the unmutated request must pass every gate, or the drill measures nothing
+    loaded = parse_request_bytes(base)
+    check_source_receipts(loaded.request, made.receipts_root)
+    check_model_identity(loaded.request.model_identity, student_dir)
+    check_model_inputs(student_dir, loaded.request, tokenizer)
+    distinct: set[str] = set()
+    for index in range(examples):
+        ops, refresh, receipts = oracle_case_ops(seed, index)
+        label = f"case {index} ops={ops} refresh={refresh} receipts={receipts}"
+        stage = "parse"
+        try:
+            data = mutate_request(base, ops, refresh)
+        except Exception as error:  # the drill's own mutator broke: not a finding about the oracle
+            report.count("mutator_errors")
+            report.note(f"{label}: mutator error {type(error).__name__}: {error}")
+            continue
+        try:
+            distinct.add(hashlib.sha256(data).hexdigest())
+            report.count("cases_tried")
+            loaded = parse_request_bytes(data, "<fuzz>")
+            stage = "receipts"
+            if receipts:
+                check_source_receipts(loaded.request, made.receipts_root)
+            stage = "model_identity"
+            check_model_identity(loaded.request.model_identity, student_dir)
+            stage = "model_inputs"
+            check_model_inputs(student_dir, loaded.request, tokenizer)
+            report.count("accepted")
+            if data == base:
+                report.count("accepted_identical_to_base")
+            report.passed_trial()
+        except OracleRejection as error:
+            report.count("rejected")
+            report.bump("rejected_by_rule", error.rule)
+            report.bump("rejected_at_stage", stage)
+            if error.rule not in ALL_RULES or not error.message:
+                report.failed_trial(f"{label}: rejection without a known rule: {error!r}")
+            else:
+                report.passed_trial()
+        except Exception as error:
+            report.bump("crashes_by_type", type(error).__name__)
+            report.failed_trial(f"{label} stage={stage}: {type(error).__name__}: {error} @ {where(error)}", crash=True)
+    report["distinct_inputs"] = len(distinct)
+    report["rules_seen"] = len(report.figures.get("rejected_by_rule", {}))
+    figures = report.finish()
+    figures["passed"] = figures["passed"] and figures.get("accepted", 0) > 0 and not figures.get("mutator_errors")
+    return figures

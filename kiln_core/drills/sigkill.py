@@ -1,0 +1,480 @@
+"""SIGKILL drill: kill a training process at random points; every resume ends byte-identical.
+
+One uninterrupted reference run per checkpoint interval is trained in this process. Each trial then
+starts a training subprocess over the same request (a small driver calling ``run_train_request``,
+the glue behind ``kiln-flows train``, or the real ``kiln-flows train`` CLI), SIGKILLs it at a point
+drawn from a seeded RNG, resumes from ``latest_checkpoint`` (a fresh start when none was committed)
+and compares the final ``adapter_model.safetensors`` bytes and the loss history with the reference.
+
+Kill points (the driver reports each event on stdout and, for the precise modes, waits for the
+drill's ``go`` before carrying on, so the kill lands exactly there):
+
+* ``step`` — right after optimizer step k, before its checkpoint is written;
+* ``staged-file`` — in the middle of writing checkpoint k (some of its files staged, not committed);
+* ``before-commit`` — every file of checkpoint k staged, the manifest not yet written;
+* ``after-commit`` — right after checkpoint k is committed;
+* ``random`` — a free-running driver killed after a random delay (mid-step, mid-fsync, anywhere);
+* ``cli`` — ``kiln-flows train --json`` killed just after checkpoint k appears on disk;
+* ``twice`` — killed at step k, resumed by a second driver, killed again later, then resumed.
+
+Every committed checkpoint left behind must load (``load_checkpoint`` verifies every file), the
+killed run must not have published an adapter or receipt, and the resume must succeed.
+
+The driver (``python -m kiln_core.drills.sigkill driver ...``) is shared with the S3 outage drill.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from kiln_core.drills import DrillReport, fresh_dir, one_torch_thread, prepare_training_inputs, subprocess_env, where
+
+MODES = ("step", "staged-file", "before-commit", "after-commit", "random", "cli", "twice")
+EVENT_TIMEOUT_S = 180.0
+
+
+# ------------------------------------------------------------------------------------------ driver
+
+
+class Driver:
+    """A training subprocess that reports ``EVENT <kind> <arg>`` lines and (optionally) waits for
+    ``go`` after each one."""
+
+    def __init__(self, argv: list[str], *, log_path: Path, env: dict[str, str] | None = None, cwd: str | None = None):
+        self.log_path = log_path
+        self.log = open(log_path, "ab")
+        self.process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+                                        env=env or subprocess_env(), cwd=cwd)
+        self._buffer = b""
+        self.lines: list[str] = []
+
+    @classmethod
+    def training(cls, *, request: Path, adapter: str, student: Path, out: str, log_path: Path,
+                 handshake: str = "all", resume: str | None = None, s3_fast_fail: bool = False,
+                 env: dict[str, str] | None = None) -> "Driver":
+        argv = [sys.executable, "-m", "kiln_core.drills.sigkill", "driver", "--request", str(request),
+                "--adapter", adapter, "--student", str(student), "--out", out, "--handshake", handshake]
+        if resume:
+            argv += ["--resume", resume]
+        if s3_fast_fail:
+            argv.append("--s3-fast-fail")
+        return cls(argv, log_path=log_path, env=env)
+
+    def next_line(self, timeout: float = EVENT_TIMEOUT_S) -> str | None:
+        """The next stdout line, or None at EOF; raises TimeoutError."""
+        deadline = time.monotonic() + timeout
+        assert self.process.stdout is not None
+        fd = self.process.stdout.fileno()
+        while b"\n" not in self._buffer:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"driver said nothing for {timeout}s")
+            ready, _, _ = select.select([fd], [], [], min(left, 1.0))
+            if not ready:
+                continue
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                if self._buffer:
+                    line, self._buffer = self._buffer, b""
+                    return line.decode("utf-8", "replace")
+                return None
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        text = line.decode("utf-8", "replace")
+        self.lines.append(text)
+        return text
+
+    def next_event(self, timeout: float = EVENT_TIMEOUT_S) -> tuple[str, str] | None:
+        """The next ``(kind, arg)`` event; None once the driver has exited."""
+        while True:
+            line = self.next_line(timeout)
+            if line is None:
+                return None
+            if line.startswith("EVENT "):
+                _, kind, arg = (line.split(" ", 2) + [""])[:3]
+                return kind, arg
+
+    def go(self) -> None:
+        assert self.process.stdin is not None
+        try:
+            self.process.stdin.write(b"go\n")
+            self.process.stdin.flush()
+        except BrokenPipeError:
+            pass
+
+    def kill(self) -> int:
+        """SIGKILL (if still running) and reap; returns the exit status."""
+        if self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGKILL)
+        return self.wait()
+
+    def wait(self, timeout: float | None = None) -> int:
+        try:
+            code = self.process.wait(timeout)
+        finally:
+            if self.process.returncode is not None:
+                self.close()
+        return code
+
+    def close(self) -> None:
+        for stream in (self.process.stdin, self.process.stdout):
+            try:
+                if stream is not None:
+                    stream.close()
+            except OSError:
+                pass
+        self.log.close()
+
+    def log_tail(self, chars: int = 1500) -> str:
+        try:
+            return self.log_path.read_bytes().decode("utf-8", "replace")[-chars:]
+        except OSError:
+            return ""
+
+    def result(self) -> dict[str, Any] | None:
+        for line in reversed(self.lines):
+            if line.startswith("RESULT "):
+                return json.loads(line[len("RESULT "):])
+        return None
+
+
+def _configure_fast_failing_s3() -> None:
+    """Short client timeouts and few retries: a frozen server fails a write in seconds, not minutes.
+
+    botocore sends ``PutObject`` with ``Expect: 100-continue`` (its body is file-like), and aiohttp
+    waits for the ``100 Continue`` with no timeout at all: against a frozen server every PUT hangs
+    forever whatever ``read_timeout`` says (observed with aiobotocore 3.x / aiohttp; a GET times out
+    as configured). The driver drops that header so the configured timeouts apply to writes too.
+    """
+    import botocore.handlers
+    import fsspec
+    import s3fs
+
+    botocore.handlers.BUILTIN_HANDLERS[:] = [
+        entry for entry in botocore.handlers.BUILTIN_HANDLERS if entry[1] is not botocore.handlers.add_expect_header
+    ]
+    s3fs.S3FileSystem.retries = 1  # one attempt: the outage is the point
+    fsspec.config.conf["s3"] = {
+        **fsspec.config.conf.get("s3", {}),
+        "config_kwargs": {"connect_timeout": 2, "read_timeout": 3, "retries": {"max_attempts": 1, "mode": "standard"}},
+    }
+
+
+def driver_main(argv: list[str]) -> int:
+    """Run one training request with every publication step reported as an event."""
+    parser = argparse.ArgumentParser(prog="kiln_core.drills.sigkill driver")
+    parser.add_argument("--request", required=True)
+    parser.add_argument("--adapter", required=True)
+    parser.add_argument("--student", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--resume")
+    parser.add_argument("--handshake", choices=("all", "none", "laststep"), default="all")
+    parser.add_argument("--s3-fast-fail", action="store_true")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    torch.set_num_threads(1)
+    if args.s3_fast_fail:
+        _configure_fast_failing_s3()
+    from kiln_core import storage
+    from kiln_core.training import receipt as receipt_module
+    from kiln_core.training.run_request import run_train_request
+
+    def event(kind: str, arg: Any, wait: bool | None = None) -> None:
+        sys.stdout.write(f"EVENT {kind} {arg}\n")
+        sys.stdout.flush()
+        if wait if wait is not None else args.handshake == "all":
+            if not sys.stdin.readline():
+                os._exit(70)  # the drill went away
+
+    original_write, original_commit = storage.StagedDirectory.write, storage.StagedDirectory.commit
+    original_atomic = receipt_module.write_bytes_atomic
+
+    def write(self, relative_path, data):
+        event("write", self.target.child(relative_path).uri)
+        return original_write(self, relative_path, data)
+
+    def commit(self, data):
+        event("commit", self.target.uri)
+        target = original_commit(self, data)
+        event("committed", self.target.uri)
+        return target
+
+    def atomic(location, data):
+        event("put", location.uri)
+        original_atomic(location, data)
+        event("put-done", location.uri)
+
+    storage.StagedDirectory.write, storage.StagedDirectory.commit = write, commit
+    receipt_module.write_bytes_atomic = atomic
+
+    def progress(step: int, total: int, loss: float) -> None:
+        event("step", step, wait=args.handshake == "all" or (args.handshake == "laststep" and step == total))
+
+    event("start", os.getpid())
+    result = run_train_request(args.request, adapter=args.adapter, student_dir=args.student, out_root=args.out,
+                               resume_checkpoint=args.resume, on_progress=progress)
+    sys.stdout.write("RESULT " + json.dumps({"status": result.status, "steps": result.steps,
+                                             "latest_checkpoint": result.latest_checkpoint}) + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+# ------------------------------------------------------------------------------------------ checks
+
+
+def checkpoint_step_of(uri: str) -> int | None:
+    """The step in a ``...-checkpoint-step-<8 digits>.kiln-checkpoint[/file]`` URI."""
+    import re
+
+    match = re.search(r"-checkpoint-step-(\d{8})\.kiln-checkpoint", uri)
+    return int(match.group(1)) if match else None
+
+
+def inspect_run_dir(run_uri: str, adapter: str) -> tuple[list[str], list[str]]:
+    """(problems, committed basenames): every committed checkpoint must load and verify."""
+    from kiln_core.storage import list_children, resolve
+    from kiln_core.training.checkpoint import CheckpointError, committed_checkpoints, load_checkpoint
+
+    run = resolve(run_uri)
+    problems = []
+    committed = [name for _, name in committed_checkpoints(run, adapter)]
+    for name in committed:
+        try:
+            load_checkpoint(run, name)
+        except CheckpointError as error:
+            problems.append(f"committed checkpoint {name} does not load: [{error.code}] {error}")
+    children = list_children(run)
+    staging = [name for name in children if name.startswith(".") and ".incomplete-" in name]
+    return problems, committed + [f"(staging) {name}" for name in staging]
+
+
+def adapter_bytes(run_uri: str) -> bytes:
+    from kiln_core.storage import resolve
+
+    return resolve(run_uri).child("adapter", "adapter_model.safetensors").read_bytes()
+
+
+def resume_like_the_pipeline(request: Path, adapter: str, student: Path, out: str):
+    """What a retry does (tasks/train.py): resume from the newest committed checkpoint, if any."""
+    from kiln_core.storage import resolve
+    from kiln_core.training.checkpoint import latest_checkpoint
+    from kiln_core.training.run_request import run_directory, run_train_request
+
+    latest = latest_checkpoint(resolve(run_directory(out, adapter)), adapter)
+    with one_torch_thread():
+        return latest, run_train_request(str(request), adapter=adapter, student_dir=str(student), out_root=out,
+                                         resume_checkpoint=latest)
+
+
+# ------------------------------------------------------------------------------------------ drill
+
+
+def run(*, workdir: Path, trials: int = 20, seed: int = 0, **_: Any) -> dict[str, Any]:
+    """Run ``trials`` kill-and-resume trials; see the module docstring."""
+    from kiln_core.training.run_request import run_directory, run_train_request
+
+    report = DrillReport("sigkill", seed=seed)
+    inputs = prepare_training_inputs(workdir / "fixture")
+    out = fresh_dir(workdir, "out")
+    logs = fresh_dir(workdir, "logs")
+    references: dict[int, tuple[bytes, list[float]]] = {}
+    with one_torch_thread():
+        for interval in inputs.requests:
+            result = run_train_request(str(inputs.request(interval)), adapter=f"reference-{interval}",
+                                       student_dir=str(inputs.student), out_root=str(out))
+            assert result.status == "success", result
+            references[interval] = (adapter_bytes(run_directory(str(out), f"reference-{interval}")), result.loss_history)
+            total = result.total_steps
+    report["total_steps"] = total
+    report["references_equal_across_intervals"] = len({ref[0] for ref in references.values()}) == 1
+    rng = random.Random(seed)
+    for trial in range(trials):
+        mode = MODES[trial] if trial < len(MODES) else rng.choice(MODES)
+        interval = rng.choice(sorted(inputs.requests))
+        kill_step = rng.randint(1, total - 1)
+        if mode in ("staged-file", "before-commit", "after-commit"):  # a step that has a checkpoint
+            kill_step = max(interval, min(kill_step - kill_step % interval, total - 1))
+        adapter = f"trial-{trial:03d}"
+        label = f"trial {trial} mode={mode} interval={interval} kill_step={kill_step}"
+        try:
+            outcome = _trial(mode, rng, inputs.request(interval), adapter, inputs.student, str(out), kill_step, total,
+                             interval, logs / f"{adapter}.log")
+            run_uri = run_directory(str(out), adapter)
+            if outcome.get("problem"):
+                report.failed_trial(f"{label}: {outcome['problem']}")
+                continue
+            report.bump("modes", mode)
+            report.figures.setdefault("kill_points", []).append(
+                f"{mode}@{kill_step}" + (f"+{outcome['second_kill']}" if outcome.get("second_kill") else "")
+                + f"/interval-{interval}")
+            reference, losses = references[interval]
+            if outcome.get("completed_before_kill"):  # nothing to resume: the run must simply be right
+                report.count("completed_before_kill")
+                if adapter_bytes(run_uri) == reference:
+                    report.passed_trial()
+                else:
+                    report.failed_trial(f"{label}: the run finished before the kill with another adapter")
+                continue
+            report.count("kills")
+            latest, resumed = resume_like_the_pipeline(inputs.request(interval), adapter, inputs.student, str(out))
+            report.bump("resumed_from_step", str(int(latest.split("-step-")[1][:8]) if latest else 0))
+            problems = []
+            if resumed.status != "success":
+                problems.append(f"resume ended {resumed.status}: {resumed.failure_message}")
+            elif adapter_bytes(run_uri) != reference:
+                problems.append(f"adapter bytes differ from the reference after resuming from {latest}")
+            elif resumed.loss_history != losses:
+                problems.append(f"loss history differs from the reference after resuming from {latest}")
+            if problems:
+                report.failed_trial(f"{label}: " + "; ".join(problems))
+            else:
+                report.passed_trial()
+        except Exception as error:  # anything unexpected is a crash of the trial, reported with its place
+            report.failed_trial(f"{label}: {type(error).__name__}: {error} @ {where(error)}", crash=True)
+    return report.finish()
+
+
+def _trial(mode: str, rng: random.Random, request: Path, adapter: str, student: Path, out: str, kill_step: int,
+           total: int, interval: int, log: Path) -> dict[str, Any]:
+    """Start, kill and inspect one interrupted run; returns ``{"problem": ...}`` or facts."""
+    from kiln_core.training.run_request import run_directory
+
+    run_uri = run_directory(out, adapter)
+    facts: dict[str, Any] = {}
+    if mode == "cli":
+        code = _kill_cli(request, adapter, student, out, kill_step, rng, log)
+    elif mode == "random":
+        code = _kill_random(request, adapter, student, out, rng, log)
+    elif mode == "twice":
+        first = min(kill_step, total - 2)
+        code = _kill_at(Driver.training(request=request, adapter=adapter, student=student, out=out, log_path=log),
+                        "step", first, rng)
+        if code != -signal.SIGKILL:
+            return {"problem": f"first kill: driver exited {code} before the kill point"}
+        problems, _ = inspect_run_dir(run_uri, adapter)
+        if problems:
+            return {"problem": "; ".join(problems)}
+        from kiln_core.storage import resolve
+        from kiln_core.training.checkpoint import latest_checkpoint
+
+        latest = latest_checkpoint(resolve(run_uri), adapter)
+        second, second_mode = rng.randint(first + 1, total - 1), rng.choice(["step", "staged-file", "after-commit"])
+        if second_mode != "step":
+            second = max(first + 1, min(second, total - 1 - (total - 1) % interval))
+        facts["second_kill"] = f"{second_mode}@{second}"
+        code = _kill_at(Driver.training(request=request, adapter=adapter, student=student, out=out, log_path=log,
+                                        resume=latest), second_mode, second, rng)
+    else:
+        code = _kill_at(Driver.training(request=request, adapter=adapter, student=student, out=out, log_path=log),
+                        mode, kill_step, rng)
+    if code == 0:
+        facts["completed_before_kill"] = True
+    elif code != -signal.SIGKILL:
+        return {"problem": f"driver exited {code} instead of being killed; log: {log.read_text()[-1500:]}"}
+    problems, _ = inspect_run_dir(run_uri, adapter)
+    from kiln_core.storage import resolve
+
+    run = resolve(run_uri)
+    if not facts.get("completed_before_kill"):
+        if run.child("adapter", "adapter_config.json").exists():
+            problems.append("a killed run published its adapter")
+        if run.child("train_receipt.json").exists():
+            problems.append("a killed run wrote a receipt")
+    return {"problem": "; ".join(problems)} if problems else facts
+
+
+def _kill_at(driver: Driver, mode: str, kill_step: int, rng: random.Random) -> int:
+    """Drive a handshake driver to the kill point of ``mode`` at (or after) ``kill_step`` and kill it."""
+    files_before_kill = rng.randint(0, 2)  # checkpoint files: adapter, optimizer, loop state
+    written: dict[int, int] = {}
+    try:
+        while True:
+            event = driver.next_event()
+            if event is None:
+                return driver.wait(30)
+            kind, arg = event
+            step = None
+            if kind == "step":
+                step = int(arg)
+                if mode == "step" and step >= kill_step:
+                    return driver.kill()
+            elif kind in ("write", "commit", "committed"):
+                step = checkpoint_step_of(arg)
+                if step is not None and step >= kill_step:
+                    if mode == "staged-file" and kind == "write":
+                        if written.get(step, 0) == files_before_kill:
+                            return driver.kill()
+                        written[step] = written.get(step, 0) + 1
+                    elif mode == "staged-file" and kind == "commit":
+                        return driver.kill()  # fewer files than drawn: kill before the manifest
+                    elif (mode, kind) in (("before-commit", "commit"), ("after-commit", "committed")):
+                        return driver.kill()
+            driver.go()
+    finally:
+        if driver.process.poll() is None:
+            driver.kill()
+
+
+def _kill_random(request: Path, adapter: str, student: Path, out: str, rng: random.Random, log: Path) -> int:
+    """A free-running driver (it only waits at its last step, so it never publishes) killed at a
+    random moment after its first step."""
+    driver = Driver.training(request=request, adapter=adapter, student=student, out=out, log_path=log,
+                             handshake="laststep")
+    try:
+        while True:
+            event = driver.next_event()
+            if event is None:
+                return driver.wait(30)
+            if event == ("step", "1"):
+                break
+        time.sleep(rng.uniform(0.0, 0.4))
+        return driver.kill()
+    finally:
+        if driver.process.poll() is None:
+            driver.kill()
+
+
+def _kill_cli(request: Path, adapter: str, student: Path, out: str, kill_step: int, rng: random.Random,
+              log: Path) -> int:
+    """``kiln-flows train --json`` killed a moment after checkpoint ``kill_step`` (or later) is on disk."""
+    from kiln_core.storage import resolve
+    from kiln_core.training.checkpoint import committed_checkpoints
+    from kiln_core.training.run_request import run_directory
+
+    kill_step = min(kill_step, 6)  # stay clear of the end: the run must not publish before the kill
+    argv = [sys.executable, "-m", "flows.cli", "train", "--request", str(request), "--adapter", adapter,
+            "--student", str(student), "--out", out, "--json", "--quiet"]
+    with open(log, "ab") as handle:
+        process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=handle, stderr=handle, env=subprocess_env())
+    run = resolve(run_directory(out, adapter))
+    deadline = time.monotonic() + EVENT_TIMEOUT_S
+    try:
+        while process.poll() is None and time.monotonic() < deadline:
+            if any(step >= kill_step for step, _ in committed_checkpoints(run, adapter)):
+                time.sleep(rng.uniform(0.0, 0.02))
+                break
+            time.sleep(0.002)
+    finally:
+        if process.poll() is None:
+            os.kill(process.pid, signal.SIGKILL)
+    return process.wait()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "driver":
+        sys.exit(driver_main(sys.argv[2:]))
+    print("usage: python -m kiln_core.drills.sigkill driver --request ... (the drill itself: kiln-flows drill sigkill)",
+          file=sys.stderr)
+    sys.exit(2)
