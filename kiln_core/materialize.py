@@ -179,14 +179,18 @@ def write_materialization(
     """Write the tables and commit them with ``admission.json``; fills ``result.materialized``."""
     dataset_hex = result.dataset_sha256.removeprefix("sha256:")
     identity = student.identity()
-    location = corpus_location(root, dataset_hex, storage_options)
-    existing = read_materialization_at(location)
-    if existing is not None:
-        location = location.child("variants", variant_key(identity, result.effective_top_k))
-        existing = read_materialization_at(location)
-        if existing is not None:  # a concurrent writer committed the same variant first
-            result.materialized, result.record = existing.uri, existing.record
-            return existing
+    primary = corpus_location(root, dataset_hex, storage_options)
+    variant = primary.child("variants", variant_key(identity, result.effective_top_k))
+    location = None
+    for candidate in (primary, variant):
+        existing = read_materialization_at(candidate)
+        if existing is None:
+            location = candidate
+            break
+        if _same_variant(existing, identity, result.effective_top_k):
+            return _adopt(result, existing)  # a concurrent writer committed this variant first
+    if location is None:
+        raise FileExistsError(f"{variant.uri} holds a different materialization under this variant key")
 
     payloads = {EXAMPLES_FILE: _examples_parquet(tables), TARGETS_FILE: _targets_parquet(tables)}
     record = AdmissionRecord(
@@ -214,9 +218,24 @@ def write_materialization(
                 staged.write(name, data)
             staged.commit(record.model_dump_json(indent=2).encode("utf-8"))
     except FileExistsError:
-        pass  # another writer committed the same content first; content addressing makes it equal
-    materialization = read_materialization_at(location)
-    assert materialization is not None
+        # Another writer committed here first. Same variant: content addressing makes it ours too.
+        # Another student's tables took the primary slot: this variant goes to its own directory.
+        existing = read_materialization_at(location)
+        if existing is not None and _same_variant(existing, identity, result.effective_top_k):
+            return _adopt(result, existing)
+        if location is variant:
+            raise
+        return write_materialization(root, result, tables, student=student, requested_top_k=requested_top_k,
+                                     manifest_line_number=manifest_line_number, pinned_identity=pinned_identity,
+                                     storage_options=storage_options)
+    return _adopt(result, read_materialization_at(location))
+
+
+def _same_variant(materialization: Materialization, student_identity: dict[str, Any], top_k: int) -> bool:
+    return materialization.record.student == student_identity and materialization.record.effective_top_k == top_k
+
+
+def _adopt(result, materialization: Materialization) -> Materialization:
     result.materialized, result.record = materialization.uri, materialization.record
     return materialization
 

@@ -195,10 +195,14 @@ class StagedDirectory:
             os.unlink(os.path.join(self.staging.path, INCOMPLETE_SENTINEL))
             _fsync_tree(self.staging.path)
             if os.path.exists(self.target.path):
-                # A leftover uncommitted directory (a crash on an object-store-like path) is
-                # replaced; a committed one was refused in __enter__.
-                _remove_local_tree(self.target.path)
-            os.rename(self.staging.path, self.target.path)
+                if self._is_committed(self.target):
+                    # Another writer committed the same target since __enter__: theirs stands.
+                    raise FileExistsError(f"{self.target.uri} was committed by another writer")
+                _remove_local_tree(self.target.path)  # an uncommitted leftover is never visible
+            try:
+                os.rename(self.staging.path, self.target.path)
+            except OSError as error:  # ENOTEMPTY/EEXIST: a concurrent commit landed first
+                raise FileExistsError(f"{self.target.uri} was committed by another writer") from error
             _fsync_dir(os.path.dirname(self.target.path))
         else:
             with self.target.fs.open(posixpath.join(self.target.path, self.commit_name), "wb") as handle:
@@ -209,6 +213,31 @@ class StagedDirectory:
     def __exit__(self, exc_type, exc, tb) -> None:
         if not self.committed and self.target.is_local and self._staging is not None:
             _remove_local_tree(self._staging.path)
+
+
+def remove_tree(location: Location) -> None:
+    """Delete a directory (or prefix) and everything below it."""
+    if location.is_local:
+        _remove_local_tree(location.path)
+    elif location.exists():
+        location.fs.rm(location.path, recursive=True)
+        location.refresh()
+
+
+def move_aside(location: Location, new_name: str) -> Location:
+    """Rename a directory (or prefix) to a sibling ``new_name``; returns the new location.
+
+    Local disk renames atomically; object stores copy then delete.
+    """
+    target = Location(location.fs, posixpath.join(posixpath.dirname(location.path), new_name),
+                      location.uri.rstrip("/").rsplit("/", 1)[0] + "/" + new_name)
+    if location.is_local:
+        os.rename(location.path, target.path)
+        _fsync_dir(os.path.dirname(target.path))
+    else:
+        location.fs.mv(location.path, target.path, recursive=True)
+        location.refresh()
+    return target
 
 
 def list_children(location: Location) -> list[str]:

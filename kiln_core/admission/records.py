@@ -18,6 +18,7 @@ are applied to either result by ``check_manifest_records``.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,9 +118,14 @@ def json_object(pairs: list[tuple[str, Any]]) -> JsonObject:
     return result
 
 
+def _integer(literal: str) -> int | float:
+    """A JSON integer literal; one too long for ``int()`` (4,300 digits) is a float, ±inf, as pyarrow reads it."""
+    return int(literal) if len(literal) <= 4000 else float(literal)
+
+
 def decode_json_line(text: str) -> Any:
     """Decode one JSON line, objects as ``JsonObject``."""
-    return json.loads(text, object_pairs_hook=json_object)
+    return json.loads(text, object_pairs_hook=json_object, parse_int=_integer)
 
 
 def check_known_fields(value: dict[str, Any], known: tuple[str, ...], where: str) -> None:
@@ -271,7 +277,10 @@ def _u32(value: Any, where: str) -> int:
 def _number(value: Any, where: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise RecordError(where, "must be a number")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an integer beyond float range: infinite, as the fast parser reads it
+        return math.inf if value > 0 else -math.inf
 
 
 def parse_message(message: Any, where: str) -> dict[str, Any]:

@@ -50,7 +50,7 @@ from kiln_core.contracts.opd_config import (
     resolve_top_k,
 )
 from kiln_core.corpus import CorpusTables
-from kiln_core.storage import StagedDirectory, resolve
+from kiln_core.storage import StagedDirectory, move_aside, remove_tree, resolve
 from kiln_core.training import checkpoint as ckpt
 from kiln_core.training.distributed import World
 from kiln_core.training.loss import compose_step_loss, echo_env_cross_entropy, topk_reverse_kl, topk_tail_reverse_kl
@@ -486,7 +486,8 @@ def _plan_run(*, tables, dataset_sha256, dataset_path, student_dir, adapter_name
     else:  # Kiln draws the seed once when the request leaves it null; it is recorded everywhere (rank 0's)
         seed = config.seed if config.seed is not None else world.broadcast_int(secrets.randbits(63))
     _preflight_outputs(run_dir, adapter_name, config.checkpoint_interval,
-                       loaded.manifest.progress.global_step if loaded else 0, schedule.total_steps)
+                       loaded.manifest.progress.global_step if loaded else 0, schedule.total_steps,
+                       may_change=world.is_main)
     eff = effective_config(config, seed, top_k)
     facts = RunFacts(
         adapter_name=adapter_name, student_dir=str(student_dir), student_identity=identity, dataset_path=dataset_path,
@@ -620,20 +621,50 @@ def _data_stats(tables: CorpusTables) -> dict[str, int]:
     }
 
 
-def _preflight_outputs(run_dir, adapter_name: str, interval: int | None, start: int, total: int) -> None:
-    """Refuse up front what would otherwise fail mid-run: a published adapter, a future checkpoint
-    basename that already exists (checkpoints are immutable)."""
-    if run_dir.child(ADAPTER_DIR, "adapter_config.json").exists():
-        raise ConfigError(f"adapter {adapter_name!r} is already published at {run_dir.child(ADAPTER_DIR).uri}; "
-                          "choose a new adapter name", "adapter", code="adapter_exists")
+def _preflight_outputs(run_dir, adapter_name: str, interval: int | None, start: int, total: int,
+                       *, may_change: bool = True) -> None:
+    """Settle the run directory before any work.
+
+    * A published adapter with a successful receipt is a finished run: refuse (new adapter name).
+    * A published adapter *without* one is a publication cut short between the adapter commit and the
+      receipt (a crash, a storage outage): it is removed and republished by this run, which recomputes
+      the same bytes from the newest checkpoint.
+    * A fresh run into a directory that already holds checkpoints it would write: refuse.
+    * A resume from an *earlier* checkpoint the user chose (the newest one is damaged): the later
+      checkpoints it would write again are moved aside as hidden ``.<name>.superseded-<id>``
+      directories — never deleted, never overwritten — so the run can publish its own.
+
+    Only one process (rank 0) changes the directory; the others just check.
+    """
+    adapter = run_dir.child(ADAPTER_DIR)
+    if adapter.child("adapter_config.json").exists():
+        if _receipt_status(run_dir) == "success":
+            raise ConfigError(f"adapter {adapter_name!r} is already published at {adapter.uri}; "
+                              "choose a new adapter name", "adapter", code="adapter_exists")
+        if may_change:
+            remove_tree(adapter)
     if not interval:
         return
     clashes = [name for step, name in ckpt.committed_checkpoints(run_dir, adapter_name)
                if step > start and step % interval == 0 and step < total]
-    if clashes:
+    if clashes and start == 0:
         raise ConfigError(f"run directory {run_dir.uri} already holds checkpoint {clashes[0]} that this run would "
                           "write; resume from the newest checkpoint or use a new adapter name", "resume_checkpoint",
                           code="checkpoint_exists")
+    for name in clashes if may_change else ():
+        move_aside(run_dir.child(name), f".{name}.superseded-{secrets.token_hex(4)}")
+
+
+def _receipt_status(run_dir) -> str | None:
+    import json
+
+    receipt = run_dir.child(RECEIPT_FILE)
+    if not receipt.exists():
+        return None
+    try:
+        return json.loads(receipt.read_bytes()).get("status")
+    except (ValueError, AttributeError):
+        return None
 
 
 def _lora_delta_norms(student: Student) -> list[dict[str, Any]]:
