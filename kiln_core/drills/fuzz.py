@@ -97,9 +97,18 @@ def _mutate_value(rng: random.Random, record: Any, op: str) -> bool:
         if choice < len(NUMBER_SENTINELS):
             parent[key] = rng.choice(list(NUMBER_SENTINELS))
         else:
-            edits = [old + 1, old - 1, -old, old * 1e30, float(old), 2**32 - 1, 0.5, -1, 2**31]
-            parent[key] = edits[choice - len(NUMBER_SENTINELS)]
+            parent[key] = _number_edit(old, choice - len(NUMBER_SENTINELS))
     return True
+
+
+def _number_edit(old: int | float, which: int) -> int | float:
+    """One arithmetic edit of a number; edits that overflow a float (huge integers) become infinity."""
+    edits = [lambda: old + 1, lambda: old - 1, lambda: -old, lambda: old * 1e30, lambda: float(old),
+             lambda: 2**32 - 1, lambda: 0.5, lambda: -1, lambda: 2**31]
+    try:
+        return edits[which]()
+    except OverflowError:
+        return float("inf") if old > 0 else float("-inf")
 
 
 def _mutate_record_line(rng: random.Random, lines: list[str], op: str) -> list[str]:
