@@ -21,10 +21,6 @@ from tasks.publish import publish_task, record_artifacts
 from tasks.train import run_key, train_task
 
 
-class PipelineRejected(ValueError):
-    """The spec or its inputs were refused before training started."""
-
-
 def prepare_config(spec: PipelineSpec):
     """Validate ``spec.config`` for offline training before any work (field named on error)."""
     from kiln_core.contracts.opd_config import ConfigError, validate_for_offline_training

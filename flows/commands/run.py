@@ -63,7 +63,6 @@ def _failure(args: argparse.Namespace, state) -> int:
     from kiln_core.contracts.opd_config import ConfigError
     from kiln_core.errors import AdmissionError
 
-    from flows.opd_distill import PipelineRejected
     from flows.spec import SpecError
 
     try:
@@ -73,7 +72,7 @@ def _failure(args: argparse.Namespace, state) -> int:
         error = raised
     if isinstance(error, AdmissionError):
         return _emit(args, 2, error.to_json(), f"rejected: {error}")
-    if isinstance(error, (SpecError, ConfigError, PipelineRejected)):
+    if isinstance(error, (SpecError, ConfigError)):
         return _emit(args, 2, {"status": "rejected", "message": str(error)}, f"rejected: {error}")
     message = str(error) if error is not None else (state.message or state.type.value)
     return _emit(args, 3, {"status": "failed", "message": message}, f"failed: {message}")
