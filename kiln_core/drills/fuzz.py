@@ -182,20 +182,25 @@ def mutate_corpus(base: list[str], ops: list[tuple[str, int]]) -> bytes:
             elif op == "blank":
                 lines.insert(rng.randrange(len(lines) + 1), rng.choice(["", " ", "\t", "\u3000", "\r", "\x0c"]))
             continue
-        buffer = bytearray(data if data is not None else joined(lines))
-        if not buffer:
-            continue
-        position = rng.randrange(len(buffer))
-        if op == "flip":
-            buffer[position] ^= rng.randrange(1, 256)
-        elif op == "insert":
-            buffer[position:position] = rng.choice(INSERT_BYTES)
-        elif op == "cut":
-            del buffer[position: position + rng.randrange(1, 9)]
-        else:  # truncate
-            del buffer[position:]
-        data = bytes(buffer)
+        current = data if data is not None else joined(lines)
+        if current:
+            data = _mutate_bytes(rng, op, current)
     return data if data is not None else joined(lines)
+
+
+def _mutate_bytes(rng: random.Random, op: str, data: bytes) -> bytes:
+    """One byte-level edit of non-empty ``data``: flip, insert, cut or truncate at a random position."""
+    buffer = bytearray(data)
+    position = rng.randrange(len(buffer))
+    if op == "flip":
+        buffer[position] ^= rng.randrange(1, 256)
+    elif op == "insert":
+        buffer[position:position] = rng.choice(INSERT_BYTES)
+    elif op == "cut":
+        del buffer[position: position + rng.randrange(1, 9)]
+    else:  # truncate
+        del buffer[position:]
+    return bytes(buffer)
 
 
 def case_ops(seed: int, index: int) -> list[tuple[str, int]]:
@@ -354,19 +359,8 @@ def mutate_request(base: bytes, ops: list[tuple[str, int]], refresh: bool) -> by
     for op, seed in ops:
         rng = random.Random(seed)
         if op in ("flip", "insert", "cut", "truncate"):
-            buffer = bytearray(data)
-            if not buffer:
-                continue
-            position = rng.randrange(len(buffer))
-            if op == "flip":
-                buffer[position] ^= rng.randrange(1, 256)
-            elif op == "insert":
-                buffer[position:position] = rng.choice(INSERT_BYTES)
-            elif op == "cut":
-                del buffer[position: position + rng.randrange(1, 9)]
-            else:
-                del buffer[position:]
-            data = bytes(buffer)
+            if data:
+                data = _mutate_bytes(rng, op, data)
             continue
         try:
             doc = json.loads(data)
