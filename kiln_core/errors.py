@@ -1,4 +1,13 @@
-"""Errors that carry a stable, machine-readable code.
+"""The error model: every failure kiln-flows raises on purpose is one of two kinds.
+
+* ``Rejection`` — bad input (a corpus, request, spec, model directory, checkpoint that does not
+  match). It carries a stable ``code``, the place (``line`` and/or ``field``, ``file``) and a message
+  naming the rule. The CLI exits 2, flows fail fast and never retry: the same input fails again.
+* ``EnvironmentFailure`` — the world failed (storage or network unreachable, timed out, refused
+  credentials). The CLI exits 3 with a one-line message, Prefect retries the task.
+
+Nothing else is meant to escape to a user; anything that does is a bug (exit 3 "failed" with the
+receipt saying ``training_error``), never exit 1 with a traceback.
 
 Admission rejects a corpus with exactly one ``AdmissionError``; its ``code`` is one of
 ``ADMISSION_CODES`` and never renamed (DESIGN.md decision 2). ``line`` is the 1-based physical line
@@ -6,6 +15,79 @@ of the file (blank lines counted), or ``None`` for file-level rules.
 """
 
 from __future__ import annotations
+
+from typing import Any
+
+EXIT_REJECTED = 2
+EXIT_FAILED = 3
+
+
+class KilnFlowsError(Exception):
+    """Base of both kinds. ``code`` is stable (never renamed); ``message`` says what to fix.
+
+    Attributes:
+        code: Stable machine-readable name of the rule or failure.
+        message: Human-readable explanation, without the place prefix.
+        line: 1-based physical line of ``file`` the error is about, or None.
+        field: Dotted path of the offending field (``config.top_k``, ``spec.adapter``), or None.
+        file: The file (path or URI) the error is about, or None.
+    """
+
+    status = "failed"
+    exit_code = EXIT_FAILED
+    retryable = True
+
+    def __init__(self, code: str, message: str, *, line: int | None = None, field: str | None = None,
+                 file: str | None = None) -> None:
+        self.code = code
+        self.message = message
+        self.line = line
+        self.field = field
+        self.file = file
+        super().__init__(self.describe())
+
+    def describe(self) -> str:
+        """``[code] <place>: message`` on one line."""
+        place = self.place()
+        return f"[{self.code}] {place + ': ' if place else ''}{self.message}"
+
+    def place(self) -> str:
+        """Where the error is: ``corpus.jsonl line 3``, ``field config.top_k``, or ''."""
+        parts = []
+        if self.file:
+            parts.append(str(self.file))
+        if self.line is not None:
+            parts.append(f"line {self.line}")
+        if self.field:
+            parts.append(f"field {self.field}")
+        return " ".join(parts)
+
+    def __str__(self) -> str:
+        return self.describe()
+
+    def to_json(self) -> dict[str, Any]:
+        """The one JSON error object every CLI command and flow result uses (same keys everywhere)."""
+        payload: dict[str, Any] = {"status": self.status, "code": self.code, "line": self.line, "field": self.field,
+                                   "message": self.message}
+        if self.file is not None:
+            payload["file"] = self.file
+        return payload
+
+
+class Rejection(KilnFlowsError):
+    """Bad input: exit 2, never retried (DESIGN.md decision 10)."""
+
+    status = "rejected"
+    exit_code = EXIT_REJECTED
+    retryable = False
+
+
+class EnvironmentFailure(KilnFlowsError):
+    """Storage or network failure: exit 3, retried by Prefect (DESIGN.md decision 10)."""
+
+    status = "failed"
+    exit_code = EXIT_FAILED
+    retryable = True
 
 ADMISSION_CODES = (
     "file_not_found",
@@ -40,7 +122,7 @@ ADMISSION_CODES = (
 )
 
 
-class AdmissionError(Exception):
+class AdmissionError(Rejection):
     """A corpus rejected by one admission rule.
 
     Attributes:
@@ -52,12 +134,4 @@ class AdmissionError(Exception):
     def __init__(self, code: str, line: int | None, message: str) -> None:
         if code not in ADMISSION_CODES:
             raise ValueError(f"unknown admission code {code!r}")
-        where = f"line {line}: " if line is not None else ""
-        super().__init__(f"[{code}] {where}{message}")
-        self.code = code
-        self.line = line
-        self.message = message
-
-    def to_json(self) -> dict[str, object]:
-        """The CLI's rejection object."""
-        return {"status": "rejected", "code": self.code, "line": self.line, "message": self.message}
+        super().__init__(code, message, line=line)

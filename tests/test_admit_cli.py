@@ -73,7 +73,7 @@ def test_rejection_exits_2_with_the_rejection_object(capsys, corpus, tiny_studen
     code, out, _ = run_cli(capsys, bad, "--student", tiny_student, "--json")
     assert code == 2
     value = one_json_object(out)
-    assert set(value) == {"status", "code", "line", "message"}
+    assert set(value) == {"status", "code", "line", "field", "message"}
     assert (value["status"], value["code"], value["line"]) == ("rejected", "invalid_json", 3)
     assert isinstance(value["message"], str) and value["message"]
 
