@@ -12,6 +12,25 @@ receipt saying ``training_error``), never exit 1 with a traceback.
 Admission rejects a corpus with exactly one ``AdmissionError``; its ``code`` is one of
 ``ADMISSION_CODES`` and never renamed (DESIGN.md decision 2). ``line`` is the 1-based physical line
 of the file (blank lines counted), or ``None`` for file-level rules.
+
+The mapping, everywhere:
+
+=========================  ==========  ====================================  ========================
+kind                       CLI exit    Prefect task                          JSON ``status``
+=========================  ==========  ====================================  ========================
+``Rejection``              2           failed at once, never retried         ``rejected``
+``EnvironmentFailure``     3           retried (bounded), then failed        ``failed``
+anything else (a bug)      3           retried, then failed                  ``failed``
+=========================  ==========  ====================================  ========================
+
+Every error class of the package subclasses one of the two (``ConfigError``, ``ManifestError``,
+``TokenizationError``, ``OracleRejection``, … are rejections). A class whose codes mix both causes
+(``ScoringError``, ``TeacherRegistryError``) picks its kind from the code when it is constructed:
+``ScoringError("vllm_unreachable", …)`` is an ``EnvironmentFailure``, ``ScoringError("no_examples",
+…)`` a ``Rejection``. ``kiln-flows`` prints ``error.describe()`` (or ``to_json()`` with ``--json``)
+and exits with ``error.exit_code``; the Prefect tasks use ``retry_unless_rejected`` as their
+``retry_condition_fn``. An exception that is neither — a bug — exits 3 with one line
+(``--debug`` or ``KILN_FLOWS_DEBUG=1`` prints the traceback).
 """
 
 from __future__ import annotations
@@ -73,6 +92,28 @@ class KilnFlowsError(Exception):
             payload["file"] = self.file
         return payload
 
+    def __reduce__(self):
+        # Subclasses have their own constructor signatures; rebuild from the attributes instead, so an
+        # error survives pickling (Prefect stores a failed task's exception with its state).
+        return _restore, (type(self), dict(self.__dict__), self.args)
+
+
+def _restore(cls: type, state: dict[str, Any], args: tuple) -> KilnFlowsError:
+    error = cls.__new__(cls)
+    Exception.__init__(error, *args)
+    error.__dict__.update(state)
+    return error
+
+
+def pick_kind(base: type, code: str, environment_codes: frozenset[str]) -> type:
+    """The subclass of a mixed error class ``base`` for ``code``: its ``…Failure`` child when the code
+    names an environment failure, its ``…Rejection`` child otherwise (see ``ScoringError``)."""
+    wanted = EnvironmentFailure if code in environment_codes else Rejection
+    for child in base.__subclasses__():
+        if issubclass(child, wanted):
+            return child
+    raise TypeError(f"{base.__name__} has no {wanted.__name__} subclass")
+
 
 class Rejection(KilnFlowsError):
     """Bad input: exit 2, never retried (DESIGN.md decision 10)."""
@@ -88,6 +129,12 @@ class EnvironmentFailure(KilnFlowsError):
     status = "failed"
     exit_code = EXIT_FAILED
     retryable = True
+
+
+def is_rejection(error: BaseException | None) -> bool:
+    """True for bad input (never worth a retry)."""
+    return isinstance(error, Rejection)
+
 
 ADMISSION_CODES = (
     "file_not_found",

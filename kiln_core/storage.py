@@ -10,22 +10,168 @@ Everything kiln-flows publishes is a *directory of files plus one commit file*:
   file (a manifest) is written last; readers treat a prefix without its commit file as absent
   (DESIGN.md decision 7).
 
-Credentials never pass through here as arguments: s3fs reads the environment / AWS config, or the
-caller passes ``storage_options`` obtained from a Prefect block.
+Single files are written with one primitive, ``AtomicFile`` (local: a temp file beside the target,
+fsync, ``os.replace``, fsync of the directory; object stores: one PUT at commit).
+
+Credentials: s3fs reads the environment / AWS config, or the caller passes ``storage_options`` — as an
+argument, or for a whole run with ``storage_options_scope`` (a context variable: two runs in one
+process each see their own, and fsspec's process-wide ``fsspec.config.conf`` is never written).
+
+Timeouts are product settings, applied to every ``s3://`` location ``resolve`` returns (the caller's
+own ``config_kwargs`` win): ``KILN_FLOWS_STORAGE_CONNECT_TIMEOUT`` (seconds, default 10),
+``KILN_FLOWS_STORAGE_READ_TIMEOUT`` (seconds, default 60) and ``KILN_FLOWS_STORAGE_MAX_ATTEMPTS``
+(attempts per request, botocore's ``standard`` retry mode, default 3; s3fs's own retry loop is set to
+one pass so the attempts are not multiplied). Writes go out without ``Expect: 100-continue``: aiohttp
+waits for the ``100 Continue`` with no timeout, so a frozen endpoint would hang every PUT forever.
+A frozen or unreachable endpoint therefore fails each request after a bounded time with a
+``StorageFailure`` (``EnvironmentFailure``, retried by Prefect); a URI whose protocol is unknown or
+whose package is not installed is a ``StorageRejection``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 import posixpath
+import tempfile
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from kiln_core.errors import EnvironmentFailure, Rejection
+
 INCOMPLETE_SENTINEL = ".incomplete"
+
+CONNECT_TIMEOUT_ENV = "KILN_FLOWS_STORAGE_CONNECT_TIMEOUT"
+READ_TIMEOUT_ENV = "KILN_FLOWS_STORAGE_READ_TIMEOUT"
+MAX_ATTEMPTS_ENV = "KILN_FLOWS_STORAGE_MAX_ATTEMPTS"
+DEFAULT_CONNECT_TIMEOUT = 10.0
+DEFAULT_READ_TIMEOUT = 60.0
+DEFAULT_MAX_ATTEMPTS = 3
+_S3_PROTOCOLS = ("s3", "s3a")
+
+
+class StorageRejection(Rejection, ValueError):
+    """A storage URI kiln-flows cannot use as given: unknown protocol (``unknown_protocol``), or the
+    package for it is not installed (``storage_package_missing``)."""
+
+    def __init__(self, code: str, message: str, *, file: str | None = None) -> None:
+        super().__init__(code, message, file=file)
+
+
+class StorageFailure(EnvironmentFailure, OSError):
+    """Storage that did not answer or refused: timeout, unreachable, no credentials, permission
+    denied (code ``storage_error``). Exit 3; Prefect retries the task."""
+
+    def __init__(self, message: str, *, file: str | None = None, code: str = "storage_error") -> None:
+        super().__init__(code, message, file=file)
+
+    def __str__(self) -> str:
+        return self.describe()
+
+
+def as_environment_failure(error: BaseException) -> EnvironmentFailure | None:
+    """``error`` as an ``EnvironmentFailure`` when it is a storage or network failure, else None.
+
+    Covers ``OSError`` (permission denied, read-only file system, connection refused, …), timeouts,
+    and the exceptions of botocore and aiohttp (no credentials, endpoint unreachable, read timeout)
+    that fsspec backends let through untranslated.
+    """
+    if isinstance(error, EnvironmentFailure):
+        return error
+    module = type(error).__module__ or ""
+    network = module.startswith(("botocore", "aiobotocore", "aiohttp", "urllib3", "httpx", "requests"))
+    if isinstance(error, (OSError, TimeoutError)) or network:
+        where = getattr(error, "filename", None)
+        detail = str(error) or type(error).__name__
+        failure = StorageFailure(f"{type(error).__name__}: {detail}", file=str(where) if where else None)
+        failure.__cause__ = error
+        return failure
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Run-scoped options and product defaults
+
+_SCOPED_OPTIONS: contextvars.ContextVar[dict[str, dict[str, Any]]] = contextvars.ContextVar(
+    "kiln_flows_storage_options", default={})
+
+
+@contextlib.contextmanager
+def storage_options_scope(per_protocol: dict[str, dict[str, Any]] | None) -> Iterator[None]:
+    """Use ``per_protocol`` fsspec options (``{"s3": {"key": …, "secret": …}}``) for every ``resolve``
+    in this context (thread, Prefect task) until the block ends; explicit arguments still win.
+
+    Example:
+        >>> with storage_options_scope({"memory": {}}):
+        ...     resolve("memory://bucket/x").uri
+        'memory://bucket/x'
+    """
+    merged = dict(_SCOPED_OPTIONS.get())
+    for protocol, options in (per_protocol or {}).items():
+        merged[protocol] = {**merged.get(protocol, {}), **dict(options)}
+    token = _SCOPED_OPTIONS.set(merged)
+    try:
+        yield
+    finally:
+        _SCOPED_OPTIONS.reset(token)
+
+
+def _setting(name: str, default: float) -> float:
+    value = os.environ.get(name)
+    if value is None or not value.strip():
+        return default
+    try:
+        number = float(value)
+    except ValueError:
+        raise StorageRejection("invalid_storage_setting", f"{name}={value!r} is not a number") from None
+    if number <= 0:
+        raise StorageRejection("invalid_storage_setting", f"{name}={value!r} must be positive")
+    return number
+
+
+def s3_client_settings() -> dict[str, Any]:
+    """The botocore ``config_kwargs`` kiln-flows applies to S3 (timeouts, bounded retries)."""
+    return {
+        "connect_timeout": _setting(CONNECT_TIMEOUT_ENV, DEFAULT_CONNECT_TIMEOUT),
+        "read_timeout": _setting(READ_TIMEOUT_ENV, DEFAULT_READ_TIMEOUT),
+        "retries": {"max_attempts": int(_setting(MAX_ATTEMPTS_ENV, DEFAULT_MAX_ATTEMPTS)), "mode": "standard"},
+    }
+
+
+_NO_CONTINUE_SESSION: Any = None
+
+
+def _session_without_expect_continue() -> Any:
+    """One aiobotocore session for every s3fs instance we create, without botocore's handler that adds
+    ``Expect: 100-continue`` to PUTs (see the module docstring). Shared, so fsspec's instance cache
+    still hits (it keys instances by their constructor arguments)."""
+    global _NO_CONTINUE_SESSION
+    if _NO_CONTINUE_SESSION is None:
+        import aiobotocore.session
+        import botocore.handlers
+
+        session = aiobotocore.session.AioSession()
+        session.unregister("before-call.s3", botocore.handlers.add_expect_header)
+        _NO_CONTINUE_SESSION = session
+    return _NO_CONTINUE_SESSION
+
+
+def effective_options(uri: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The fsspec options ``resolve`` uses for ``uri``: product defaults, then the run's scoped options
+    for its protocol, then ``storage_options``."""
+    protocol = uri.split("://", 1)[0] if "://" in uri else "file"
+    options = dict(_SCOPED_OPTIONS.get().get(protocol, {}))
+    options.update(storage_options or {})
+    if protocol in _S3_PROTOCOLS:
+        options["config_kwargs"] = {**s3_client_settings(), **dict(options.get("config_kwargs") or {})}
+        if "session" not in options and "profile" not in options:
+            options["session"] = _session_without_expect_continue()
+    return options
 
 
 @dataclass(frozen=True)
@@ -79,32 +225,92 @@ def resolve(uri: str, storage_options: dict[str, Any] | None = None) -> Location
     """
     if "://" not in uri:
         uri = os.path.abspath(uri)
-    fs, path = fsspec.core.url_to_fs(uri, **(storage_options or {}))
+    try:
+        fs, path = fsspec.core.url_to_fs(uri, **effective_options(uri, storage_options))
+    except ImportError as error:
+        raise StorageRejection("storage_package_missing",
+                               f"{uri}: {error} (e.g. `pip install 'kiln-flows[s3]'` for s3://)", file=uri) from None
+    except ValueError as error:
+        if "Protocol not known" not in str(error):
+            raise
+        protocol = uri.split("://", 1)[0]
+        raise StorageRejection("unknown_protocol", f"{uri}: fsspec knows no protocol {protocol!r}", file=uri) from None
     if isinstance(fs, LocalFileSystem) and not uri.startswith("file://"):
         uri = path
+    if getattr(fs, "protocol", None) and set(_S3_PROTOCOLS) & set(fs.protocol if isinstance(fs.protocol, tuple) else [fs.protocol]):
+        fs.retries = 1  # botocore's bounded retries (s3_client_settings) are the only retry loop
     return Location(fs, path.rstrip("/") or path, uri.rstrip("/") or uri)
+
+
+class AtomicFile:
+    """A file that appears at ``location`` whole or not at all: the one atomic-write primitive.
+
+    Write through ``handle`` (binary, readable: ``w+b``), then ``commit()``. Local disk: the temp
+    file lives beside the target (``.<name>.tmp-<uuid>``, same file system), is fsynced and
+    ``os.replace``-d into place, then the directory is fsynced. Object stores: the temp file is local
+    and uploaded in one put at commit. Leaving the block without ``commit`` removes the temp file.
+
+    Example:
+        >>> import tempfile, os
+        >>> target = resolve(os.path.join(tempfile.mkdtemp(), "out.txt"))
+        >>> with AtomicFile(target) as out:
+        ...     _ = out.handle.write(b"hello")
+        ...     _ = out.commit()
+        >>> target.read_bytes()
+        b'hello'
+    """
+
+    def __init__(self, location: Location) -> None:
+        self.location = location
+        self.handle: Any = None
+        self._temp: str | None = None
+        self.committed = False
+
+    def __enter__(self) -> "AtomicFile":
+        if self.location.is_local:
+            directory = os.path.dirname(self.location.path)
+            os.makedirs(directory, exist_ok=True)
+            self._temp = os.path.join(directory, f".{os.path.basename(self.location.path)}.tmp-{uuid.uuid4().hex}")
+            self.handle = open(self._temp, "x+b")
+        else:
+            descriptor, self._temp = tempfile.mkstemp(prefix="kiln-flows-", suffix=".tmp")
+            self.handle = os.fdopen(descriptor, "w+b")
+        return self
+
+    def commit(self) -> str:
+        """Publish the file; returns the target URI."""
+        self.handle.flush()
+        os.fsync(self.handle.fileno())
+        self.handle.close()
+        if self.location.is_local:
+            os.replace(self._temp, self.location.path)
+            _fsync_dir(os.path.dirname(self.location.path))
+        else:
+            parent = posixpath.dirname(self.location.path)
+            if parent:
+                self.location.fs.makedirs(parent, exist_ok=True)
+            self.location.fs.put_file(self._temp, self.location.path)
+            os.unlink(self._temp)
+        self._temp = None
+        self.committed = True
+        return self.location.uri
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self.handle is not None and not self.handle.closed:
+            self.handle.close()
+        if self._temp is not None and os.path.exists(self._temp):
+            os.unlink(self._temp)
 
 
 def write_bytes_atomic(location: Location, data: bytes) -> None:
     """Write one object so that readers see either the old state or the whole new bytes.
 
-    Local: temp file in the same directory, fsync, ``os.replace``, fsync the directory.
-    Object stores: a single PUT is already atomic per key.
+    Local: ``AtomicFile``. Object stores: a single PUT is already atomic per key.
     """
     if location.is_local:
-        directory = os.path.dirname(location.path)
-        os.makedirs(directory, exist_ok=True)
-        temp = os.path.join(directory, f".{os.path.basename(location.path)}.tmp-{uuid.uuid4().hex}")
-        try:
-            with open(temp, "wb") as handle:
-                handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(temp, location.path)
-        finally:
-            if os.path.exists(temp):
-                os.unlink(temp)
-        _fsync_dir(directory)
+        with AtomicFile(location) as out:
+            out.handle.write(data)
+            out.commit()
         return
     parent = posixpath.dirname(location.path)
     if parent:
@@ -130,7 +336,7 @@ class StagedDirectory:
     Example:
         >>> with StagedDirectory(resolve("memory://root/run-1"), commit_name="manifest.json") as staged:
         ...     staged.write("data.bin", b"...")
-        ...     staged.commit(b"{}")
+        ...     _ = staged.commit(b"{}")
     """
 
     target: Location

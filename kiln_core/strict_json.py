@@ -31,23 +31,27 @@ import math
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
+from kiln_core.errors import Rejection
+
 MAX_INTEGER_DIGITS = 4096
 
 STRICT_JSON_RULES = ("invalid_json", "duplicate_key", "non_finite_number")
 
 
-class StrictJsonError(ValueError):
+class StrictJsonError(Rejection, ValueError):
     """A document that strict JSON parsing refuses.
 
     Attributes:
-        rule: One of ``STRICT_JSON_RULES``.
+        rule: One of ``STRICT_JSON_RULES`` (also ``code``).
         message: Human-readable detail naming the offending key or literal.
     """
 
     def __init__(self, rule: str, message: str) -> None:
-        super().__init__(f"{rule}: {message}")
+        super().__init__(rule, message)
         self.rule = rule
-        self.message = message
+
+    def __str__(self) -> str:
+        return f"{self.rule}: {self.message}"
 
 
 def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

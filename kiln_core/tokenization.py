@@ -26,14 +26,21 @@ from typing import Any, Sequence
 import numpy as np
 
 from kiln_core.canonical import sha256_hex
+from kiln_core.errors import Rejection
 
 CHATML_ASSISTANT_HEADER = "<|im_start|>assistant\n"
 CHATML_END = "<|im_end|>"
 _GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
-class TokenizationError(ValueError):
-    """A student directory or an example that cannot be tokenized."""
+class TokenizationError(Rejection, ValueError):
+    """A student directory or an example that cannot be tokenized (a rejection everywhere)."""
+
+    def __init__(self, message: str, code: str = "invalid_student") -> None:
+        super().__init__(code, message)
+
+    def __str__(self) -> str:
+        return self.message
 
 
 @dataclass(frozen=True)

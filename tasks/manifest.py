@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prefect import task
 
-from flows.spec import TeacherSource
+from kiln_core.contracts.pipeline import TeacherSource
 from tasks.refs import ManifestRef
 
 
@@ -53,7 +53,7 @@ def fetch_manifest(teacher: TeacherSource, storage_root: str, max_top_k: int = 3
     Example:
         ```python
         from prefect import flow
-        from flows.spec import TeacherSource
+        from kiln_core.contracts.pipeline import TeacherSource
         from tasks.manifest import fetch_manifest
 
         @flow

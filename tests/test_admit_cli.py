@@ -17,7 +17,8 @@ from kiln_core.contracts.identity import TeacherIdentity, build_manifest_line
 from kiln_core.synthetic import synthesize_corpus
 
 REPO = Path(__file__).resolve().parents[1]
-VENV_BIN = REPO / ".venv" / "bin"
+# The console script installed next to the interpreter running the tests (any venv, any checkout).
+KILN_FLOWS = Path(sys.executable).with_name("kiln-flows")
 ADMITTED_KEYS = {"status", "dataset_sha256", "examples", "action_tokens", "env_tokens", "effective_top_k", "materialized"}
 
 
@@ -149,8 +150,8 @@ def _subprocess_env() -> dict[str, str]:
 
 
 def test_installed_console_script(corpus, tiny_student, tmp_path):
-    script = VENV_BIN / "kiln-flows"
-    assert script.exists()
+    script = KILN_FLOWS
+    assert script.exists(), f"no kiln-flows console script beside {sys.executable}: pip install -e ."
     done = subprocess.run(
         [str(script), "admit", str(corpus), "--student", str(tiny_student), "--json", "--top-k", "20"],
         capture_output=True, text=True, timeout=120, env=_subprocess_env(), cwd=tmp_path,

@@ -64,15 +64,18 @@ def test_unknown_alias_lists_known(tmp_path, tiny_teacher):
     assert list_local_teachers(tmp_path / "empty") == []
 
 
-def test_bad_alias_refused(tmp_path, tiny_teacher):
+@pytest.mark.parametrize("alias", [" padded", "t@local", "demo\n", "a/b", "..", "x" * 129, "-lead", "t.kiln-checkpoint"])
+def test_bad_alias_refused(tmp_path, tiny_teacher, alias):
+    # Aliases follow the adapter-name rule (fullmatch: a trailing newline is not accepted either).
     with pytest.raises(LocalRegistryError) as caught:
-        register_local_teacher(tmp_path, " padded", tiny_teacher, device_kind="cpu")
+        register_local_teacher(tmp_path, alias, tiny_teacher, device_kind="cpu")
     assert caught.value.code == "bad_alias"
+    assert not (tmp_path / "teachers.json").exists()
 
 
-def test_alias_with_at_sign_is_the_served_model_id(tmp_path, tiny_teacher):
-    entry = register_local_teacher(tmp_path, "t@local", tiny_teacher, device_kind="cpu")
-    assert entry.identity["served_model_id"] == "t@local"
+def test_alias_is_the_served_model_id(tmp_path, tiny_teacher):
+    entry = register_local_teacher(tmp_path, "t.local_v1-2", tiny_teacher, device_kind="cpu")
+    assert entry.identity["served_model_id"] == "t.local_v1-2"
 
 
 def test_resolve_pinned_manifest_from_alias_or_file(tmp_path, tiny_teacher):
@@ -118,19 +121,21 @@ def test_cli_register_and_list(tmp_path, tiny_teacher, tiny_student, capsys):
     from flows.cli import main
 
     root = str(tmp_path / "data")
-    assert main(["teachers", "register", "tiny", str(tiny_teacher), "--root", root, "--device", "cpu", "--json"]) == 0
+    assert main(["teachers", "register", "tiny", str(tiny_teacher), "--out", root, "--device", "cpu", "--json"]) == 0
     entry = json.loads(capsys.readouterr().out)
     assert entry["alias"] == "tiny" and entry["identity_revision"].startswith("sha256:")
 
     assert main(["teachers", "register", "tiny", str(tiny_student), "--root", root, "--device", "cpu"]) == 2
     assert "alias_exists" in capsys.readouterr().err
 
-    assert main(["teachers", "list", "--root", root, "--json"]) == 0
+    assert main(["teachers", "list", "--out", root, "--json"]) == 0
     listed = json.loads(capsys.readouterr().out)
     assert [item["alias"] for item in listed] == ["tiny"]
-    assert main(["teachers", "list", "--root", root]) == 0
+    assert main(["teachers", "list", "--root", root]) == 0  # the older spelling stays a hidden alias
     assert "tiny\tsha256:" in capsys.readouterr().out
 
+    assert main(["manifest", "--registry", root, "--alias", "tiny"]) == 0
+    assert capsys.readouterr().out == entry["off_policy_manifest"] + "\n"
     assert main(["manifest", "--root", root, "--alias", "tiny"]) == 0
     assert capsys.readouterr().out == entry["off_policy_manifest"] + "\n"
     assert main(["manifest", "--root", root, "--alias", "nope"]) == 2

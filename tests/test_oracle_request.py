@@ -437,12 +437,12 @@ def _cli(capsys, *argv):
 
 def test_cli_json_rejections(capsys, tmp_path, document, tiny_student):
     code, record = _cli(capsys, str(tmp_path / "absent.json"), "--model", str(tiny_student), "--json")
-    assert (code, record["status"], record["rule"]) == (2, "rejected", "file_not_found")
+    assert (code, record["status"], record["code"]) == (2, "rejected", "file_not_found")
     code, record = _cli(capsys, write(tmp_path, b'{"a":1,"a":2}'), "--model", str(tiny_student), "--json")
-    assert (code, record["rule"]) == (2, "duplicate_key")
+    assert (code, record["code"]) == (2, "duplicate_key")
     document["candidates"][1]["token_id"] = document["candidates"][0]["token_id"]
     code, record = _cli(capsys, write(tmp_path, document, "eq.json"), "--model", str(tiny_student), "--json")
-    assert (code, record["rule"]) == (2, "candidates_equal")
+    assert (code, record["code"]) == (2, "candidates_equal")
     assert "candidates[0].token_id" in record["message"]
 
 
@@ -455,4 +455,4 @@ def test_cli_subprocess_exit_code_and_last_line(tmp_path, tiny_student):
     )
     assert process.returncode == 2, process.stderr
     last = json.loads(process.stdout.strip().splitlines()[-1])
-    assert last["status"] == "rejected" and last["rule"] == "non_finite_number"
+    assert last["status"] == "rejected" and last["code"] == "non_finite_number"

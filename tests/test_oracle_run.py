@@ -206,4 +206,4 @@ def test_cli_tokenizer_rejection(tiny_student, requests_dir, tmp_path, capsys):
     path.write_text(json.dumps(document))
     code = main(["oracle", str(path), "--model", str(tiny_student), "--dtype", "fp32", "--out", str(tmp_path), "--json"])
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert (code, last["rule"]) == (2, "prompt_render_mismatch")
+    assert (code, last["code"]) == (2, "prompt_render_mismatch")

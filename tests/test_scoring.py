@@ -293,7 +293,7 @@ def test_cli_end_to_end(tmp_path, capsys, examples_file, tiny_teacher, tiny_stud
     assert main(["admit", str(out), "--student", str(tiny_student), "--top-k", str(TOP_K), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["status"] == "admitted"
 
-    code = main(["score", str(examples_file), "--teacher", "no-such-alias", "--root", str(tmp_path / "root"),
+    code = main(["score", str(examples_file), "--teacher", "no-such-alias", "--registry", str(tmp_path / "root"),
                  "--student", str(tiny_student), "--top-k", str(TOP_K), "--out", str(tmp_path / "x.jsonl"), "--quiet"])
     captured = capsys.readouterr()
     assert code == 2 and "no-such-alias" in captured.err and captured.err.count("\n") == 1

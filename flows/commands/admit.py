@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
+
+from flows.commands._options import add_out_argument
 
 NAME = "admit"
 HELP = "Admit a teacher-scored JSONL corpus (validate, and materialize with --out)."
@@ -15,31 +16,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--student", required=True, help="student model directory (config.json + fast tokenizer)")
     parser.add_argument("--top-k", type=int, default=32, help="requested top-K (resolved to 32 or 16; default 32)")
     parser.add_argument("--teacher-manifest", metavar="FILE", help="file holding the registered teacher's manifest line")
-    parser.add_argument("--out", metavar="ROOT_URI", help="storage root to materialize under; omit to validate only")
+    add_out_argument(parser, default=None, help="storage root to materialize under; omit to validate only")
     parser.add_argument("--kiln-strict", action="store_true", help="accept only Kiln's vLLM teacher protocol")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
 
 def run(args: argparse.Namespace) -> int:
+    """Admit; a rejection (exit 2) or storage failure (exit 3) is reported by the CLI's guard."""
     from kiln_core.admission import admit_corpus
-    from kiln_core.errors import AdmissionError
 
-    try:
-        pinned = _read_pinned(args.teacher_manifest)
-        result = admit_corpus(
-            args.corpus,
-            args.student,
-            top_k=args.top_k,
-            pinned_manifest=pinned,
-            kiln_strict=args.kiln_strict,
-            out_root=args.out,
-        )
-    except AdmissionError as error:
-        if args.json:
-            print(json.dumps(error.to_json(), ensure_ascii=False))
-        else:
-            print(f"rejected: {error}", file=sys.stderr)
-        return 2
+    result = admit_corpus(
+        args.corpus,
+        args.student,
+        top_k=args.top_k,
+        pinned_manifest=_read_pinned(args.teacher_manifest),
+        kiln_strict=args.kiln_strict,
+        out_root=args.out,
+    )
     if args.json:
         print(json.dumps(result.to_json(), ensure_ascii=False))
     else:

@@ -4,7 +4,7 @@ Three sources, one output (the line exactly, plus one newline, on stdout), so it
 
     $ kiln-flows manifest --kiln http://127.0.0.1:8420 --alias teacher-large@vllm > teacher-data.jsonl
     $ kiln-flows manifest --teacher ./teacher --max-top-k 32
-    $ kiln-flows manifest --root ./kiln-data --alias tiny-teacher
+    $ kiln-flows manifest --registry ./kiln-data --alias tiny-teacher
 
 Exit codes: 0 printed, 2 rejected input (unknown alias, unusable teacher, bad directory), 3 the
 server or storage failed (unreachable, timed out, 5xx).
@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 from typing import Any
+
+from flows.commands._options import DTYPES, add_dtype_argument
 
 NAME = "manifest"
 HELP = "Print a teacher's canonical off_policy_manifest line (from Kiln, a local teacher dir, or the local registry)."
@@ -26,7 +28,7 @@ def add_local_teacher_arguments(group: Any) -> None:
     """
     group.add_argument("--max-top-k", type=int, default=32, metavar="K", help="most top-K candidates (default 32)")
     group.add_argument("--max-model-len", type=int, metavar="N", help="context cap (default: max_position_embeddings)")
-    group.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: float32 CPU, bf16 CUDA")
+    add_dtype_argument(group, choices=("fp32", "bf16", "fp16"), help="teacher dtype (default: fp32 CPU, bf16 CUDA)")
     group.add_argument("--attn-implementation", default="eager", choices=["eager", "sdpa"])
     group.add_argument("--device", choices=["cpu", "cuda"], help="device kind (default: cuda if available)")
 
@@ -36,10 +38,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_argument_group("source (exactly one)")
     source.add_argument("--kiln", metavar="URL", help="Kiln server URL, e.g. http://127.0.0.1:8420 (needs --alias)")
     source.add_argument("--teacher", metavar="DIR", help="local Hugging Face teacher directory to hash")
-    source.add_argument("--root", metavar="ROOT_URI", help="storage root of the local registry (needs --alias)")
+    source.add_argument("--registry", metavar="ROOT_URI", help="storage root of the local registry (needs --alias)")
+    source.add_argument("--root", dest="registry", help=argparse.SUPPRESS)  # the older spelling
     parser.add_argument(
         "--alias",
-        help="teacher alias (with --root also a file whose first line is the manifest; "
+        help="teacher alias (with --registry also a file whose first line is the manifest; "
         "with --teacher the served_model_id)",
     )
     add_local_teacher_arguments(parser.add_argument_group("local teacher options (--teacher)"))
@@ -62,47 +65,28 @@ def _manifest_line(args: argparse.Namespace) -> str:
             served_model_id=served_model_id_for(args.alias, args.teacher),
             max_top_k=args.max_top_k,
             max_model_len=args.max_model_len,
-            dtype=args.dtype,
+            dtype=DTYPES[args.dtype] if args.dtype else None,
             attn_implementation=args.attn_implementation,
             device_kind=args.device,
         )
         return build_manifest_line(identity)
     from kiln_core.teachers.local_registry import resolve_pinned_manifest
 
-    return resolve_pinned_manifest(args.root, args.alias)
+    return resolve_pinned_manifest(args.registry, args.alias)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print the manifest line; map each failure to exit code 2 or 3 with a one-line message."""
+    """Print the manifest line; a rejection (exit 2) or server/storage failure (exit 3) goes to the guard."""
     import sys
 
-    sources = [name for name in ("kiln", "teacher", "root") if getattr(args, name) is not None]
+    sources = [name for name in ("kiln", "teacher", "registry") if getattr(args, name) is not None]
     if len(sources) != 1:
-        print("kiln-flows manifest: give exactly one of --kiln URL, --teacher DIR, --root ROOT_URI", file=sys.stderr)
+        print("kiln-flows manifest: give exactly one of --kiln URL, --teacher DIR, --registry ROOT_URI", file=sys.stderr)
         return 2
-    if sources[0] in ("kiln", "root") and not args.alias:
+    if sources[0] in ("kiln", "registry") and not args.alias:
         print(f"kiln-flows manifest: --{sources[0]} needs --alias", file=sys.stderr)
         return 2
-
-    from kiln_core.contracts.identity import ManifestError
-    from kiln_core.identity.hashing import IdentityHashError
-    from kiln_core.teachers.kiln_client import TeacherRegistryError
-    from kiln_core.teachers.local_registry import LocalRegistryError
-
-    try:
-        line = _manifest_line(args)
-    except TeacherRegistryError as error:
-        print(f"kiln-flows manifest: {error}", file=sys.stderr)
-        return 3 if error.transient else 2
-    except LocalRegistryError as error:
-        print(f"kiln-flows manifest: {error}", file=sys.stderr)
-        return 3 if error.code == "corrupt_registry" else 2
-    except (IdentityHashError, ManifestError) as error:
-        print(f"kiln-flows manifest: {error}", file=sys.stderr)
-        return 2
-    except OSError as error:
-        print(f"kiln-flows manifest: {error}", file=sys.stderr)
-        return 3
+    line = _manifest_line(args)
     sys.stdout.write(line + "\n")
     sys.stdout.flush()
     return 0

@@ -20,7 +20,7 @@ directory as ``--receipts-root``). A request file literally named ``make-request
 ``./make-request``.
 
 Exit codes: 0 success; 2 rejected (``--json``: last stdout line
-``{"status":"rejected","rule":…,"message":…}``); 3 the forward pass failed.
+``{"status":"rejected","code":…,"message":…}``, the code is the rule); 3 the forward pass failed.
 
 Example:
     $ kiln-flows oracle req/demo-1.json --model ./student --dtype fp32 --receipts-root req --json
@@ -47,7 +47,7 @@ _EPILOG = """modes:
 
 results go to ROOT_URI/oracle/<request id>/{logits.safetensors,result.json}; an identical re-run
 returns the committed result, a different one is refused (result_exists).
-exit codes: 0 ok, 2 rejected (rule in the last --json line), 3 the forward pass failed."""
+exit codes: 0 ok, 2 rejected (the rule is the "code" of the last --json line), 3 the forward pass failed."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -85,7 +85,8 @@ def _emit(args: argparse.Namespace, record: dict, human: str, *, stream=None) ->
 
 
 def _usage_error(args: argparse.Namespace, message: str) -> int:
-    _emit(args, {"status": "rejected", "rule": "usage", "message": message}, f"error: {message}", stream=sys.stderr)
+    _emit(args, {"status": "rejected", "code": "usage", "line": None, "field": None, "message": message},
+          f"error: {message}", stream=sys.stderr)
     return 2
 
 
@@ -94,7 +95,7 @@ def _misplaced(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
 
 
 def _run_make_request(args: argparse.Namespace) -> int:
-    from kiln_core.oracle import OracleRejection, make_request
+    from kiln_core.oracle import make_request
 
     missing = [flag for flag, value in (("--message", args.message), ("--kiln-id", args.kiln_id), ("--vllm-id", args.vllm_id),
                                         ("--id", args.request_id), ("--out", args.out)) if value is None]
@@ -109,14 +110,11 @@ def _run_make_request(args: argparse.Namespace) -> int:
     except ValueError:
         return _usage_error(args, "--prefix-ids must be comma-separated integers")
     options = {name: getattr(args, name) for name in ("run_id", "phase", "source_commit", "model_id") if getattr(args, name)}
-    try:
-        made = make_request(
-            args.model, message=args.message, kiln_id=args.kiln_id, vllm_id=args.vllm_id, request_id=args.request_id,
-            out=args.out, prefix_ids=prefix_ids, prefix_text=args.prefix, **options,
-        )
-    except OracleRejection as error:
-        _emit(args, error.as_record(), f"rejected [{error.rule}]: {error.message}", stream=sys.stderr)
-        return 2
+    # An OracleRejection (exit 2) is reported by the CLI's guard, like every other rejection.
+    made = make_request(
+        args.model, message=args.message, kiln_id=args.kiln_id, vllm_id=args.vllm_id, request_id=args.request_id,
+        out=args.out, prefix_ids=prefix_ids, prefix_text=args.prefix, **options,
+    )
     record = {"status": "ok", "request": made.request_uri, "request_sha256": made.sha256,
               "receipts_root": made.receipts_root, "receipts": list(made.receipt_paths)}
     _emit(args, record, f"wrote {made.request_uri} ({made.sha256})\nreceipts under {made.receipts_root}/receipts/")
@@ -139,7 +137,7 @@ def _summary(outcome) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Dispatch to make-request or run mode; map rejections to exit 2 and run failures to exit 3."""
+    """Dispatch to make-request or run mode; rejections (exit 2) and run failures (exit 3) go to the guard."""
     if args.request == MAKE_REQUEST:
         return _run_make_request(args)
     if misplaced := _misplaced(args, _MAKE_ONLY):
@@ -147,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
 
     import logging
 
-    from kiln_core.oracle import OracleRejection, OracleRunError, run_oracle
+    from kiln_core.oracle import run_oracle
 
     # kiln_core reports skipped receipt checks through logging; show them on stderr, once.
     core_logger = logging.getLogger("kiln_core")
@@ -156,15 +154,8 @@ def run(args: argparse.Namespace) -> int:
         handler.setFormatter(logging.Formatter("warning: %(message)s"))
         handler.setLevel(logging.WARNING)
         core_logger.addHandler(handler)
-    try:
-        outcome = run_oracle(
-            args.request, args.model, out_root=args.out or "./kiln-data", dtype=args.dtype, receipts_root=args.receipts_root
-        )
-    except OracleRejection as error:
-        _emit(args, error.as_record(), f"rejected [{error.rule}]: {error.message}", stream=sys.stderr)
-        return 2
-    except OracleRunError as error:
-        _emit(args, {"status": "failed", "message": str(error)}, f"failed: {error}", stream=sys.stderr)
-        return 3
+    outcome = run_oracle(
+        args.request, args.model, out_root=args.out or "./kiln-data", dtype=args.dtype, receipts_root=args.receipts_root
+    )
     _emit(args, outcome.record, _summary(outcome))
     return 0

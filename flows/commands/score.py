@@ -1,13 +1,14 @@
 """``kiln-flows score``: score unscored examples with a teacher into a Kiln-admissible corpus.
 
     $ kiln-flows score examples.jsonl --teacher ./teacher --student ./student --top-k 32 --out teacher-data.jsonl
-    $ kiln-flows score examples.jsonl --teacher tiny-teacher --root ./kiln-data --student ./student \\
+    $ kiln-flows score examples.jsonl --teacher tiny-teacher --registry ./kiln-data --student ./student \\
           --top-k 16 --out s3://bucket/teacher-data.jsonl
     $ kiln-flows score examples.jsonl --vllm http://127.0.0.1:8000 --served-model teacher \\
           --teacher-manifest manifest.jsonl --student ./student --top-k 16 --out teacher-data.jsonl
 
 ``--teacher`` is a directory when one exists at that path, else an alias in the local registry
-under ``--root``. The corpus is published atomically: on any failure nothing appears at ``--out``.
+under ``--registry``. The corpus is published atomically: on any failure nothing appears at ``--out``
+(here the output *file*, as for ``oracle make-request``).
 Exit codes: 0 written, 2 rejected input (bad example, mismatched teacher, contract violation),
 3 failure (vLLM unreachable or 5xx, storage).
 """
@@ -16,9 +17,10 @@ from __future__ import annotations
 
 import argparse
 
+from flows.commands._options import DTYPES, add_dtype_argument, add_registry_argument
+
 NAME = "score"
 HELP = "Score unscored examples with a local or vLLM teacher into a teacher-scored JSONL corpus."
-DEFAULT_ROOT = "./kiln-data"
 # Kiln admits corpora of at most 64 MiB (reference/kiln-opd-spec.md §2.1).
 KILN_MAX_CORPUS_BYTES = 64 * 1024 * 1024
 
@@ -26,15 +28,14 @@ KILN_MAX_CORPUS_BYTES = 64 * 1024 * 1024
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``score`` options to its subparser."""
     parser.add_argument("examples", metavar="EXAMPLES", help="JSONL of examples: a local path or fsspec URI")
-    parser.add_argument("--teacher", metavar="DIR|ALIAS", help="local teacher directory, or an alias registered under --root")
+    parser.add_argument("--teacher", metavar="DIR|ALIAS", help="local teacher directory, or an alias registered under --registry")
     parser.add_argument("--student", required=True, metavar="DIR", help="student model directory (tokenizer + chat template)")
     parser.add_argument("--top-k", type=int, required=True, metavar="K", help="candidates per action token")
     parser.add_argument("--out", required=True, metavar="CORPUS", help="output corpus: a local path or fsspec URI")
-    parser.add_argument("--root", default=DEFAULT_ROOT, metavar="ROOT_URI",
-                        help=f"storage root of the local teacher registry, for aliases (default {DEFAULT_ROOT})")
+    add_registry_argument(parser)
     parser.add_argument("--batch-size", type=int, default=8, metavar="N",
                         help="examples per forward pass, or vLLM requests in flight (default 8)")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="local teacher dtype (default: fp32 CPU, bf16 CUDA)")
+    add_dtype_argument(parser, help="local teacher dtype (default: fp32 CPU, bf16 CUDA)")
     parser.add_argument("--attn-implementation", default="eager", choices=["eager", "sdpa"],
                         help="local teacher attention kernel (default eager)")
     parser.add_argument("--device", choices=["cpu", "cuda"], help="local teacher device (default: cuda if available)")
@@ -54,16 +55,16 @@ def _teacher_source(args: argparse.Namespace) -> dict:
         return {}
     if os.path.isdir(args.teacher):
         return {"teacher_dir": args.teacher}
-    return {"teacher_alias": args.teacher, "registry_root": args.root}
+    return {"teacher_alias": args.teacher, "registry_root": args.registry}
 
 
 def run(args: argparse.Namespace) -> int:
-    """Score, print a summary (or JSON), and map failures to exit codes 2 and 3."""
+    """Score and print a summary (or JSON); rejections (exit 2) and failures (exit 3) go to the guard."""
     import json
     import sys
 
-    from kiln_core.scoring import ScoringError, score_examples
-    from kiln_core.teachers.local_registry import LocalRegistryError, read_manifest_file
+    from kiln_core.scoring import score_examples
+    from kiln_core.teachers.local_registry import read_manifest_file
 
     if (args.teacher is None) == (args.vllm is None):
         print("kiln-flows score: give exactly one of --teacher DIR|ALIAS or --vllm URL", file=sys.stderr)
@@ -82,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
             top_k=args.top_k,
             out_uri=args.out,
             batch_size=args.batch_size,
-            dtype=args.dtype,
+            dtype=DTYPES[args.dtype] if args.dtype else None,
             attn_implementation=args.attn_implementation,
             vllm_url=args.vllm,
             served_model=args.served_model,
@@ -90,15 +91,6 @@ def run(args: argparse.Namespace) -> int:
             on_progress=progress,
             device=args.device,
         )
-    except ScoringError as error:
-        print(f"kiln-flows score: {error}", file=sys.stderr)
-        return 3 if error.transient else 2
-    except LocalRegistryError as error:
-        print(f"kiln-flows score: --teacher-manifest: {error}", file=sys.stderr)
-        return 2
-    except OSError as error:
-        print(f"kiln-flows score: {error}", file=sys.stderr)
-        return 3
     finally:
         if progress is not None:
             progress.close()

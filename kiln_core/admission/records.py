@@ -26,7 +26,7 @@ import numpy as np
 
 from kiln_core.admission.source import LineIndex, index_lines
 from kiln_core.contracts.identity import MANIFEST_SCHEMA
-from kiln_core.errors import AdmissionError
+from kiln_core.errors import AdmissionError, Rejection
 from kiln_core.tokenization import Conversation, Segment, TokenizationError, normalize_content
 
 U32_MAX = 2**32 - 1
@@ -92,11 +92,14 @@ def parse_corpus(data: bytes) -> ParsedCorpus:
 # --- exact path ---------------------------------------------------------------------------------
 
 
-class RecordError(Exception):
+class RecordError(Rejection):
     """A field of an example record with the wrong type or shape (``invalid_record``)."""
 
     def __init__(self, where: str, message: str) -> None:
-        super().__init__(f"`{where}` {message}")
+        super().__init__("invalid_record", message, field=where)
+
+    def __str__(self) -> str:
+        return f"`{self.field}` {self.message}"
 
 
 class JsonObject(dict):

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kiln_core.canonical import kiln_compact_json, sha256_hex
+from kiln_core.errors import Rejection
 
 MANIFEST_SCHEMA = "kiln.off-policy-distillation-manifest.v1"
 IDENTITY_SCHEMA = "kiln.teacher-identity.v1"
@@ -149,12 +150,16 @@ class OffPolicyManifest(_StrictContract):
         )
 
 
-class ManifestError(ValueError):
-    """A manifest or identity that does not satisfy the contract; ``kind`` is ``invalid`` or ``not_canonical``."""
+class ManifestError(Rejection, ValueError):
+    """A manifest or identity that does not satisfy the contract; ``kind`` is ``invalid`` or ``not_canonical``
+    (``code`` ``manifest_invalid`` or ``manifest_not_canonical``, the admission codes)."""
 
     def __init__(self, kind: str, message: str) -> None:
-        super().__init__(message)
+        super().__init__("manifest_not_canonical" if kind == "not_canonical" else "manifest_invalid", message)
         self.kind = kind
+
+    def __str__(self) -> str:
+        return self.message
 
 
 def check_protocol(identity: TeacherIdentity, *, kiln_strict: bool = False) -> None:

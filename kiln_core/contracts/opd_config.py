@@ -25,6 +25,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from kiln_core.errors import Rejection
+
 __all__ = [
     "ConfigError",
     "MuonOptimizer",
@@ -50,7 +52,7 @@ LR_WARNING_FACTOR = 50.0
 U64_MAX = 2**64 - 1
 
 
-class ConfigError(ValueError):
+class ConfigError(Rejection, ValueError):
     """A request or config that Kiln would refuse at submit time.
 
     Attributes:
@@ -60,13 +62,10 @@ class ConfigError(ValueError):
     """
 
     def __init__(self, message: str, field: str | None = None, code: str = "invalid_config") -> None:
-        super().__init__(message)
-        self.message = message
-        self.field = field
-        self.code = code
+        super().__init__(code, message, field=field)
 
-    def to_json(self) -> dict[str, Any]:
-        return {"status": "rejected", "code": self.code, "field": self.field, "message": self.message}
+    def __str__(self) -> str:
+        return self.message
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2,8 +2,11 @@
 
 It is the single parameter of the ``opd_distill`` flow, so the Prefect UI renders it as the run form
 (field descriptions become help text, ``Literal`` fields become dropdowns), and it loads from a YAML
-file for ``kiln-flows run pipeline.yaml``. Validation happens before any work: an invalid spec fails
-with the offending field named.
+file for ``kiln-flows run pipeline.yaml``. ``kiln-flows train`` builds one from a Kiln request file,
+and both hand it to the engine (``kiln_core.engine``). Validation happens before any work: an invalid
+spec fails with the offending field named (``SpecError``, a ``Rejection``). A hand-written spec's
+``config:`` refuses unknown keys (a typo such as ``lora_rnak`` would otherwise train with the
+default); Kiln request files keep Kiln's ignore-unknown behaviour (``OpdRequest``).
 
 Secrets never belong here: S3 credentials come from the environment or a Prefect block
 (``storage_block``), never from a field of this model.
@@ -21,19 +24,31 @@ Example:
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from kiln_core.contracts.opd_config import OpdConfig
+from kiln_core.contracts.names import NAME_RULE, is_valid_name
+from kiln_core.contracts.opd_config import (
+    EchoConfig,
+    OpdConfig,
+    StableOpdAuto,
+    StableOpdManual,
+    StableOpdOff,
+)
+from kiln_core.errors import Rejection
 
-_ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
+class SpecError(Rejection, ValueError):
+    """An invalid pipeline spec; the message names the field (code ``invalid_spec`` unless given)."""
 
-class SpecError(ValueError):
-    """An invalid pipeline spec; the message names the field."""
+    def __init__(self, message: str, field: str | None = None, code: str = "invalid_spec",
+                 file: str | None = None) -> None:
+        super().__init__(code, message, field=field, file=file)
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class TeacherSource(BaseModel):
@@ -41,10 +56,11 @@ class TeacherSource(BaseModel):
 
     model_config = ConfigDict(extra="forbid", json_schema_extra={"title": "Teacher"})
 
-    kind: Literal["kiln_server", "local_registry", "local_dir"] = Field(
+    kind: Literal["kiln_server", "local_registry", "local_dir", "manifest_file"] = Field(
         default="local_registry",
         description="kiln_server: fetch the manifest from a running Kiln server; local_registry: a teacher "
-        "registered with `kiln-flows teachers register`; local_dir: a Hugging Face teacher directory.",
+        "registered with `kiln-flows teachers register`; local_dir: a Hugging Face teacher directory; "
+        "manifest_file: a file whose first line is the pinned manifest.",
         json_schema_extra={"position": 0},
     )
     alias: str | None = Field(
@@ -59,7 +75,7 @@ class TeacherSource(BaseModel):
     )
     path: str | None = Field(
         default=None,
-        description="Teacher model directory (local_dir only).",
+        description="Teacher model directory (local_dir) or manifest file (manifest_file).",
         json_schema_extra={"position": 3},
     )
 
@@ -67,8 +83,10 @@ class TeacherSource(BaseModel):
     def _fields_for_kind(self) -> "TeacherSource":
         if self.kind in ("kiln_server", "local_registry") and not self.alias:
             raise ValueError(f"`alias` is required when `kind` is {self.kind}")
-        if self.kind == "local_dir" and not self.path:
-            raise ValueError("`path` is required when `kind` is local_dir")
+        if self.kind in ("local_dir", "manifest_file") and not self.path:
+            raise ValueError(f"`path` is required when `kind` is {self.kind}")
+        if self.kind == "local_registry" and not is_valid_name(self.alias):
+            raise ValueError(f"`alias`: a local teacher alias must be {NAME_RULE}")
         return self
 
     def label(self) -> str:
@@ -95,7 +113,8 @@ class RunOptions(BaseModel):
     storage_block: str | None = Field(
         default=None,
         description="Optional Prefect Secret block slug (`secret/<name>`) holding fsspec options per protocol, "
-        "e.g. {\"s3\": {\"key\": ..., \"secret\": ...}}; credentials never go in the spec itself.",
+        "e.g. {\"s3\": {\"key\": ..., \"secret\": ...}}; passed to this run's storage calls only, never "
+        "written to fsspec's process-wide configuration. Credentials never go in the spec itself.",
     )
     progress_every_seconds: float = Field(
         default=5.0, gt=0, description="How often the training progress artifact is updated."
@@ -184,14 +203,23 @@ class PipelineSpec(BaseModel):
         json_schema_extra={"position": 8},
     )
 
+    @field_validator("config", mode="before")
+    @classmethod
+    def _no_unknown_config_keys(cls, value: Any) -> Any:
+        # A typo in a hand-written spec must not train with the default and publish.
+        unknown = unknown_config_key(value)
+        if unknown is not None:
+            raise ValueError(f"`config.{unknown}`: unknown key (not a field of Kiln's OpdConfig)")
+        return value
+
     @model_validator(mode="after")
     def _consistent(self) -> "PipelineSpec":
         if (self.corpus is None) == (self.examples is None):
             raise ValueError("give exactly one of `corpus` (already scored) or `examples` (to score first)")
-        if self.examples is not None and self.teacher.kind == "kiln_server":
+        if self.examples is not None and self.teacher.kind not in ("local_dir", "local_registry"):
             raise ValueError("`examples` needs a local teacher to score with (teacher.kind local_dir or local_registry)")
-        if not _ADAPTER_NAME.fullmatch(self.adapter):
-            raise ValueError("`adapter` must be 1-128 letters, digits, '.', '_' or '-' and start with a letter or digit")
+        if not is_valid_name(self.adapter):
+            raise ValueError(f"`adapter` must be {NAME_RULE}")
         if self.config.training_mode != "off_policy":
             raise ValueError("`config.training_mode` must be off_policy for a JSONL corpus")
         from kiln_core.contracts.opd_config import ConfigError, validate_for_offline_training
@@ -204,7 +232,41 @@ class PipelineSpec(BaseModel):
         return self
 
 
-def parse_spec(value: Any) -> PipelineSpec:
+_STABLE_OPD_MODES = {"off": StableOpdOff, "auto": StableOpdAuto, "manual": StableOpdManual}
+
+
+def _names(model: type[BaseModel]) -> set[str]:
+    return {name for name, info in model.model_fields.items()} | {
+        info.alias for info in model.model_fields.values() if info.alias}
+
+
+def unknown_config_key(value: Any) -> str | None:
+    """The first key of a ``config`` mapping that no ``OpdConfig`` field (or nested block) knows, as a
+    dotted path below ``config`` (``lora_rnak``, ``echo.lamda``), or None. The optimizer block already
+    forbids unknown keys itself.
+
+    Example:
+        >>> unknown_config_key({"lora_rnak": 8})
+        'lora_rnak'
+    """
+    if not isinstance(value, dict):
+        return None
+    for key in value:
+        if key not in _names(OpdConfig):
+            return str(key)
+    nested: list[tuple[str, Any, type[BaseModel] | None]] = [("echo", value.get("echo"), EchoConfig)]
+    stable = value.get("stable_opd")
+    if isinstance(stable, dict):
+        nested.append(("stable_opd", stable, _STABLE_OPD_MODES.get(stable.get("mode", "off"))))
+    for prefix, block, model in nested:
+        if isinstance(block, dict) and model is not None:
+            for key in block:
+                if key not in _names(model):
+                    return f"{prefix}.{key}"
+    return None
+
+
+def parse_spec(value: Any, *, file: str | None = None) -> PipelineSpec:
     """Validate a spec from a dict, naming the first invalid field.
 
     Raises:
@@ -218,22 +280,52 @@ def parse_spec(value: Any) -> PipelineSpec:
         first = error.errors()[0]
         where = ".".join(str(part) for part in first["loc"])
         message = first["msg"].removeprefix("Value error, ")
-        if not where and message.startswith("`"):  # a cross-field rule names its own field
-            raise SpecError(f"invalid pipeline spec: {message}") from None
-        raise SpecError(f"invalid pipeline spec: `{where or 'spec'}`: {message}") from None
+        if message.startswith("`"):  # a rule that names its own field, relative to where it ran
+            named = message[1:message.index("`", 1)]
+            field = named if not where or named.startswith(where) else f"{where}.{named}"
+            rest = message[len(named) + 2:]
+            raise SpecError(f"invalid pipeline spec: `{field}`{rest}", field, file=file) from None
+        raise SpecError(f"invalid pipeline spec: `{where or 'spec'}`: {message}", where or None, file=file) from None
 
 
 def load_spec(path: str) -> PipelineSpec:
-    """Load a ``PipelineSpec`` from a YAML (or JSON) file; relative paths stay relative to the CWD."""
+    """Load a ``PipelineSpec`` from a YAML (or JSON) file; relative paths stay relative to the CWD.
+
+    Raises:
+        SpecError: unreadable file (``invalid_spec``), not YAML, not a mapping, an invalid field;
+            ``NestingTooDeep`` (``nesting_too_deep``) for nesting beyond Kiln's parser limit.
+    """
     import yaml
 
     try:
         with open(path, encoding="utf-8") as handle:
-            value = yaml.safe_load(handle)
-    except OSError as error:
-        raise SpecError(f"cannot read pipeline spec {path}: {error.strerror}") from None
+            text = handle.read()
+    except (OSError, UnicodeDecodeError) as error:
+        reason = error.strerror if isinstance(error, OSError) else "not UTF-8 text"
+        raise SpecError(f"cannot read pipeline spec {path}: {reason}", file=path) from None
+    try:
+        _check_yaml_depth(text, path)
+        value = yaml.safe_load(text)
     except yaml.YAMLError as error:
-        raise SpecError(f"pipeline spec {path} is not valid YAML: {error}") from None
+        raise SpecError(f"pipeline spec {path} is not valid YAML: {error}", file=path) from None
     if not isinstance(value, dict):
-        raise SpecError(f"pipeline spec {path} must be a mapping")
-    return parse_spec(value)
+        raise SpecError(f"pipeline spec {path} must be a mapping", file=path)
+    return parse_spec(value, file=path)
+
+
+def _check_yaml_depth(text: str, path: str) -> None:
+    """Refuse nesting beyond ``MAX_NESTING_DEPTH`` from the parser's event stream, before PyYAML's
+    recursive composer would hit Python's recursion limit."""
+    import yaml
+
+    from kiln_core.nesting import MAX_NESTING_DEPTH, NestingTooDeep
+
+    level = 0
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+            level += 1
+            if level > MAX_NESTING_DEPTH:
+                raise NestingTooDeep(f"pipeline spec {path}", file=path,
+                                     line=event.start_mark.line + 1 if event.start_mark else None)
+        elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+            level -= 1

@@ -21,6 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from kiln_core.errors import Rejection
+
 BASE_MODEL_DOMAIN = b"kiln.base-model-content.v1\0"
 TOKENIZER_VOCAB_DOMAIN = b"kiln.tokenizer-vocab.v1\0"
 ADAPTER_WEIGHTS_DOMAIN = b"kiln.adapter-weights.v1\0"
@@ -33,12 +35,14 @@ READ_BUFFER_BYTES = 8 * 1024 * 1024
 U32_MAX = 2**32 - 1
 
 
-class IdentityHashError(ValueError):
+class IdentityHashError(Rejection, ValueError):
     """Input that the §1.6 hashing rules refuse; ``code`` is stable, the message says what to fix."""
 
     def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
+        super().__init__(code, message)
+
+    def __str__(self) -> str:
+        return self.message
 
 
 def _u64(value: int) -> bytes:

@@ -6,6 +6,9 @@ name below is part of the public contract and is never renamed.
 
 from __future__ import annotations
 
+from typing import Any
+
+from kiln_core.errors import EnvironmentFailure, Rejection
 from kiln_core.strict_json import STRICT_JSON_RULES
 
 # Stable rule names, grouped by the stage that raises them.
@@ -33,7 +36,7 @@ OUTPUT_RULES = ("result_exists",)
 ALL_RULES = FILE_RULES + STRICT_JSON_RULES + SCHEMA_RULES + CROSS_FIELD_RULES + RECEIPT_RULES + MODEL_RULES + OUTPUT_RULES
 
 
-class OracleRejection(ValueError):
+class OracleRejection(Rejection, ValueError):
     """A request (or the model/receipts it names) that does not satisfy the contract.
 
     Attributes:
@@ -50,14 +53,22 @@ class OracleRejection(ValueError):
     def __init__(self, rule: str, message: str) -> None:
         if rule not in ALL_RULES:
             raise ValueError(f"unknown oracle rule {rule!r}")
-        super().__init__(f"{rule}: {message}")
+        super().__init__(rule, message)
         self.rule = rule
-        self.message = message
 
-    def as_record(self) -> dict[str, str]:
-        """The CLI's one-line rejection record."""
-        return {"status": "rejected", "rule": self.rule, "message": self.message}
+    def __str__(self) -> str:
+        return f"{self.rule}: {self.message}"
+
+    def as_record(self) -> dict[str, Any]:
+        """The CLI's one-line rejection record (``to_json()``: the rule is its ``code``)."""
+        return self.to_json()
 
 
-class OracleRunError(RuntimeError):
+class OracleRunError(EnvironmentFailure, RuntimeError):
     """The reference forward pass itself failed (load error, non-finite logits, wrong shape)."""
+
+    def __init__(self, message: str, code: str = "oracle_run_failed") -> None:
+        super().__init__(code, message)
+
+    def __str__(self) -> str:
+        return self.message

@@ -25,9 +25,7 @@ Example:
 from __future__ import annotations
 
 import json
-import os
 import platform
-import uuid
 from pathlib import Path
 from typing import Any, Callable
 
@@ -224,22 +222,10 @@ def _is_local(uri: str) -> bool:
 
 
 def write_local_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temp name, fsync and ``os.replace`` (then fsync the directory)."""
-    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    try:
-        with open(temporary, "xb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
-    finally:
-        if temporary.exists():
-            temporary.unlink()
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)  # make the rename itself durable
-    finally:
-        os.close(directory)
+    """Write ``data`` to ``path`` atomically (``kiln_core.storage.write_bytes_atomic``)."""
+    from kiln_core.storage import resolve, write_bytes_atomic
+
+    write_bytes_atomic(resolve(str(path)), data)
 
 
 def write_result(out_root: str, record: dict[str, Any], artifact: bytes) -> str:

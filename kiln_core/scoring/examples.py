@@ -33,6 +33,7 @@ from kiln_core.admission.records import (
     require_field,
 )
 from kiln_core.contracts.identity import MANIFEST_SCHEMA
+from kiln_core.errors import EnvironmentFailure, KilnFlowsError, Rejection, pick_kind
 from kiln_core.tokenization import Conversation
 
 COPIED_FIELDS = ("id", "messages", "teacher_response", "trajectory", "metadata")
@@ -42,13 +43,15 @@ COPIED_FIELDS = ("id", "messages", "teacher_response", "trajectory", "metadata")
 TRANSIENT_CODES = frozenset({"vllm_unreachable", "vllm_http_error", "storage_error"})
 
 
-class ScoringError(Exception):
+class ScoringError(KilnFlowsError):
     """A scoring run that was refused or failed; ``code`` is stable, the message says what to fix.
 
     Codes: ``invalid_option``, ``file_not_found``, ``invalid_example``, ``no_examples``,
     ``tokenization_failed``, ``no_action_tokens``, ``context_too_long``, ``teacher_invalid``,
     ``teacher_mismatch``, ``teacher_changed``, ``teacher_output``, ``vllm_request``,
-    ``vllm_response``, ``vllm_unreachable``, ``vllm_http_error``, ``storage_error``.
+    ``vllm_response``, ``vllm_unreachable``, ``vllm_http_error``, ``storage_error``. The
+    ``TRANSIENT_CODES`` construct a ``ScoringFailure`` (``EnvironmentFailure``), the rest a
+    ``ScoringRejection``.
 
     Attributes:
         code: Stable machine-readable reason.
@@ -56,17 +59,30 @@ class ScoringError(Exception):
         message: Human-readable explanation (without the line prefix).
     """
 
+    def __new__(cls, code: str | None = None, *args: Any, **kwargs: Any):
+        if cls is ScoringError:
+            cls = pick_kind(ScoringError, code or "", TRANSIENT_CODES)
+        return super().__new__(cls)
+
     def __init__(self, code: str, message: str, *, line: int | None = None) -> None:
-        where = f"examples line {line}: " if line is not None else ""
-        super().__init__(f"[{code}] {where}{message}")
-        self.code = code
-        self.line = line
-        self.message = message
+        super().__init__(code, message, line=line)
+
+    def __str__(self) -> str:
+        where = f"examples line {self.line}: " if self.line is not None else ""
+        return f"[{self.code}] {where}{self.message}"
 
     @property
     def transient(self) -> bool:
         """Whether the failure is the network's or the storage's (worth retrying), not the input's."""
         return self.code in TRANSIENT_CODES
+
+
+class ScoringRejection(ScoringError, Rejection):
+    """Bad examples, options or teacher: exit 2."""
+
+
+class ScoringFailure(ScoringError, EnvironmentFailure):
+    """vLLM or storage failed: exit 3, retried."""
 
 
 @dataclass(frozen=True)

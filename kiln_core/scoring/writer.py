@@ -1,7 +1,7 @@
 """Streaming a scored corpus to storage atomically, and the JSON form of one scored row.
 
 The corpus is written line by line into a temporary file while examples are scored (bounded memory),
-hashed on the way, and published only at the end:
+hashed on the way, and published only at the end (``kiln_core.storage.AtomicFile``):
 
 * local destination: the temp file lives beside it (``.<name>.tmp-<uuid>``, same filesystem), is
   fsynced and ``os.replace``-d into place, then the directory is fsynced;
@@ -20,8 +20,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -107,26 +105,17 @@ class CorpusWriter:
     """
 
     def __init__(self, out_uri: str, storage_options: dict | None = None) -> None:
-        from kiln_core.storage import resolve
+        from kiln_core.storage import AtomicFile, resolve
 
         self.location = resolve(out_uri, storage_options)
+        self._file = AtomicFile(self.location)
         self._hash = hashlib.sha256()
-        self._handle: Any = None
-        self._temp: str | None = None
         self.bytes_written = 0
         self.committed = False
 
     def __enter__(self) -> "CorpusWriter":
         try:
-            if self.location.is_local:
-                directory = os.path.dirname(self.location.path)
-                os.makedirs(directory, exist_ok=True)
-                name = f".{os.path.basename(self.location.path)}.tmp-{uuid.uuid4().hex}"
-                self._temp = os.path.join(directory, name)
-                self._handle = open(self._temp, "w+b")
-            else:
-                descriptor, self._temp = tempfile.mkstemp(prefix="kiln-score-", suffix=".jsonl")
-                self._handle = os.fdopen(descriptor, "w+b")
+            self._file.__enter__()
         except OSError as error:
             raise ScoringError("storage_error", f"cannot create a temp file for {self.location.uri}: {error}") from None
         return self
@@ -135,15 +124,15 @@ class CorpusWriter:
         """Append ``text`` and a newline; returns the byte offset where ``text`` starts."""
         data = text.encode("utf-8") + b"\n"
         offset = self.bytes_written
-        self._handle.write(data)
+        self._file.handle.write(data)
         self._hash.update(data)
         self.bytes_written += len(data)
         return offset
 
     def read_back(self, offset: int, length: int) -> bytes:
         """Bytes already written (used to copy a duplicate example's rows bit for bit)."""
-        self._handle.flush()
-        return os.pread(self._handle.fileno(), length, offset)
+        self._file.handle.flush()
+        return os.pread(self._file.handle.fileno(), length, offset)
 
     @property
     def sha256(self) -> str:
@@ -153,42 +142,11 @@ class CorpusWriter:
     def commit(self) -> str:
         """Publish the file at the destination; returns its URI."""
         try:
-            self._handle.flush()
-            os.fsync(self._handle.fileno())
-            self._handle.close()
-            if self.location.is_local:
-                os.replace(self._temp, self.location.path)
-                _fsync_directory(os.path.dirname(self.location.path))
-            else:
-                import posixpath
-
-                parent = posixpath.dirname(self.location.path)
-                if parent:
-                    self.location.fs.makedirs(parent, exist_ok=True)
-                self.location.fs.put_file(self._temp, self.location.path)
-                os.unlink(self._temp)
+            self._file.commit()
         except OSError as error:
             raise ScoringError("storage_error", f"cannot publish {self.location.uri}: {error}") from None
-        self._temp = None
         self.committed = True
         return self.location.uri
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if self._handle is not None and not self._handle.closed:
-            self._handle.close()
-        if self._temp is not None and os.path.exists(self._temp):
-            os.unlink(self._temp)
-
-
-def _fsync_directory(path: str) -> None:
-    """Make a rename durable: fsync the directory entry (best effort; some filesystems refuse)."""
-    try:
-        descriptor = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(descriptor)
-    except OSError:
-        pass
-    finally:
-        os.close(descriptor)
+        self._file.__exit__(exc_type, exc, tb)

@@ -21,6 +21,7 @@ import urllib.request
 from typing import Any
 
 from kiln_core.contracts.identity import ManifestError, parse_manifest_line
+from kiln_core.errors import EnvironmentFailure, KilnFlowsError, Rejection, pick_kind
 
 DEFAULT_KILN_URL = "http://127.0.0.1:8420"
 API_KEY_ENV = "KILN_API_KEY"
@@ -32,24 +33,39 @@ _LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 TRANSIENT_CODES = frozenset({"unreachable", "timeout", "server_error"})
 
 
-class TeacherRegistryError(Exception):
+class TeacherRegistryError(KilnFlowsError):
     """A teacher lookup that failed; ``code`` is stable, ``message`` says what to do.
 
     Codes: ``bad_url``, ``unknown_alias``, ``teacher_unusable``, ``no_manifest``, ``invalid_manifest``,
     ``http_error`` (4xx), ``server_error`` (5xx after retries), ``timeout``, ``unreachable``,
-    ``malformed_response``.
+    ``malformed_response``. The transient ones (``TRANSIENT_CODES``) construct a
+    ``TeacherRegistryFailure`` (an ``EnvironmentFailure``), the others a ``TeacherRegistryRejection``.
     """
 
+    def __new__(cls, code: str | None = None, *args: Any, **kwargs: Any):
+        if cls is TeacherRegistryError:
+            cls = pick_kind(TeacherRegistryError, code or "", TRANSIENT_CODES)
+        return super().__new__(cls)
+
     def __init__(self, code: str, message: str, *, status: int | None = None) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
+        super().__init__(code, message)
         self.status = status
+
+    def __str__(self) -> str:
+        return f"{self.code}: {self.message}"
 
     @property
     def transient(self) -> bool:
         """Whether the failure is the server's or the network's (worth retrying later)."""
         return self.code in TRANSIENT_CODES
+
+
+class TeacherRegistryRejection(TeacherRegistryError, Rejection):
+    """The request was refused (unknown alias, unusable teacher, 4xx, invalid manifest): exit 2."""
+
+
+class TeacherRegistryFailure(TeacherRegistryError, EnvironmentFailure):
+    """The server or the network failed (unreachable, timeout, 5xx): exit 3, retried."""
 
 
 def _excerpt(body: bytes) -> str:

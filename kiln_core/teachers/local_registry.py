@@ -22,6 +22,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from kiln_core.contracts.identity import ManifestError, build_manifest_line, parse_manifest_line
+from kiln_core.errors import Rejection
 from kiln_core.storage import Location, resolve, write_bytes_atomic
 
 REGISTRY_FILE = "teachers.json"
@@ -30,16 +31,18 @@ REGISTRY_SCHEMA = "kiln-flows.local-teachers.v1"
 _MAX_MANIFEST_LINE_BYTES = 64 * 1024
 
 
-class LocalRegistryError(ValueError):
+class LocalRegistryError(Rejection, ValueError):
     """A local registry operation that was refused; ``code`` is stable.
 
     Codes: ``bad_alias``, ``alias_exists``, ``unknown_alias``, ``corrupt_registry``, ``bad_manifest_file``.
+    All are rejections: a corrupt ``teachers.json`` fails the same way on every retry.
     """
 
     def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
+        super().__init__(code, message)
+
+    def __str__(self) -> str:
+        return f"{self.code}: {self.message}"
 
 
 class LocalTeacherEntry(BaseModel):
@@ -118,12 +121,11 @@ def _locked(location: Location) -> Iterator[None]:
 
 
 def _check_alias(alias: str) -> str:
-    from kiln_core.identity.local_teacher import is_identity_text
+    # Aliases follow the adapter-name rule (kiln_core.contracts.names): one safe path component.
+    from kiln_core.contracts.names import NAME_RULE, is_valid_name
 
-    if not isinstance(alias, str) or not is_identity_text(alias):
-        raise LocalRegistryError(
-            "bad_alias", f"alias {alias!r} must be non-empty, ≤256 bytes, trimmed, without control characters"
-        )
+    if not is_valid_name(alias):
+        raise LocalRegistryError("bad_alias", f"alias {alias!r} must be {NAME_RULE}")
     return alias
 
 

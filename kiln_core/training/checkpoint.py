@@ -36,6 +36,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kiln_core.canonical import sha256_hex
+from kiln_core.errors import Rejection
 from kiln_core.storage import INCOMPLETE_SENTINEL, Location, StagedDirectory, iter_files, list_children, resolve
 
 MANIFEST_TYPE = "kiln.training-checkpoint.v1"
@@ -52,16 +53,14 @@ MAX_ARTIFACTS = 64
 PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
 
 
-class CheckpointError(Exception):
+class CheckpointError(Rejection):
     """A checkpoint that cannot be written or loaded; ``code`` is stable, the message names the file."""
 
     def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
+        super().__init__(code, message)
 
-    def to_json(self) -> dict[str, Any]:
-        return {"status": "rejected", "code": self.code, "message": self.message}
+    def __str__(self) -> str:
+        return self.message
 
 
 class ResumeError(CheckpointError):

@@ -1,0 +1,58 @@
+"""Options that mean the same thing in every command, spelled once.
+
+* ``--out ROOT_URI`` — the storage root a command writes into (corpora, runs, oracle results, the
+  teacher registry); default ``./kiln-data``. Older spellings stay as hidden aliases (``--root``,
+  ``--workdir``). ``score`` and ``oracle make-request`` write one file instead, and their ``--out``
+  names that file.
+* ``--registry ROOT_URI`` — a storage root that is only read, for its teacher registry (``manifest``,
+  ``score``); ``--root`` is its hidden alias.
+* ``--dtype fp32|bf16`` — the dtype of a model the command loads (``--precision`` and the long
+  names ``float32``/``bfloat16`` are accepted as hidden aliases).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+DEFAULT_ROOT = "./kiln-data"
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+_LONG = {long: short for short, long in DTYPES.items()}
+
+
+def add_out_argument(parser, *, default: str | None = DEFAULT_ROOT, help: str | None = None,
+                     aliases: tuple[str, ...] = ()) -> None:
+    """``--out ROOT_URI`` (dest ``out``), plus hidden ``aliases`` such as ``--root``."""
+    text = help or f"storage root, a local path or fsspec URI (default {default})"
+    parser.add_argument("--out", dest="out", default=default, metavar="ROOT_URI", help=text)
+    for alias in aliases:
+        parser.add_argument(alias, dest="out", metavar="ROOT_URI", help=argparse.SUPPRESS)
+
+
+def add_registry_argument(parser, *, default: str = DEFAULT_ROOT) -> None:
+    """``--registry ROOT_URI`` (dest ``registry``): the root whose ``teachers.json`` is read."""
+    parser.add_argument("--registry", dest="registry", default=default, metavar="ROOT_URI",
+                        help=f"storage root of the local teacher registry, for aliases (default {default})")
+    parser.add_argument("--root", dest="registry", metavar="ROOT_URI", help=argparse.SUPPRESS)
+
+
+def dtype_name(value: str) -> str:
+    """``fp32``/``bf16``/``fp16``, also from ``float32``/``bfloat16``/``float16``."""
+    short = _LONG.get(value, value)
+    if short not in DTYPES:
+        raise argparse.ArgumentTypeError(f"invalid dtype {value!r} (choose from {', '.join(DTYPES)})")
+    return short
+
+
+def add_dtype_argument(parser, *, choices: tuple[str, ...] = ("fp32", "bf16"), default: str | None = None,
+                       help: str = "model dtype", aliases: tuple[str, ...] = ()) -> None:
+    """``--dtype {choices}`` (dest ``dtype``, short names), plus hidden ``aliases`` (``--precision``)."""
+
+    def parse(value: str) -> str:
+        short = dtype_name(value)
+        if short not in choices:
+            raise argparse.ArgumentTypeError(f"invalid dtype {value!r} (choose from {', '.join(choices)})")
+        return short
+
+    parser.add_argument("--dtype", dest="dtype", type=parse, default=default, metavar="|".join(choices), help=help)
+    for alias in aliases:
+        parser.add_argument(alias, dest="dtype", type=parse, help=argparse.SUPPRESS)
