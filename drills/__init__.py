@@ -49,12 +49,12 @@ __all__ = [
 
 # drill name -> (module, default trials/examples). Modules are imported on use.
 DRILLS: dict[str, tuple[str, dict[str, int]]] = {
-    "sigkill": ("kiln_core.drills.sigkill", {"trials": 20}),
-    "s3-outage": ("kiln_core.drills.s3_outage", {"trials": 8}),
-    "concurrent-materialize": ("kiln_core.drills.concurrency", {"trials": 12}),
-    "corrupt-checkpoint": ("kiln_core.drills.corruption", {"trials": 9}),
-    "fuzz-admission": ("kiln_core.drills.fuzz", {"examples": 10_000}),
-    "fuzz-oracle": ("kiln_core.drills.fuzz", {"examples": 10_000}),
+    "sigkill": ("drills.sigkill", {"trials": 20}),
+    "s3-outage": ("drills.s3_outage", {"trials": 8}),
+    "concurrent-materialize": ("drills.concurrency", {"trials": 12}),
+    "corrupt-checkpoint": ("drills.corruption", {"trials": 9}),
+    "fuzz-admission": ("drills.fuzz", {"examples": 10_000}),
+    "fuzz-oracle": ("drills.fuzz", {"examples": 10_000}),
 }
 
 MAX_DETAILS = 20

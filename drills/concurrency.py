@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from kiln_core.drills import DrillReport, fresh_dir, subprocess_env, tiny_student, where
+from drills import DrillReport, fresh_dir, subprocess_env, tiny_student, where
 
 SCHEDULES = ("threads", "threads-both-miss", "threads-commit-race", "processes")
 BARRIER_TIMEOUT_S = 20.0

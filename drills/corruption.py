@@ -32,8 +32,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kiln_core.drills import DrillReport, fresh_dir, one_torch_thread, prepare_training_inputs, subprocess_env, where
-from kiln_core.drills.sigkill import adapter_bytes
+from drills import DrillReport, fresh_dir, one_torch_thread, prepare_training_inputs, subprocess_env, where
+from drills.sigkill import adapter_bytes
 
 ADAPTER = "corrupt"
 CRASH_AFTER_STEP = 7

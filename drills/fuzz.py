@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from kiln_core.drills import DrillReport, tiny_student, where
+from drills import DrillReport, tiny_student, where
 
 # ----------------------------------------------------------------------------------- corpus mutator
 
@@ -253,7 +253,7 @@ def run_fuzz_admission(*, workdir: Path, examples: int = 10_000, seed: int = 0, 
     from kiln_core.synthetic import synthesize_corpus
     from kiln_core.tokenization import load_student_tokenizer
 
-    report = DrillReport("fuzz-admission", seed=seed, mutator="seeded (kiln_core.drills.fuzz.case_ops)")
+    report = DrillReport("fuzz-admission", seed=seed, mutator="seeded (drills.fuzz.case_ops)")
     student_dir = tiny_student(workdir)
     student = load_student_tokenizer(student_dir)
     base_path = synthesize_corpus(student_dir, workdir / "base.jsonl", n_examples=3, top_k=16, seed=5, trajectory_every=2,

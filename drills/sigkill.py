@@ -20,7 +20,7 @@ drill's ``go`` before carrying on, so the kill lands exactly there):
 Every committed checkpoint left behind must load (``load_checkpoint`` verifies every file), the
 killed run must not have published an adapter or receipt, and the resume must succeed.
 
-The driver (``python -m kiln_core.drills.sigkill driver ...``) is shared with the S3 outage drill.
+The driver (``python -m drills.sigkill driver ...``) is shared with the S3 outage drill.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kiln_core.drills import DrillReport, fresh_dir, one_torch_thread, prepare_training_inputs, subprocess_env, where
+from drills import DrillReport, fresh_dir, one_torch_thread, prepare_training_inputs, subprocess_env, where
 
 MODES = ("step", "staged-file", "before-commit", "after-commit", "random", "cli", "twice")
 EVENT_TIMEOUT_S = 180.0
@@ -62,12 +62,13 @@ class Driver:
     def training(cls, *, request: Path, adapter: str, student: Path, out: str, log_path: Path,
                  handshake: str = "all", resume: str | None = None, s3_fast_fail: bool = False,
                  env: dict[str, str] | None = None) -> "Driver":
-        argv = [sys.executable, "-m", "kiln_core.drills.sigkill", "driver", "--request", str(request),
+        argv = [sys.executable, "-m", "drills.sigkill", "driver", "--request", str(request),
                 "--adapter", adapter, "--student", str(student), "--out", out, "--handshake", handshake]
         if resume:
             argv += ["--resume", resume]
+        env = dict(env or subprocess_env())
         if s3_fast_fail:
-            argv.append("--s3-fast-fail")
+            env.update(FAST_FAILING_S3)
         return cls(argv, log_path=log_path, env=env)
 
     def next_line(self, timeout: float = EVENT_TIMEOUT_S) -> str | None:
@@ -148,45 +149,26 @@ class Driver:
         return None
 
 
-def _configure_fast_failing_s3() -> None:
-    """Short client timeouts and few retries: a frozen server fails a write in seconds, not minutes.
-
-    botocore sends ``PutObject`` with ``Expect: 100-continue`` (its body is file-like), and aiohttp
-    waits for the ``100 Continue`` with no timeout at all: against a frozen server every PUT hangs
-    forever whatever ``read_timeout`` says (observed with aiobotocore 3.x / aiohttp; a GET times out
-    as configured). The driver drops that header so the configured timeouts apply to writes too.
-    """
-    import botocore.handlers
-    import fsspec
-    import s3fs
-
-    botocore.handlers.BUILTIN_HANDLERS[:] = [
-        entry for entry in botocore.handlers.BUILTIN_HANDLERS if entry[1] is not botocore.handlers.add_expect_header
-    ]
-    s3fs.S3FileSystem.retries = 1  # one attempt: the outage is the point
-    fsspec.config.conf["s3"] = {
-        **fsspec.config.conf.get("s3", {}),
-        "config_kwargs": {"connect_timeout": 2, "read_timeout": 3, "retries": {"max_attempts": 1, "mode": "standard"}},
-    }
+# The product's storage settings (kiln_core.storage), shortened: a frozen server fails a write within
+# seconds, not minutes. Nothing is patched: the driver runs with these in its environment.
+FAST_FAILING_S3 = {"KILN_FLOWS_STORAGE_CONNECT_TIMEOUT": "2", "KILN_FLOWS_STORAGE_READ_TIMEOUT": "3",
+                   "KILN_FLOWS_STORAGE_MAX_ATTEMPTS": "1"}
 
 
 def driver_main(argv: list[str]) -> int:
     """Run one training request with every publication step reported as an event."""
-    parser = argparse.ArgumentParser(prog="kiln_core.drills.sigkill driver")
+    parser = argparse.ArgumentParser(prog="drills.sigkill driver")
     parser.add_argument("--request", required=True)
     parser.add_argument("--adapter", required=True)
     parser.add_argument("--student", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--resume")
     parser.add_argument("--handshake", choices=("all", "none", "laststep"), default="all")
-    parser.add_argument("--s3-fast-fail", action="store_true")
     args = parser.parse_args(argv)
 
     import torch
 
     torch.set_num_threads(1)
-    if args.s3_fast_fail:
-        _configure_fast_failing_s3()
     from kiln_core import storage
     from kiln_core.training import receipt as receipt_module
     from kiln_core.training.run_request import run_train_request
@@ -475,6 +457,6 @@ def _kill_cli(request: Path, adapter: str, student: Path, out: str, kill_step: i
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "driver":
         sys.exit(driver_main(sys.argv[2:]))
-    print("usage: python -m kiln_core.drills.sigkill driver --request ... (the drill itself: kiln-flows drill sigkill)",
+    print("usage: python -m drills.sigkill driver --request ... (the drill itself: kiln-flows drill sigkill)",
           file=sys.stderr)
     sys.exit(2)

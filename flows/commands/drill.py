@@ -4,7 +4,7 @@
     $ kiln-flows drill sigkill --trials 40 --workdir ./drills
     $ kiln-flows drill fuzz-admission --examples 50000 --seed 7
 
-Drills (``kiln_core.drills``): ``sigkill`` (kill training at random points, resume byte-identically),
+Drills (``drills``): ``sigkill`` (kill training at random points, resume byte-identically),
 ``s3-outage`` (freeze the S3 server mid-publication: nothing committed is partial, a retry
 completes), ``concurrent-materialize`` (two admissions of the same bytes at once: one
 materialization), ``corrupt-checkpoint`` (a damaged checkpoint is refused naming the file; no silent
@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
         os.environ.setdefault(name, value)
     warnings.filterwarnings("ignore", category=FutureWarning)
 
-    from kiln_core.drills import DRILLS, run_drill
+    from drills import DRILLS, run_drill
 
     names = list(DRILL_CHOICES) if args.drill == "all" else [args.drill]
     if args.trials is not None and args.trials < 1 or args.examples is not None and args.examples < 1:

@@ -1,4 +1,4 @@
-"""The fault drills of ``kiln_core.drills`` at CI size, each asserted to pass.
+"""The fault drills of ``drills`` at CI size, each asserted to pass.
 
 Full size (what the closing note quotes) is ``kiln-flows drill all --json``: sigkill 20 trials,
 s3-outage 8, concurrent-materialize 12, corrupt-checkpoint 9, fuzz-admission and fuzz-oracle 10,000
@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from kiln_core.drills import run_drill
+from drills import run_drill
 
 pytestmark = pytest.mark.slow
 
@@ -95,7 +95,7 @@ def test_the_pipeline_train_task_refuses_a_corrupted_latest_checkpoint(tmp_path,
 
     from kiln_core.admission import admit_corpus
     from kiln_core.contracts.opd_config import OpdConfig
-    from kiln_core.drills import prepare_training_inputs
+    from drills import prepare_training_inputs
     from kiln_core.storage import list_children, resolve
     from kiln_core.training.checkpoint import ADAPTER_FILE, CheckpointError, latest_checkpoint
     from kiln_core.training.trainer import SimulatedCrash
