@@ -43,6 +43,7 @@ __all__ = [
     "prepare_training_inputs",
     "run_drill",
     "tiny_student",
+    "run_directory",
     "where",
     "workspace",
 ]
@@ -251,6 +252,21 @@ def where(error: BaseException) -> str:
             name = package + "/" + name.split(f"/{package}/", 1)[1]
             break
     return f"{name}:{frame.lineno} in {frame.name}"
+
+
+def run_directory(out: str, adapter: str) -> str:
+    """The run directory of ``adapter`` under the storage root ``out``: ``runs/<adapter>/<run key>/``.
+
+    The drills train one input set per adapter name, so there is exactly one run key; before the run
+    has started the URI names a directory that does not exist yet (nothing is committed in it).
+    """
+    from kiln_core.storage import list_children, resolve
+
+    runs = resolve(out).child("runs", adapter)
+    keys = [name for name in list_children(runs) if not name.startswith(".") and name != "latest.json"]
+    if len(keys) > 1:
+        raise RuntimeError(f"{runs.uri} holds {len(keys)} runs; a drill trains one input set per adapter name")
+    return runs.child(keys[0] if keys else "not-started").uri
 
 
 def fresh_dir(parent: Path, name: str) -> Path:

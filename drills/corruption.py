@@ -106,8 +106,9 @@ def _snapshot(root: Path) -> dict[str, bytes | str]:
 
 def run(*, workdir: Path, trials: int = 8, seed: int = 0, cli: bool = True, **_: Any) -> dict[str, Any]:
     """Run ``trials`` damage trials; see the module docstring."""
+    from drills import run_directory
+    from kiln_core.engine.request import train_request
     from kiln_core.training.checkpoint import CheckpointError, latest_checkpoint, previous_checkpoint
-    from kiln_core.training.run_request import run_directory, run_train_request
 
     report = DrillReport("corrupt-checkpoint", seed=seed)
     inputs = prepare_training_inputs(workdir / "fixture")
@@ -115,7 +116,7 @@ def run(*, workdir: Path, trials: int = 8, seed: int = 0, cli: bool = True, **_:
     base = fresh_dir(workdir, "base")
     trials_dir = fresh_dir(workdir, "trials")
     with one_torch_thread():
-        reference = run_train_request(request, adapter="reference", student_dir=str(inputs.student), out_root=str(base))
+        reference = train_request(request, adapter="reference", student_dir=str(inputs.student), out_root=str(base))
         reference_bytes = adapter_bytes(run_directory(str(base), "reference"))
 
         def crash(step: int, total: int, loss: float) -> None:
@@ -123,7 +124,7 @@ def run(*, workdir: Path, trials: int = 8, seed: int = 0, cli: bool = True, **_:
                 raise _Crash(f"simulated crash after step {step}")
 
         try:
-            run_train_request(request, adapter=ADAPTER, student_dir=str(inputs.student), out_root=str(base), on_progress=crash)
+            train_request(request, adapter=ADAPTER, student_dir=str(inputs.student), out_root=str(base), on_progress=crash)
             raise RuntimeError("the base run did not crash")
         except _Crash:
             pass
@@ -151,8 +152,8 @@ def run(*, workdir: Path, trials: int = 8, seed: int = 0, cli: bool = True, **_:
                 problems.append(f"latest_checkpoint picked {automatic} instead of the damaged {latest_name} (silent fallback)")
             try:
                 with one_torch_thread():
-                    run_train_request(request, adapter=ADAPTER, student_dir=str(inputs.student), out_root=str(out),
-                                      resume_checkpoint=automatic)
+                    train_request(request, adapter=ADAPTER, student_dir=str(inputs.student), out_root=str(out),
+                                  resume_checkpoint=automatic)
                 problems.append(f"resuming from {automatic} was not refused")
             except CheckpointError as error:
                 if error.code != code:
@@ -189,15 +190,15 @@ def run(*, workdir: Path, trials: int = 8, seed: int = 0, cli: bool = True, **_:
 
 
 def _resume(request: str, student: Path, out: Path, basename: str | None, reference_bytes: bytes) -> dict[str, str]:
-    from kiln_core.contracts.opd_config import ConfigError
-    from kiln_core.training.checkpoint import CheckpointError
-    from kiln_core.training.run_request import run_directory, run_train_request
+    from drills import run_directory
+    from kiln_core.engine.request import train_request
+    from kiln_core.errors import Rejection
 
     try:
         with one_torch_thread():
-            result = run_train_request(request, adapter=ADAPTER, student_dir=str(student), out_root=str(out),
-                                       resume_checkpoint=basename)
-    except (ConfigError, CheckpointError) as error:
+            result = train_request(request, adapter=ADAPTER, student_dir=str(student), out_root=str(out),
+                                   resume_checkpoint=basename)
+    except Rejection as error:
         return {"verdict": f"refused:{error.code}", "message": f"refused [{error.code}]: {error}"}
     if result.status != "success":
         return {"verdict": result.status, "message": f"ended {result.status}: {result.failure_message}"}

@@ -237,7 +237,7 @@ def verify_readers(root: str, adapter: str, dataset_hex: str, student_identity: 
         latest_checkpoint,
         load_checkpoint,
     )
-    from kiln_core.training.run_request import run_directory
+    from drills import run_directory
 
     problems = []
     run = resolve(run_directory(root, adapter))
@@ -292,18 +292,19 @@ def _classify(kind: str, arg: str) -> str | None:
 
 def run(*, workdir: Path, trials: int = 8, seed: int = 0, **_: Any) -> dict[str, Any]:
     """Run ``trials`` outage trials; see the module docstring."""
+    from drills import run_directory
     from kiln_core.canonical import sha256_hex
+    from kiln_core.engine.request import train_request
     from kiln_core.storage import resolve
     from kiln_core.tokenization import load_student_tokenizer
-    from kiln_core.training.run_request import run_directory, run_train_request
 
     report = DrillReport("s3-outage", seed=seed, method="moto server frozen with SIGSTOP, thawed with SIGCONT")
     inputs = prepare_training_inputs(workdir / "fixture")
     local = fresh_dir(workdir, "local")
     logs = fresh_dir(workdir, "logs")
     with one_torch_thread():
-        reference = run_train_request(str(inputs.request(1)), adapter="reference", student_dir=str(inputs.student),
-                                      out_root=str(local))
+        reference = train_request(str(inputs.request(1)), adapter="reference", student_dir=str(inputs.student),
+                                  out_root=str(local))
     reference_bytes = adapter_bytes(run_directory(str(local), "reference"))
     total = reference.total_steps
     dataset_hex = sha256_hex(inputs.corpus.read_bytes())
@@ -399,23 +400,21 @@ def run(*, workdir: Path, trials: int = 8, seed: int = 0, **_: Any) -> dict[str,
 
 
 def _retry_like_the_pipeline(inputs, adapter: str, root: str) -> dict[str, Any]:
-    """tasks/train.py on a retry: a finished run (adapter + successful receipt) is done; otherwise
-    admit again (reusing a committed materialization) and resume from the newest checkpoint."""
-    from kiln_core.contracts.opd_config import ConfigError
+    """What every pipeline attempt does (``kiln_core.engine``, ``resume="latest"``): a finished run
+    (adapter + successful receipt) is done; otherwise admit again (reusing a committed
+    materialization) and resume from the newest checkpoint."""
+    from drills import run_directory
+    from kiln_core.engine.request import train_request
+    from kiln_core.errors import Rejection
     from kiln_core.storage import resolve
-    from kiln_core.training.checkpoint import CheckpointError, latest_checkpoint
-    from kiln_core.training.run_request import run_directory, run_train_request
+    from kiln_core.training.checkpoint import latest_checkpoint
 
-    run = resolve(run_directory(root, adapter))
-    receipt = run.child("train_receipt.json")
-    if receipt.exists() and run.child("adapter", "adapter_config.json").exists():
-        if json.loads(receipt.read_bytes()).get("status") == "success":
-            return {"status": "success", "resumed_from": "finished before the outage", "message": ""}
-    latest = latest_checkpoint(run, adapter)
+    latest = latest_checkpoint(resolve(run_directory(root, adapter)), adapter)
     try:
         with one_torch_thread():
-            result = run_train_request(str(inputs.request(1)), adapter=adapter, student_dir=str(inputs.student),
-                                       out_root=root, resume_checkpoint=latest)
-    except (ConfigError, CheckpointError) as error:
-        return {"status": "rejected", "message": f"[{getattr(error, 'code', '?')}] {error}", "resumed_from": latest}
-    return {"status": result.status, "message": result.failure_message or "", "resumed_from": latest}
+            result = train_request(str(inputs.request(1)), adapter=adapter, student_dir=str(inputs.student),
+                                   out_root=root, resume_latest=True)
+    except Rejection as error:
+        return {"status": "rejected", "message": f"[{error.code}] {error}", "resumed_from": latest}
+    resumed_from = "finished before the outage" if result.reused else latest
+    return {"status": result.status, "message": result.failure_message or "", "resumed_from": resumed_from}

@@ -1,7 +1,7 @@
 """SIGKILL drill: kill a training process at random points; every resume ends byte-identical.
 
 One uninterrupted reference run per checkpoint interval is trained in this process. Each trial then
-starts a training subprocess over the same request (a small driver calling ``run_train_request``,
+starts a training subprocess over the same request (a small driver calling ``kiln_core.engine.request.train_request``,
 the glue behind ``kiln-flows train``, or the real ``kiln-flows train`` CLI), SIGKILLs it at a point
 drawn from a seeded RNG, resumes from ``latest_checkpoint`` (a fresh start when none was committed)
 and compares the final ``adapter_model.safetensors`` bytes and the loss history with the reference.
@@ -171,7 +171,7 @@ def driver_main(argv: list[str]) -> int:
     torch.set_num_threads(1)
     from kiln_core import storage
     from kiln_core.training import receipt as receipt_module
-    from kiln_core.training.run_request import run_train_request
+    from kiln_core.engine.request import train_request
 
     def event(kind: str, arg: Any, wait: bool | None = None) -> None:
         sys.stdout.write(f"EVENT {kind} {arg}\n")
@@ -205,8 +205,8 @@ def driver_main(argv: list[str]) -> int:
         event("step", step, wait=args.handshake == "all" or (args.handshake == "laststep" and step == total))
 
     event("start", os.getpid())
-    result = run_train_request(args.request, adapter=args.adapter, student_dir=args.student, out_root=args.out,
-                               resume_checkpoint=args.resume, on_progress=progress)
+    result = train_request(args.request, adapter=args.adapter, student_dir=args.student, out_root=args.out,
+                           resume_checkpoint=args.resume, on_progress=progress)
     sys.stdout.write("RESULT " + json.dumps({"status": result.status, "steps": result.steps,
                                              "latest_checkpoint": result.latest_checkpoint}) + "\n")
     sys.stdout.flush()
@@ -249,15 +249,17 @@ def adapter_bytes(run_uri: str) -> bytes:
 
 
 def resume_like_the_pipeline(request: Path, adapter: str, student: Path, out: str):
-    """What a retry does (tasks/train.py): resume from the newest committed checkpoint, if any."""
+    """What every pipeline attempt does (``kiln_core.engine``): resume from the newest committed
+    checkpoint, if any. Returns that checkpoint's name and the result."""
+    from drills import run_directory
+    from kiln_core.engine.request import train_request
     from kiln_core.storage import resolve
     from kiln_core.training.checkpoint import latest_checkpoint
-    from kiln_core.training.run_request import run_directory, run_train_request
 
     latest = latest_checkpoint(resolve(run_directory(out, adapter)), adapter)
     with one_torch_thread():
-        return latest, run_train_request(str(request), adapter=adapter, student_dir=str(student), out_root=out,
-                                         resume_checkpoint=latest)
+        return latest, train_request(str(request), adapter=adapter, student_dir=str(student), out_root=out,
+                                     resume_latest=True)
 
 
 # ------------------------------------------------------------------------------------------ drill
@@ -265,7 +267,8 @@ def resume_like_the_pipeline(request: Path, adapter: str, student: Path, out: st
 
 def run(*, workdir: Path, trials: int = 20, seed: int = 0, **_: Any) -> dict[str, Any]:
     """Run ``trials`` kill-and-resume trials; see the module docstring."""
-    from kiln_core.training.run_request import run_directory, run_train_request
+    from drills import run_directory
+    from kiln_core.engine.request import train_request
 
     report = DrillReport("sigkill", seed=seed)
     inputs = prepare_training_inputs(workdir / "fixture")
@@ -274,8 +277,8 @@ def run(*, workdir: Path, trials: int = 20, seed: int = 0, **_: Any) -> dict[str
     references: dict[int, tuple[bytes, list[float]]] = {}
     with one_torch_thread():
         for interval in inputs.requests:
-            result = run_train_request(str(inputs.request(interval)), adapter=f"reference-{interval}",
-                                       student_dir=str(inputs.student), out_root=str(out))
+            result = train_request(str(inputs.request(interval)), adapter=f"reference-{interval}",
+                                   student_dir=str(inputs.student), out_root=str(out))
             assert result.status == "success", result
             references[interval] = (adapter_bytes(run_directory(str(out), f"reference-{interval}")), result.loss_history)
             total = result.total_steps
@@ -331,9 +334,8 @@ def run(*, workdir: Path, trials: int = 20, seed: int = 0, **_: Any) -> dict[str
 def _trial(mode: str, rng: random.Random, request: Path, adapter: str, student: Path, out: str, kill_step: int,
            total: int, interval: int, log: Path) -> dict[str, Any]:
     """Start, kill and inspect one interrupted run; returns ``{"problem": ...}`` or facts."""
-    from kiln_core.training.run_request import run_directory
+    from drills import run_directory
 
-    run_uri = run_directory(out, adapter)
     facts: dict[str, Any] = {}
     if mode == "cli":
         code = _kill_cli(request, adapter, student, out, kill_step, rng, log)
@@ -345,6 +347,7 @@ def _trial(mode: str, rng: random.Random, request: Path, adapter: str, student: 
                         "step", first, rng)
         if code != -signal.SIGKILL:
             return {"problem": f"first kill: driver exited {code} before the kill point"}
+        run_uri = run_directory(out, adapter)  # created by the driver
         problems, _ = inspect_run_dir(run_uri, adapter)
         if problems:
             return {"problem": "; ".join(problems)}
@@ -365,6 +368,7 @@ def _trial(mode: str, rng: random.Random, request: Path, adapter: str, student: 
         facts["completed_before_kill"] = True
     elif code != -signal.SIGKILL:
         return {"problem": f"driver exited {code} instead of being killed; log: {log.read_text()[-1500:]}"}
+    run_uri = run_directory(out, adapter)
     problems, _ = inspect_run_dir(run_uri, adapter)
     from kiln_core.storage import resolve
 
@@ -431,19 +435,19 @@ def _kill_random(request: Path, adapter: str, student: Path, out: str, rng: rand
 def _kill_cli(request: Path, adapter: str, student: Path, out: str, kill_step: int, rng: random.Random,
               log: Path) -> int:
     """``kiln-flows train --json`` killed a moment after checkpoint ``kill_step`` (or later) is on disk."""
+    from drills import run_directory
     from kiln_core.storage import resolve
     from kiln_core.training.checkpoint import committed_checkpoints
-    from kiln_core.training.run_request import run_directory
 
     kill_step = min(kill_step, 6)  # stay clear of the end: the run must not publish before the kill
     argv = [sys.executable, "-m", "flows.cli", "train", "--request", str(request), "--adapter", adapter,
             "--student", str(student), "--out", out, "--json", "--quiet"]
     with open(log, "ab") as handle:
         process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=handle, stderr=handle, env=subprocess_env())
-    run = resolve(run_directory(out, adapter))
     deadline = time.monotonic() + EVENT_TIMEOUT_S
     try:
         while process.poll() is None and time.monotonic() < deadline:
+            run = resolve(run_directory(out, adapter))  # the CLI creates it once admission is done
             if any(step >= kill_step for step, _ in committed_checkpoints(run, adapter)):
                 time.sleep(rng.uniform(0.0, 0.02))
                 break

@@ -6,23 +6,13 @@ from typing import Any
 
 from prefect import flow
 
-from tasks.score import score_task, scored_location
+from tasks.score import score_task
 
 
 def _digest(uri: str) -> str:
     from kiln_core.storage import resolve
 
     return "sha256:" + hashlib.sha256(resolve(uri).read_bytes()).hexdigest()
-
-
-def score_for_pipeline(spec, manifest_ref, student_dir: str) -> str:
-    """Score ``spec.examples`` for ``opd_distill`` and return the scored corpus URI."""
-    out_uri = scored_location(spec.storage_root, _digest(spec.examples), manifest_ref.identity_revision,
-                              student_dir, spec.config.top_k)
-    teacher_alias = spec.teacher.alias if spec.teacher.kind == "local_registry" else None
-    scored = score_task(spec.examples, out_uri, spec.teacher.path, teacher_alias, spec.storage_root, student_dir,
-                        spec.config.top_k)
-    return scored.uri
 
 
 @flow(name="score-corpus", flow_run_name="score-{examples}")
@@ -46,11 +36,12 @@ def score_corpus(
         top_k: Candidates per target.
         out: Where to write the corpus (default: content-addressed under ``<root>/scored/``).
     """
-    if (teacher_dir is None) == (teacher_alias is None):
-        raise ValueError("give exactly one of teacher_dir or teacher_alias")
+    from kiln_core.contracts.pipeline import SpecError, TeacherSource
+    from kiln_core.engine.stages import resolve_manifest, scored_location
     from kiln_core.storage import localize_directory
-    from tasks.manifest import resolve_manifest
-    from flows.spec import TeacherSource
+
+    if (teacher_dir is None) == (teacher_alias is None):
+        raise SpecError("give exactly one of teacher_dir or teacher_alias", "teacher_dir")
 
     student_dir = localize_directory(student)
     source = TeacherSource(kind="local_registry", alias=teacher_alias) if teacher_alias else TeacherSource(kind="local_dir", path=teacher_dir)

@@ -16,7 +16,7 @@ from tasks.artifacts import artifact_key, table_rows
 def verdict_of(corpus: str, student: str, top_k: int, teacher_manifest: str | None, kiln_strict: bool) -> dict[str, Any]:
     """Admit without materializing; the verdict as a flat dict (plain function)."""
     from kiln_core.admission import admit_corpus
-    from kiln_core.errors import AdmissionError
+    from kiln_core.errors import Rejection
 
     pinned = None
     try:
@@ -25,7 +25,7 @@ def verdict_of(corpus: str, student: str, top_k: int, teacher_manifest: str | No
 
             pinned = read_manifest_file(teacher_manifest)
         result = admit_corpus(corpus, student, top_k=top_k, pinned_manifest=pinned, kiln_strict=kiln_strict)
-    except AdmissionError as error:
+    except Rejection as error:  # the corpus, the student or the pinned manifest: the verdict says which
         return {"corpus": corpus, **error.to_json()}
     return {"corpus": corpus, **result.to_json()}
 

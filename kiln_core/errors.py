@@ -138,6 +138,7 @@ def is_rejection(error: BaseException | None) -> bool:
 
 ADMISSION_CODES = (
     "file_not_found",
+    "file_unreadable",
     "not_regular_file",
     "file_too_large",
     "invalid_utf8",

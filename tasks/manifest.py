@@ -1,54 +1,18 @@
-"""Stage 1, ``manifest``: the teacher's pinned ``off_policy_manifest`` line."""
+"""Stage 1, ``manifest``: the teacher's pinned ``off_policy_manifest`` line (``kiln_core.engine.stages``)."""
 
 from __future__ import annotations
 
 from prefect import task
 
 from kiln_core.contracts.pipeline import TeacherSource
-from tasks.refs import ManifestRef
+from kiln_core.engine.refs import ManifestRef
+from tasks.retry import retry_unless_rejected
 
 
-def resolve_manifest(teacher: TeacherSource, storage_root: str, *, max_top_k: int = 32) -> ManifestRef:
-    """The exact manifest line for a teacher source (plain function; the task wraps it).
-
-    Args:
-        teacher: Kiln server alias, local registry alias, or local teacher directory.
-        storage_root: Root holding the local registry (``<root>/teachers.json``).
-        max_top_k: ``max_top_k`` for a local directory's identity.
-
-    Returns:
-        A ``ManifestRef`` whose ``manifest_line`` is byte-identical to the pinned line.
-    """
-    from kiln_core.contracts.identity import build_manifest_line, parse_manifest_line
-
-    teacher_dir = None
-    if teacher.kind == "kiln_server":
-        from kiln_core.teachers.kiln_client import fetch_off_policy_manifest
-
-        line = fetch_off_policy_manifest(teacher.alias, base_url=teacher.url)
-    elif teacher.kind == "local_registry":
-        from kiln_core.teachers.local_registry import get_local_teacher
-
-        entry = get_local_teacher(storage_root, teacher.alias)
-        line, teacher_dir = entry.off_policy_manifest, entry.teacher_dir
-    else:
-        from kiln_core.identity.local_teacher import local_teacher_identity
-
-        teacher_dir = teacher.path
-        line = build_manifest_line(local_teacher_identity(teacher.path, max_top_k=max_top_k))
-    identity = parse_manifest_line(line).teacher_identity
-    return ManifestRef(
-        manifest_line=line,
-        identity_revision=identity.identity_revision(),
-        teacher=teacher.label(),
-        source=teacher.kind,
-        teacher_dir=teacher_dir,
-    )
-
-
-@task(name="manifest", task_run_name="manifest-{teacher.kind}", retries=2, retry_delay_seconds=[2, 10])
+@task(name="manifest", task_run_name="manifest-{teacher.kind}", retries=2, retry_delay_seconds=[2, 10],
+      retry_condition_fn=retry_unless_rejected)
 def fetch_manifest(teacher: TeacherSource, storage_root: str, max_top_k: int = 32) -> ManifestRef:
-    """Fetch or compute the teacher's manifest line.
+    """Fetch or compute the teacher's manifest line (a Kiln server outage is retried; an unknown alias is not).
 
     Example:
         ```python
@@ -62,4 +26,6 @@ def fetch_manifest(teacher: TeacherSource, storage_root: str, max_top_k: int = 3
             return ref.identity_revision
         ```
     """
+    from kiln_core.engine.stages import resolve_manifest
+
     return resolve_manifest(teacher, storage_root, max_top_k=max_top_k)

@@ -1,36 +1,23 @@
-"""Stage 3, ``materialize``: open the committed, content-addressed tables and verify every byte.
+"""Stage 3, ``materialize``: bind the run to the committed, content-addressed tables, every byte verified.
 
 Admission writes the materialization; this stage is where a run (possibly on another machine, after a
-retry) binds to it: it reads ``admission.json``, checks each Parquet file's size and SHA-256, and
-re-checks the counts, so training never starts from a partial or altered materialization.
+retry) binds to it: ``kiln_core.engine.stages.verify`` reads ``admission.json``, checks each Parquet
+file's size and SHA-256 and re-checks the counts, so training never starts from a partial or altered
+materialization.
 """
 
 from __future__ import annotations
 
 from prefect import task
 
+from kiln_core.engine.refs import CorpusRef
 from tasks.cache import DigestCachePolicy
-from tasks.refs import CorpusRef
-
-
-def verify(corpus: CorpusRef, storage_options: dict | None = None) -> CorpusRef:
-    """Verify a committed materialization against its record (plain function)."""
-    from kiln_core.materialize import read_materialization
-
-    materialization = read_materialization(corpus.uri, storage_options)
-    record = materialization.record
-    if record.dataset_sha256 != corpus.dataset_sha256:
-        raise ValueError(f"{corpus.uri} holds {record.dataset_sha256}, expected {corpus.dataset_sha256}")
-    tables = materialization.tables  # reading verifies sizes and SHA-256 of every file
-    if tables.num_examples != record.examples or tables.action_positions.shape[0] != record.action_tokens:
-        raise ValueError(f"{corpus.uri}: tables disagree with admission.json counts")
-    return corpus.model_copy(update={"examples": record.examples, "action_tokens": record.action_tokens})
 
 
 @task(
     name="materialize",
     task_run_name="materialize-{corpus.dataset_sha256}",
-    cache_policy=DigestCachePolicy(version="kiln-flows-materialize-v1", inputs=("corpus",)),
+    cache_policy=DigestCachePolicy(version="kiln-flows-materialize-v2", inputs=("corpus",)),
     persist_result=True,
     result_serializer="json",
 )
@@ -43,4 +30,6 @@ def materialize_task(corpus: CorpusRef, storage_options: dict | None = None) -> 
         print(corpus_ref.uri)  # <root>/corpora/<sha256 hex>
         ```
     """
+    from kiln_core.engine.stages import verify
+
     return verify(corpus, storage_options)

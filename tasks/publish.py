@@ -1,86 +1,21 @@
-"""Stage 5, ``publish``: verify what training wrote, point ``latest.json`` at it, and show it in the UI.
-
-Training already wrote checkpoints, the adapter and the receipt through fsspec; publishing checks the
-adapter bytes against the receipt's digest, then atomically (re)writes
-``<root>/runs/<adapter>/latest.json`` — the one file a consumer reads to find the newest adapter —
-and records table and markdown artifacts with the receipt summary and the output locations.
-"""
+"""Stage 5, ``publish``: ``kiln_core.engine.publish`` (verify, ``latest.json``), plus the run's artifacts."""
 
 from __future__ import annotations
 
 import json
-from typing import Any
 
 from prefect import task
 
+from kiln_core.engine.refs import PublishRef, TrainRef
 from tasks.artifacts import artifact_key, markdown_links, table_rows
-from tasks.refs import PublishRef, TrainRef
-
-
-def receipt_summary(receipt: dict[str, Any]) -> dict[str, Any]:
-    """The receipt fields a person looks at first."""
-    opd = receipt.get("opd") or {}
-    tokens = receipt.get("token_counts") or {}
-    output = (receipt.get("adapters") or {}).get("output") or {}
-    data = receipt.get("training_data") or {}
-    return {
-        "status": receipt.get("status"),
-        "failure_reason": receipt.get("failure_reason"),
-        "final_opd_loss": opd.get("final_opd_loss"),
-        "steps": (receipt.get("data") or {}).get("examples_trained"),
-        "action_tokens": tokens.get("action_tokens"),
-        "env_tokens": tokens.get("env_tokens"),
-        "context_tokens": tokens.get("context_tokens"),
-        "top_k": opd.get("top_k"),
-        "dataset_sha256": data.get("sha256"),
-        "teacher_identity_revision": opd.get("teacher_identity_revision"),
-        "adapter_model_sha256": output.get("adapter_model_sha256"),
-        "wall_clock_ms": (receipt.get("runtime") or {}).get("wall_clock_ms"),
-    }
-
-
-def publish(train: TrainRef, storage_root: str, adapter: str) -> PublishRef:
-    """Verify the adapter against its receipt and write ``latest.json`` (plain function)."""
-    from kiln_core.canonical import sha256_hex, sha256_prefixed
-    from kiln_core.storage import resolve, write_bytes_atomic
-    from kiln_core.training.checkpoint import committed_checkpoints
-
-    receipt_location = resolve(train.receipt_uri)
-    receipt_bytes = receipt_location.read_bytes()
-    receipt = json.loads(receipt_bytes)
-    if train.adapter_uri is None:
-        raise ValueError(f"run {train.run_uri} has no adapter to publish (status {train.status})")
-    adapter_file = resolve(train.adapter_uri).child("adapter_model.safetensors")
-    expected = ((receipt.get("adapters") or {}).get("output") or {}).get("adapter_model_sha256")
-    actual = sha256_prefixed(adapter_file.read_bytes())
-    if expected != actual:
-        raise ValueError(f"{adapter_file.uri} is {actual}, but the receipt records {expected}")
-    run = resolve(train.run_uri)
-    checkpoints = [name for _, name in committed_checkpoints(run, adapter)]
-    latest = resolve(storage_root).child("runs", adapter, "latest.json")
-    pointer = {
-        "adapter": train.adapter_uri,
-        "receipt": train.receipt_uri,
-        "receipt_sha256": "sha256:" + sha256_hex(receipt_bytes),
-        "run": train.run_uri,
-        "adapter_model_sha256": actual,
-        "dataset_sha256": (receipt.get("training_data") or {}).get("sha256"),
-        "produced_at": receipt.get("produced_at"),
-    }
-    write_bytes_atomic(latest, json.dumps(pointer, indent=2).encode("utf-8"))
-    return PublishRef(
-        adapter_uri=train.adapter_uri,
-        receipt_uri=train.receipt_uri,
-        receipt_sha256=pointer["receipt_sha256"],
-        latest_uri=latest.uri,
-        checkpoints=[run.child(name).uri for name in checkpoints],
-    )
+from tasks.retry import retry_unless_rejected
 
 
 def record_artifacts(train: TrainRef, adapter: str, published: PublishRef | None) -> None:
     """Table artifact with the receipt summary, markdown artifact with the output links."""
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
+    from kiln_core.engine.publish import receipt_summary
     from kiln_core.storage import resolve
 
     receipt = json.loads(resolve(train.receipt_uri).read_bytes())
@@ -103,7 +38,8 @@ def record_artifacts(train: TrainRef, adapter: str, published: PublishRef | None
     )
 
 
-@task(name="publish", task_run_name="publish-{adapter}", retries=2, retry_delay_seconds=[2, 10])
+@task(name="publish", task_run_name="publish-{adapter}", retries=2, retry_delay_seconds=[2, 10],
+      retry_condition_fn=retry_unless_rejected)
 def publish_task(train: TrainRef, storage_root: str, adapter: str) -> PublishRef:
     """Verify and publish a successful training run, with artifacts.
 
@@ -113,6 +49,8 @@ def publish_task(train: TrainRef, storage_root: str, adapter: str) -> PublishRef
         print(published.latest_uri)
         ```
     """
+    from kiln_core.engine.publish import publish
+
     published = publish(train, storage_root, adapter)
     record_artifacts(train, adapter, published)
     return published

@@ -609,10 +609,25 @@ def test_rejection_leaves_nothing_behind(base_lines, student, tiny_student, tmp_
     assert visible_under(root) == before
 
 
-@pytest.mark.parametrize("code", ["file_not_found", "not_regular_file", "file_too_large"])
-def test_file_rule_rejection_leaves_nothing_behind(base_lines, student, tiny_student, tmp_path, code):
+@pytest.mark.parametrize("code", ["file_not_found", "file_unreadable", "not_regular_file", "file_too_large"])
+def test_file_rule_rejection_leaves_nothing_behind(base_lines, student, tiny_student, tmp_path, code, monkeypatch):
     if code == "file_not_found":
         path = tmp_path / "missing.jsonl"
+    elif code == "file_unreadable":
+        # chmod does not stop root (CI may run as root): the file system's refusal is simulated instead.
+        import builtins
+
+        import kiln_core.admission.source as source
+
+        path = write_corpus(tmp_path, joined(base_lines))
+        real_open = builtins.open
+
+        def refusing_open(file, *args, **kwargs):
+            if str(file) == str(path):
+                raise PermissionError(13, "Permission denied", str(file))
+            return real_open(file, *args, **kwargs)
+
+        monkeypatch.setattr(source, "open", refusing_open, raising=False)
     elif code == "not_regular_file":
         path = tmp_path / "a-directory.jsonl"
         path.mkdir()
@@ -654,7 +669,7 @@ def test_rejection_leaves_nothing_behind_on_memory_roots(base_lines, student, ti
 
 def test_rejection_cases_cover_every_per_corpus_code():
     """Guard: together with the file rules above, every admission code is exercised here."""
-    covered = set(REJECTION_KINDS) | {"file_not_found", "not_regular_file", "file_too_large"}
+    covered = set(REJECTION_KINDS) | {"file_not_found", "file_unreadable", "not_regular_file", "file_too_large"}
     assert covered == set(ADMISSION_CODES)
 
 

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from tasks.admit import ADMIT_CACHE
 from tasks.artifacts import artifact_key
 from tasks.cache import DigestCachePolicy
-from tasks.refs import CorpusRef, InputsRef
+from kiln_core.engine.refs import CorpusRef, InputsRef
 
 DIGEST_A = "sha256:" + "a" * 64
 DIGEST_B = "sha256:" + "b" * 64
@@ -36,7 +36,7 @@ def admit_inputs(**overrides):
         "effective_top_k": 16,
         "pinned_revision": "sha256:" + "c" * 64,
         "storage_root": "/data/kiln",
-        "pinned_manifest": '{"type":"kiln.off-policy-distillation-manifest.v1"}',
+        "manifest": {"manifest_line": "{\"schema\":\"kiln.off-policy-distillation-manifest.v1\"}"},
         "kiln_strict": False,
         "storage_options": None,
     }
@@ -55,7 +55,7 @@ def key_of(policy, inputs, task_ctx=None, flow_parameters=None):
 def test_key_is_versioned_sha256():
     key = key_of(ADMIT_CACHE, admit_inputs())
     version, _, digest = key.rpartition("-")
-    assert version == ADMIT_CACHE.version == "kiln-flows-admit-v1"
+    assert version == ADMIT_CACHE.version == "kiln-flows-admit-v2"
     assert re.fullmatch(r"[0-9a-f]{64}", digest)
     assert key == key_of(ADMIT_CACHE, admit_inputs())
 
@@ -86,7 +86,7 @@ def test_every_named_input_of_the_admit_policy_is_covered():
     [
         ("inputs", InputsRef(corpus_uri="s3://elsewhere/corpus.jsonl", dataset_sha256=DIGEST_B, student_dir="/x",
                              student_digest=STUDENT_B, effective_top_k=32)),
-        ("pinned_manifest", "something else entirely"),
+        ("manifest", {"manifest_line": "something else entirely"}),
         ("kiln_strict", True),
         ("storage_options", {"s3": {"key": "secret"}}),
         ("an_extra_argument", object()),  # not even JSON-serializable: never looked at
@@ -148,7 +148,7 @@ def test_policy_pickles_round_trip(tmp_path):
 _CHILD = """
 import json, sys
 from tasks.admit import ADMIT_CACHE
-from tasks.refs import InputsRef
+from kiln_core.engine.refs import InputsRef
 inputs = json.loads(sys.argv[1])
 inputs["inputs"] = InputsRef.model_validate(inputs["inputs"])
 print(ADMIT_CACHE.compute_key(None, inputs, {}))

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import importlib.util
 import json
 import os
 import signal
 import subprocess
+import sys
 import textwrap
 import time
 from pathlib import Path
@@ -31,8 +31,8 @@ EPOCHS = 2
 STEPS = EXAMPLES * EPOCHS  # one candidate per step (off-policy, samples_per_prompt default → 1)
 INTERVAL = 2
 SEED = 7
-PYTHON = "/work/main/.venv/bin/python"
-KILN_FLOWS = "/work/main/.venv/bin/kiln-flows"
+# The CLI installed beside the interpreter running these tests: this checkout's code, in any venv.
+KILN_FLOWS = str(Path(sys.executable).with_name("kiln-flows"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -275,18 +275,39 @@ def test_unchanged_corpus_is_never_admitted_twice(world, reference, monkeypatch)
 # 3. retry from checkpoint
 
 
-@pytest.mark.parametrize(("seed", "fail_at"), [(SEED, 3), (None, 4)], ids=["explicit-seed", "derived-seed"])
+def crash_first_attempt_at(monkeypatch, step: int) -> None:
+    """The first training attempt raises right after step ``step`` commits (before its checkpoint);
+    the task's retry then trains normally. Injected here: production code has no test hook."""
+    import kiln_core.training.trainer as trainer
+
+    original = trainer.train_opd
+    calls = []
+
+    def train_opd(**kwargs):
+        calls.append(1)
+        if len(calls) > 1:
+            return original(**kwargs)
+
+        def progress(done, total, loss):
+            kwargs["on_progress"](done, total, loss)
+            if done == step:
+                raise RuntimeError(f"simulated crash after step {step}")
+        return original(**{**kwargs, "on_progress": progress})
+
+    monkeypatch.setattr(trainer, "train_opd", train_opd)
+
+
+@pytest.mark.parametrize(("seed", "fail_at"), [(SEED, 3), (None, 5)], ids=["explicit-seed", "derived-seed"])
 def test_retry_resumes_from_checkpoint_byte_identical(world, reference, monkeypatch, seed, fail_at):
     from kiln_core.training.checkpoint import checkpoint_basename
 
     label = "explicit" if seed is not None else "derived"
     if seed is None:
-        monkeypatch.delenv("KILN_FLOWS_FAIL_AT_STEP", raising=False)
         _, uninterrupted = run_pipeline(spec_dict(world, world.base / f"plain-{label}", seed=None))
     else:
         uninterrupted = reference.summary
 
-    monkeypatch.setenv("KILN_FLOWS_FAIL_AT_STEP", str(fail_at))
+    crash_first_attempt_at(monkeypatch, fail_at)
     state, summary = run_pipeline(spec_dict(world, world.base / f"retry-{label}", seed=seed, train_retries=1))
 
     runs = task_runs(state.state_details.flow_run_id, ("train",))
@@ -295,7 +316,7 @@ def test_retry_resumes_from_checkpoint_byte_identical(world, reference, monkeypa
 
     receipt = read_receipt(summary)
     assert receipt["status"] == "success"
-    resumed_at = fail_at - fail_at % INTERVAL  # the newest checkpoint committed before the failure
+    resumed_at = (fail_at - 1) - (fail_at - 1) % INTERVAL  # the newest checkpoint committed before the crash
     assert receipt["data"]["resumed_from_checkpoint"] == checkpoint_basename(ADAPTER, resumed_at)
     assert len(summary["loss_history"]) == STEPS
     assert summary["loss_history"] == uninterrupted["loss_history"]
@@ -340,11 +361,8 @@ HANG_HOOK = textwrap.dedent(
 
 
 def _worker_command(spec_path: Path) -> list[str]:
-    if importlib.util.find_spec("flows.commands.run") is not None and os.path.exists(KILN_FLOWS):
-        return [KILN_FLOWS, "run", str(spec_path), "--json"]
-    code = ("from flows.opd_distill import opd_distill; from flows.spec import load_spec; "
-            f"opd_distill(load_spec({str(spec_path)!r}))")
-    return [PYTHON, "-c", code]
+    assert os.path.exists(KILN_FLOWS), f"no kiln-flows console script beside {sys.executable}: pip install -e ."
+    return [KILN_FLOWS, "run", str(spec_path), "--json"]
 
 
 def test_crashed_worker_resumes_from_checkpoint(world, reference, tmp_path):
@@ -368,7 +386,6 @@ def test_crashed_worker_resumes_from_checkpoint(world, reference, tmp_path):
         "PYTHONPATH": str(hook_dir),
         "KILN_TEST_HANG_AFTER_CHECKPOINT": "600",
     })
-    env.pop("KILN_FLOWS_FAIL_AT_STEP", None)
     log_path = tmp_path / "worker.log"
     first = checkpoint_basename(ADAPTER, INTERVAL)
     with open(log_path, "wb") as log:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -50,37 +51,50 @@ def train(capsys, *argv):
     return code, (json.loads(out[-1]) if out else None)
 
 
+def run_dir_of(result: dict) -> Path:
+    return Path(result["run"])
+
+
 def test_train_end_to_end_json(tiny_student, corpus_dir, tmp_path, capsys):
     request = write_request(corpus_dir)
     code, result = train(capsys, "--request", request, "--adapter", "cli-demo", "--student", str(tiny_student),
                          "--out", str(tmp_path), "--json")
     assert code == 0, result
-    run_dir = tmp_path / "runs" / "cli-demo"
-    assert result == {"status": "success", "adapter": str(run_dir / "adapter"), "receipt": str(run_dir / "train_receipt.json"),
-                      "latest_checkpoint": "cli-demo-checkpoint-step-00000006.kiln-checkpoint", "final_loss": result["final_loss"]}
-    assert isinstance(result["final_loss"], float)
+    # one run-directory rule with the pipeline: <root>/runs/<adapter>/<run key>/, and latest.json beside
+    run_dir = run_dir_of(result)
+    assert run_dir.parent == tmp_path / "runs" / "cli-demo" and len(run_dir.name) == 16
+    assert result["status"] == "success" and result["reused"] is False
+    assert result["adapter"] == str(run_dir / "adapter") and result["receipt"] == str(run_dir / "train_receipt.json")
+    assert result["latest_checkpoint"] == "cli-demo-checkpoint-step-00000006.kiln-checkpoint"
+    assert isinstance(result["final_loss"], float) and result["final_loss"] == result["loss_history"][-1]
+    latest = json.loads((tmp_path / "runs" / "cli-demo" / "latest.json").read_text())
+    assert result["latest"] == str(tmp_path / "runs" / "cli-demo" / "latest.json")
+    assert latest["receipt"] == result["receipt"] and latest["adapter"] == result["adapter"]
     assert (run_dir / "adapter" / "adapter_model.safetensors").exists()
     receipt = json.loads((run_dir / "train_receipt.json").read_text())
     corpus_bytes = (corpus_dir / "corpus.jsonl").read_bytes()
-    assert receipt["training_data"] == {"source": "jsonl_off_policy_opd_teacher", "path": "corpus.jsonl",
-                                        "sha256": sha256_prefixed(corpus_bytes)}
+    assert receipt["training_data"]["sha256"] == sha256_prefixed(corpus_bytes)
+    assert receipt["training_data"]["path"] == str(corpus_dir / "corpus.jsonl")
     assert receipt["opd"]["teacher_identity"]["served_model_id"] == "synthetic-teacher"
     assert receipt["opd"]["teacher_identity_revision"].startswith("sha256:")
     assert receipt["opd"]["top_k"] == 16 and receipt["config"]["output_name"] == "cli-demo"
     assert (tmp_path / "corpora").is_dir()  # the admitted corpus was materialized under the root
     manifest = json.loads((run_dir / "cli-demo-checkpoint-step-00000002.kiln-checkpoint" / "checkpoint_manifest.json").read_text())
     assert manifest["data"]["content_sha256"] == sha256_prefixed(corpus_bytes).removeprefix("sha256:")
-    # the adapter is immutable: training the same name again is refused
+    # the same request again is the same run: it is finished, nothing is trained or rewritten
+    before = (run_dir / "train_receipt.json").read_bytes()
     code, again = train(capsys, "--request", request, "--adapter", "cli-demo", "--student", str(tiny_student), "--out", str(tmp_path), "--json")
-    assert code == 2 and again["code"] == "adapter_exists"
+    assert code == 0 and again["reused"] is True and again["receipt"] == result["receipt"]
+    assert (run_dir / "train_receipt.json").read_bytes() == before
 
 
 def test_sigterm_cancels_then_cli_resume_matches_an_uninterrupted_run(tiny_student, corpus_dir, tmp_path, capsys, monkeypatch):
     import kiln_core.training.trainer as trainer
 
     request = write_request(corpus_dir)
-    args = ["--request", request, "--student", str(tiny_student), "--out", str(tmp_path), "--json"]
-    assert train(capsys, *args, "--adapter", "reference")[0] == 0
+    args = ["--request", request, "--student", str(tiny_student), "--json"]
+    code, reference = train(capsys, *args, "--out", str(tmp_path / "reference"), "--adapter", "resumable")
+    assert code == 0
 
     original = trainer.train_opd
 
@@ -91,18 +105,28 @@ def test_sigterm_cancels_then_cli_resume_matches_an_uninterrupted_run(tiny_stude
                 os.kill(os.getpid(), signal.SIGTERM)  # what `kill <pid>` does to a CLI run
         return original(**{**kwargs, "on_progress": progress})
 
+    root = str(tmp_path / "interrupted")
     monkeypatch.setattr(trainer, "train_opd", terminated_after_step_3)
-    code, cancelled = train(capsys, *args, "--adapter", "resumable")
+    code, cancelled = train(capsys, *args, "--out", root, "--adapter", "resumable")
     assert code == 3 and cancelled["status"] == "cancelled"
     assert cancelled["latest_checkpoint"] == "resumable-checkpoint-step-00000003.kiln-checkpoint"
-    receipt = json.loads((tmp_path / "runs" / "resumable" / "train_receipt.json").read_text())
+    receipt = json.loads((run_dir_of(cancelled) / "train_receipt.json").read_text())
     assert (receipt["status"], receipt["failure_reason"]) == ("failed", "cancelled")
     monkeypatch.setattr(trainer, "train_opd", original)
 
-    code, resumed = train(capsys, *args, "--adapter", "resumable", "--resume-checkpoint", cancelled["latest_checkpoint"])
+    # without --resume-checkpoint the run is refused, naming the newest checkpoint and the exact command
+    code, refused = train(capsys, *args, "--out", root, "--adapter", "resumable")
+    assert code == 2 and refused["code"] == "resume_required"
+    assert cancelled["latest_checkpoint"] in refused["message"]
+    assert f"--resume-checkpoint {cancelled['latest_checkpoint']}" in refused["message"]
+    assert f"kiln-flows train --request {request} --adapter resumable" in refused["message"]
+
+    code, resumed = train(capsys, *args, "--out", root, "--adapter", "resumable", "--resume-checkpoint",
+                          cancelled["latest_checkpoint"])
     assert code == 0 and resumed["status"] == "success"
-    adapter = lambda name: (tmp_path / "runs" / name / "adapter" / "adapter_model.safetensors").read_bytes()  # noqa: E731
-    assert adapter("resumable") == adapter("reference")
+    assert run_dir_of(resumed).name == run_dir_of(reference).name  # the same inputs: the same run key
+    adapter = lambda result: (Path(result["adapter"]) / "adapter_model.safetensors").read_bytes()  # noqa: E731
+    assert adapter(resumed) == adapter(reference)
 
 
 def test_rejections_exit_2_with_a_code(tiny_student, corpus_dir, tmp_path, capsys):
@@ -133,8 +157,9 @@ def test_rejections_exit_2_with_a_code(tiny_student, corpus_dir, tmp_path, capsy
     for name in ["../x/rejected-checkpoint-step-00000002.kiln-checkpoint", "other-checkpoint-step-00000002.kiln-checkpoint"]:
         code, result = train(capsys, "--request", request, *base, "--resume-checkpoint", name)
         assert code == 2 and result["code"] == "invalid_checkpoint_name"
-    code, result = train(capsys, "--request", request, *base[:-2], "--adapter", "../escape")
-    assert code == 2 and result["code"] == "invalid_adapter_name"
+    for adapter in ("../escape", "demo\n", "x" * 129, "a..b"):
+        code, result = train(capsys, "--request", request, *base[:-2], "--adapter", adapter)
+        assert code == 2 and result["code"] == "invalid_adapter_name", adapter
     code, result = train(capsys, "--request", str(corpus_dir / "missing.json"), *base)
     assert code == 2 and result["code"] == "invalid_request"
     assert not (tmp_path / "runs").exists()  # nothing was trained or written for any rejection

@@ -2,13 +2,15 @@
 
 The spec is validated before anything is imported from Prefect or torch; an invalid one exits 2 with
 the offending field named. The flow runs in-process against ``PREFECT_API_URL`` when it is set (the
-run then shows in that server's UI), otherwise against a temporary local API that Prefect starts for
-the duration of the command.
+run then shows in that server's UI), otherwise against a temporary local API that is started for the
+duration of the command in a session of its own (``flows.local_api``), with Prefect's analytics and
+telemetry off.
 
-Exit codes: 0 success; 2 rejected (invalid spec, config or corpus: nothing was trained); 3 the run
-failed or was cancelled (Ctrl-C stops training at the next step boundary after a checkpoint).
-With ``--json`` the last stdout line is one JSON object: the run summary, or
-``{"status": "rejected"|"failed"|"cancelled", ...}``.
+Exit codes: 0 success; 2 rejected (invalid spec, config, teacher, corpus or student: nothing was
+trained); 3 the run failed or was cancelled. Ctrl-C stops training at the next step boundary after
+a checkpoint (the receipt says ``cancelled``, exit 3); a second Ctrl-C stops at once. With ``--json``
+the last stdout line is one JSON object: the run summary, or ``{"status": "rejected"|"failed"|
+"cancelled", "code", ...}``.
 
 Example:
     $ kiln-flows run deployments/example-pipeline.yaml --json
@@ -32,20 +34,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from flows.spec import SpecError, load_spec
+    """Validate the spec, run the flow, and map its end state to an exit code."""
+    from kiln_core.contracts.pipeline import load_spec
 
-    try:
-        spec = load_spec(args.pipeline)
-    except SpecError as error:
-        return _emit(args, 2, {"status": "rejected", "message": str(error)}, f"rejected: {error}")
+    spec = load_spec(args.pipeline)  # a rejection (exit 2) goes to the CLI's guard, before Prefect loads
 
-    # Before Prefect is imported: a cold local API runs its migrations first (tens of seconds).
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from flows.local_api import offline_settings, start_local_api
+
+    offline_settings()
     if args.quiet:
         os.environ["PREFECT_LOGGING_LEVEL"] = "WARNING"
     elif not args.json:
         os.environ.setdefault("KILN_FLOWS_PROGRESS", "1")  # a training progress bar on stderr
+    start_local_api()
     from flows.opd_distill import opd_distill
 
     state = opd_distill(spec, return_state=True)
@@ -53,29 +54,13 @@ def run(args: argparse.Namespace) -> int:
         summary = state.result()
         return _emit(args, 0, summary, _report(spec.adapter, summary))
     if state.is_cancelled():
-        record = {"status": "cancelled", "message": state.message}
+        record = {"status": "cancelled", "code": "cancelled", "line": None, "field": None, "message": state.message}
         return _emit(args, 3, record, f"cancelled: {state.message}")
-    return _failure(args, state)
-
-
-def _failure(args: argparse.Namespace, state) -> int:
-    """Exit 2 for rejected input (spec, config, corpus), 3 for anything else."""
-    from kiln_core.contracts.opd_config import ConfigError
-    from kiln_core.errors import AdmissionError
-
-    from flows.spec import SpecError
-
-    try:
-        state.result(raise_on_failure=True)
-        error: BaseException | None = None
-    except BaseException as raised:  # the flow's own exception, re-raised from its Failed state
-        error = raised
-    if isinstance(error, AdmissionError):
-        return _emit(args, 2, error.to_json(), f"rejected: {error}")
-    if isinstance(error, (SpecError, ConfigError)):
-        return _emit(args, 2, {"status": "rejected", "message": str(error)}, f"rejected: {error}")
-    message = str(error) if error is not None else (state.message or state.type.value)
-    return _emit(args, 3, {"status": "failed", "message": message}, f"failed: {message}")
+    # The flow's own exception, re-raised from its Failed state: a Rejection exits 2, anything else 3.
+    state.result(raise_on_failure=True)
+    message = state.message or state.type.value
+    record = {"status": "failed", "code": "run_failed", "line": None, "field": None, "message": message}
+    return _emit(args, 3, record, f"failed: {message}")
 
 
 def _emit(args: argparse.Namespace, code: int, record: dict, human: str) -> int:

@@ -4,11 +4,16 @@
     $ kiln-flows train --request opd-request.json --adapter offline-distilled --student ./student \\
           --resume-checkpoint offline-distilled-checkpoint-step-00000025.kiln-checkpoint --json
 
-Outputs go under ``<out>/runs/<adapter>/``: periodic ``.kiln-checkpoint`` directories, the PEFT
-``adapter/`` and ``train_receipt.json``. With ``--json`` the last stdout line is
-``{"status", "adapter", "receipt", "latest_checkpoint", "final_loss"}``. Exit codes: 0 success,
+The request runs through the same engine as the pipeline (``kiln_core.engine.run_pipeline``): outputs
+go under ``<out>/runs/<adapter>/<run key>/`` (periodic ``.kiln-checkpoint`` directories, the PEFT
+``adapter/``, ``train_receipt.json``) and ``<out>/runs/<adapter>/latest.json`` points at the newest
+published run. Running the same request again returns the finished run; a run interrupted part-way
+is resumed with ``--resume-checkpoint`` (the refusal without it prints the exact command). With
+``--json`` the last stdout line is the run summary (``status``, ``adapter``, ``receipt``, ``run``,
+``latest``, ``latest_checkpoint``, ``final_loss``, …) or the error object. Exit codes: 0 success,
 2 rejected input (request, config, admission, resume checkpoint), 3 failed or cancelled run.
-SIGTERM/SIGINT stop the run at the next step boundary after publishing a checkpoint (exit 3).
+Ctrl-C (or SIGTERM) stops the run at the next step boundary after publishing a checkpoint (exit 3);
+a second Ctrl-C stops at once.
 
 Several processes on this machine (data parallel on ``torch.distributed``)::
 
@@ -24,21 +29,21 @@ from __future__ import annotations
 
 import argparse
 
+from flows.commands._options import add_dtype_argument, add_out_argument
+
 NAME = "train"
 HELP = "Train a LoRA student on a teacher-scored corpus from a Kiln OPD request file."
-DEFAULT_ROOT = "./kiln-data"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request", required=True, metavar="FILE", help="OpdRequest JSON (dataset_path, teacher, config)")
     parser.add_argument("--adapter", required=True, metavar="NAME", help="adapter name (the run directory and checkpoint prefix)")
     parser.add_argument("--student", required=True, metavar="DIR", help="student model directory")
-    parser.add_argument("--out", default=DEFAULT_ROOT, metavar="ROOT_URI",
-                        help=f"storage root, a local path or fsspec URI (default {DEFAULT_ROOT})")
+    add_out_argument(parser)
     parser.add_argument("--resume-checkpoint", metavar="BASENAME",
-                        help="resume exactly from <adapter>-checkpoint-step-<8 digits>.kiln-checkpoint in the run directory")
+                        help="resume exactly from <adapter>-checkpoint-step-<8 digits>.kiln-checkpoint of this run")
     parser.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
-    parser.add_argument("--precision", choices=("fp32", "bf16"), help="default: bf16 on cuda, fp32 on cpu")
+    add_dtype_argument(parser, help="training precision (default: bf16 on cuda, fp32 on cpu)", aliases=("--precision",))
     parser.add_argument("--gradient-checkpointing", action="store_true",
                         help="recompute activations in backward (less memory, same result)")
     parser.add_argument("--nproc", type=int, default=1, metavar="N",
@@ -50,73 +55,56 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
+def resume_command(args: argparse.Namespace, checkpoint: str) -> str:
+    """The exact command that resumes this run from ``checkpoint``."""
+    import shlex
+
+    argv = ["kiln-flows", "train", "--request", args.request, "--adapter", args.adapter, "--student", args.student,
+            "--out", args.out]
+    for flag, value in (("--device", args.device), ("--dtype", args.dtype)):
+        if value:
+            argv += [flag, value]
+    if args.gradient_checkpointing:
+        argv.append("--gradient-checkpointing")
+    if args.nproc != 1:
+        argv += ["--nproc", str(args.nproc), "--backend", args.backend]
+    return shlex.join(argv + ["--resume-checkpoint", checkpoint])
+
+
 def run(args: argparse.Namespace) -> int:
-    """Run the request; map rejections to exit 2 and failed/cancelled runs to exit 3."""
+    """Run the request through the engine; rejections (exit 2) and failures (exit 3) go to the guard."""
     import json
     import sys
 
-    from kiln_core.contracts.opd_config import ConfigError
-    from kiln_core.errors import AdmissionError
-    from kiln_core.identity.hashing import IdentityHashError
-    from kiln_core.tokenization import TokenizationError
-    from kiln_core.training.checkpoint import CheckpointError
-    from kiln_core.training.run_request import run_train_request
+    from kiln_core.engine import LocalStages, ResumeRequired, run_pipeline, spec_from_request
 
+    prepared = spec_from_request(args.request, adapter=args.adapter, student_dir=args.student, out_root=args.out,
+                                 resume_checkpoint=args.resume_checkpoint, nproc=args.nproc, backend=args.backend)
+    for warning in prepared.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
     bar = _ProgressBar(enabled=not (args.quiet or args.json))
     try:
-        result = run_train_request(
-            args.request,
-            adapter=args.adapter,
-            student_dir=args.student,
-            out_root=args.out,
-            resume_checkpoint=args.resume_checkpoint,
-            on_progress=bar.update,
-            on_warning=lambda message: print(f"warning: {message}", file=sys.stderr),
-            handle_signals=True,
-            device=args.device,
-            precision=args.precision,
-            gradient_checkpointing=args.gradient_checkpointing,
-            nproc=args.nproc,
-            backend=args.backend,
-        )
-    except (AdmissionError, ConfigError, CheckpointError) as error:
-        return _rejected(args, bar, error.to_json())
-    except (TokenizationError, IdentityHashError) as error:
-        return _rejected(args, bar, {"status": "rejected", "code": getattr(error, "code", "invalid_student"), "message": str(error)})
-    except Exception as error:  # a crash after validation: the receipt (if any) says failed
+        result = run_pipeline(prepared.spec, LocalStages(on_progress=bar.update), resume=prepared.resume,
+                              device=args.device, precision=args.dtype,
+                              gradient_checkpointing=args.gradient_checkpointing)
+    except ResumeRequired as error:
+        error.message += f": {resume_command(args, error.newest)}"
+        raise
+    finally:
         bar.close()
-        print(json.dumps({"status": "failed", "message": f"{type(error).__name__}: {error}"}) if args.json
-              else f"failed: {type(error).__name__}: {error}", file=sys.stdout if args.json else sys.stderr)
-        return 3
-    bar.close()
-    summary = {
-        "status": result.status,
-        "adapter": result.adapter,
-        "receipt": result.receipt,
-        "latest_checkpoint": result.latest_checkpoint,
-        "final_loss": result.final_loss,
-    }
+    summary = result.summary()
     if args.json:
         print(json.dumps(summary, ensure_ascii=False))
     elif result.status == "success":
-        print(f"trained {args.adapter}: {result.steps} steps, final loss {result.final_loss:.6f}\n"
-              f"  adapter: {result.adapter}\n  receipt: {result.receipt}")
+        verb = "already trained" if result.reused else "trained"
+        print(f"{verb} {args.adapter}: {result.steps} steps, final loss {result.final_loss:.6f}\n"
+              f"  adapter: {result.adapter}\n  receipt: {result.receipt}\n  latest.json: {result.latest}")
     else:
         print(f"{result.status} ({result.failure_reason}): {result.failure_message}\n"
               f"  latest checkpoint: {result.latest_checkpoint}\n  receipt: {result.receipt}", file=sys.stderr)
+        if result.latest_checkpoint:
+            print(f"  resume with: {resume_command(args, result.latest_checkpoint)}", file=sys.stderr)
     return 0 if result.status == "success" else 3
-
-
-def _rejected(args: argparse.Namespace, bar: "_ProgressBar", payload: dict) -> int:
-    import json
-    import sys
-
-    bar.close()
-    if args.json:
-        print(json.dumps(payload, ensure_ascii=False))
-    else:
-        print(f"rejected [{payload['code']}]: {payload['message']}", file=sys.stderr)
-    return 2
 
 
 class _ProgressBar:

@@ -69,8 +69,11 @@ def _read_local(path: str) -> bytes:
     if not stat.S_ISREG(info.st_mode):
         raise AdmissionError("not_regular_file", None, f"{path} is not a regular file")
     _check_size(path, info.st_size)
-    with open(path, "rb") as handle:
-        data = handle.read(MAX_CORPUS_BYTES + 1)
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(MAX_CORPUS_BYTES + 1)
+    except PermissionError as error:
+        raise AdmissionError("file_unreadable", None, f"{path} cannot be read: {error.strerror}") from None
     _check_size(path, len(data))  # the file may have grown since lstat
     return data
 

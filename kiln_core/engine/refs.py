@@ -1,6 +1,12 @@
-"""The small values tasks hand each other: URIs, ``sha256:`` digests and counts, never data."""
+"""The small values stages hand each other: URIs, ``sha256:`` digests and counts, never data.
+
+They are what the Prefect tasks return (persisted as JSON), what ``kiln-flows train`` prints, and
+what a training deployment receives as parameters, so every field is JSON-able.
+"""
 
 from __future__ import annotations
+
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -29,6 +35,15 @@ class InputsRef(_Ref):
     effective_top_k: int
 
 
+class ScoredRef(_Ref):
+    """A scored corpus and the digest of its bytes."""
+
+    uri: str
+    sha256: str
+    examples: int
+    reused: bool
+
+
 class CorpusRef(_Ref):
     """A committed, content-addressed corpus materialization."""
 
@@ -43,6 +58,34 @@ class CorpusRef(_Ref):
     reused: bool = False
 
 
+class TrainPlan(_Ref):
+    """Everything the training stage needs besides the corpus and the teacher: where, what, how.
+
+    ``resume`` is ``"latest"`` (resume from the newest committed checkpoint of ``run_uri``, if any:
+    every retry of a pipeline run), a checkpoint basename (``kiln-flows train --resume-checkpoint``),
+    or None (a fresh run; the planner has made sure there is nothing to resume).
+    """
+
+    run_uri: str
+    inputs_key: str
+    """The run key of these inputs; ``run_uri`` ends with another one only when an explicit resume
+    checkpoint lives in another run of the adapter (the trainer then reports what differs)."""
+    adapter: str
+    config: dict[str, Any]
+    """``OpdConfig`` as JSON (by alias), seed resolved and ``output_name`` set to ``adapter``."""
+    resume: str | None = "latest"
+    nproc: int = 1
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    strategy: Literal["ddp"] = "ddp"
+    device: Literal["cpu", "cuda"] | None = None
+    precision: Literal["fp32", "bf16"] | None = None
+    gradient_checkpointing: bool = False
+
+    @property
+    def run_key(self) -> str:
+        return self.run_uri.rstrip("/").rsplit("/", 1)[-1]
+
+
 class TrainRef(_Ref):
     """Where a training run's outputs live and how it ended."""
 
@@ -53,8 +96,13 @@ class TrainRef(_Ref):
     latest_checkpoint: str | None
     final_loss: float | None
     steps: int
+    total_steps: int | None = None
     loss_history: list[float] = []
     failure_reason: str | None = None
+    failure_message: str | None = None
+    resumed_from: str | None = None
+    reused: bool = False
+    """True when the run had already finished (committed adapter and successful receipt)."""
 
 
 class PublishRef(_Ref):
@@ -65,3 +113,27 @@ class PublishRef(_Ref):
     receipt_sha256: str
     latest_uri: str
     checkpoints: list[str]
+
+
+class PipelineResult(_Ref):
+    """What one pass of the pipeline produced (``run_pipeline``); ``summary()`` is what the CLI prints."""
+
+    status: str
+    adapter: str | None
+    receipt: str
+    run: str
+    latest_checkpoint: str | None
+    final_loss: float | None
+    loss_history: list[float]
+    steps: int
+    total_steps: int | None = None
+    dataset_sha256: str
+    latest: str | None = None
+    checkpoints: list[str] = []
+    failure_reason: str | None = None
+    failure_message: str | None = None
+    reused: bool = False
+
+    def summary(self) -> dict[str, Any]:
+        """The JSON summary of ``kiln-flows run``/``train --json`` and of the ``opd_distill`` flow."""
+        return self.model_dump(mode="json")

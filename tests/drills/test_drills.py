@@ -89,18 +89,18 @@ def test_drill_cli_prints_one_json_object_per_drill(tmp_path, capsys):
 
 
 def test_the_pipeline_train_task_refuses_a_corrupted_latest_checkpoint(tmp_path, prefect_harness, monkeypatch):
-    """tasks/train.py resumes from ``latest_checkpoint``; a damaged one is refused naming the file (and
+    """The train task resumes from the newest checkpoint; a damaged one is refused naming the file (and
     the refusal is not retried), never skipped for the checkpoint before it."""
     import torch
 
-    from kiln_core.admission import admit_corpus
-    from kiln_core.contracts.opd_config import OpdConfig
+    import kiln_core.training.trainer as trainer
     from drills import prepare_training_inputs
+    from kiln_core.admission import admit_corpus
+    from kiln_core.engine.refs import CorpusRef, ManifestRef, TrainPlan
     from kiln_core.storage import list_children, resolve
     from kiln_core.training.checkpoint import ADAPTER_FILE, CheckpointError, latest_checkpoint
-    from kiln_core.training.trainer import SimulatedCrash
-    from tasks.refs import CorpusRef, ManifestRef
-    from tasks.train import FAIL_AT_STEP_ENV, _no_retry_for_rejections, train_task
+    from tasks.retry import retry_unless_rejected
+    from tasks.train import train_task
 
     torch.set_num_threads(1)
     inputs = prepare_training_inputs(tmp_path / "fixture")
@@ -113,15 +113,28 @@ def test_the_pipeline_train_task_refuses_a_corrupted_latest_checkpoint(tmp_path,
                        effective_top_k=admission.effective_top_k,
                        teacher_identity_revision=admission.teacher_identity.identity_revision())
     manifest = ManifestRef(manifest_line=manifest_line, identity_revision=admission.teacher_identity.identity_revision(),
-                           teacher="synthetic-teacher", source="file")
-    config = OpdConfig.model_validate({**request["config"], "output_name": "pipeline"})
+                           teacher="synthetic-teacher", source="manifest_file")
     run_uri = str(tmp_path / "root" / "runs" / "pipeline" / "run")
-    arguments = (corpus, manifest, str(inputs.student), "pipeline", config, run_uri)
+    plan = TrainPlan(run_uri=run_uri, inputs_key="run", adapter="pipeline",
+                     config={**request["config"], "output_name": "pipeline"})
+    arguments = (plan, corpus, manifest, str(inputs.student))
 
-    monkeypatch.setenv(FAIL_AT_STEP_ENV, "5")
-    with pytest.raises(SimulatedCrash):
+    class Crash(RuntimeError):
+        pass
+
+    original = trainer.train_opd
+
+    def crash_after_step_5(**kwargs):
+        def progress(step, total, loss):
+            kwargs["on_progress"](step, total, loss)
+            if step == 5:
+                raise Crash("simulated crash after step 5")
+        return original(**{**kwargs, "on_progress": progress})
+
+    monkeypatch.setattr(trainer, "train_opd", crash_after_step_5)
+    with pytest.raises(Crash):
         train_task.fn(*arguments)
-    monkeypatch.delenv(FAIL_AT_STEP_ENV)
+    monkeypatch.setattr(trainer, "train_opd", original)
     latest = latest_checkpoint(run_uri, "pipeline")
     assert latest == "pipeline-checkpoint-step-00000004.kiln-checkpoint"
     damaged = tmp_path / "root" / "runs" / "pipeline" / "run" / latest / ADAPTER_FILE
@@ -136,7 +149,11 @@ def test_the_pipeline_train_task_refuses_a_corrupted_latest_checkpoint(tmp_path,
     assert list_children(resolve(run_uri)) == before  # no fallback run wrote anything
 
     class Failed:
-        def result(self):
-            raise refused.value
+        def __init__(self, error):
+            self.error = error
 
-    assert _no_retry_for_rejections(None, None, Failed()) is False
+        def result(self):
+            raise self.error
+
+    assert retry_unless_rejected(None, None, Failed(refused.value)) is False
+    assert retry_unless_rejected(None, None, Failed(OSError("disk full"))) is True

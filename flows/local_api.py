@@ -1,0 +1,103 @@
+"""Prefect for the interactive commands (``run``, ``demo``, ``serve``): offline and Ctrl-C safe.
+
+* ``offline_settings()`` turns off what would phone home or print errors on a machine without
+  internet: server analytics, SDK analytics (``DO_NOT_TRACK``), resource-metric telemetry.
+* ``start_local_api()`` starts Prefect's temporary API server — when ``PREFECT_API_URL`` is not set —
+  **in a session of its own**. Prefect starts it in the caller's process group, so the terminal's
+  Ctrl-C (SIGINT to the whole foreground group) killed the server too, and the run then retried its
+  training task against a dead API for minutes and exited 1. Detached, the server outlives the
+  Ctrl-C; training stops at the next step boundary, the run ends ``cancelled``, and the server is
+  stopped when the command exits (and, on Linux, when the command's process dies any other way).
+
+Both are called before the flow runs; neither imports anything heavy until needed.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+OFFLINE_SETTINGS = {
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "DO_NOT_TRACK": "1",
+    "PREFECT_TELEMETRY_ENABLE_RESOURCE_METRICS": "false",
+    "PREFECT_CLOUD_ENABLE_ORCHESTRATION_TELEMETRY": "false",
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",  # a cold API runs its migrations first
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def offline_settings() -> None:
+    """Set the offline defaults (an explicit environment value wins). Call before importing Prefect."""
+    for name, value in OFFLINE_SETTINGS.items():
+        os.environ.setdefault(name, value)
+
+
+def start_local_api() -> float | None:
+    """Start the temporary API in its own session unless ``PREFECT_API_URL`` is set.
+
+    Returns:
+        Seconds the server took to start (part of Prefect's overhead), or None when a configured API
+        is used.
+    """
+    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import PREFECT_API_URL
+
+    if PREFECT_API_URL.value() or SubprocessASGIServer._instances.get(None) is not None:
+        return None
+    server = object.__new__(_detached_server_class())  # bypass the per-port instance lookup of __new__
+    server.__init__(None)
+    SubprocessASGIServer._instances[None] = server  # what Prefect's clients pick up (as its test harness does)
+    started = time.perf_counter()
+    server.start()
+    return time.perf_counter() - started
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the atexit stop still applies
+
+
+_DETACHED: type | None = None
+
+
+def _detached_server_class() -> type:
+    """The subclass, built on first use so that importing this module does not import Prefect's server."""
+    global _DETACHED
+    if _DETACHED is None:
+        _DETACHED = _make_detached_server_class()
+    return _DETACHED
+
+
+def _make_detached_server_class() -> type:
+    from prefect.server.api.server import SubprocessASGIServer
+
+    class DetachedServer(SubprocessASGIServer):
+        """Prefect's temporary API server, in a new session (not in the terminal's process group)."""
+
+        def _run_uvicorn_command(self):
+            # The command of SubprocessASGIServer._run_uvicorn_command (prefect 3.9, server/api/server.py),
+            # with start_new_session so that a Ctrl-C in the terminal does not reach the server.
+            import subprocess
+
+            import prefect
+            from prefect.settings import get_current_settings
+
+            server_env = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+            return subprocess.Popen(
+                args=[sys.executable, "-m", "uvicorn", "--app-dir", str(prefect.__module_path__.parent), "--factory",
+                      "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(self.port),
+                      "--log-level", "error", "--lifespan", "on"],
+                env={**os.environ, **server_env, **get_current_settings().to_environment_variables(exclude_unset=True)},
+                start_new_session=True,
+                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+            )
+
+    return DetachedServer
+

@@ -1,0 +1,152 @@
+"""``run_pipeline``: the one path from a ``PipelineSpec`` to a published adapter.
+
+    manifest → (score) → fingerprint → admit → verify → plan → train → publish
+
+``kiln-flows train`` runs it with ``LocalStages`` (plain function calls); the ``opd_distill`` flow runs
+the very same function with stages that are Prefect tasks (``tasks.stages.PrefectStages``: retries,
+caching, artifacts), so the order, the run directory, the resume rule and ``latest.json`` cannot
+drift between the two.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+from kiln_core.contracts.pipeline import PipelineSpec, TeacherSource
+from kiln_core.engine import stages
+from kiln_core.engine.publish import publish
+from kiln_core.engine.refs import CorpusRef, InputsRef, ManifestRef, PipelineResult, PublishRef, TrainPlan, TrainRef
+from kiln_core.engine.runs import plan_run
+from kiln_core.engine.training import train
+
+
+class Stages(Protocol):
+    """What ``run_pipeline`` calls, stage by stage; each takes and returns small refs."""
+
+    def manifest(self, teacher: TeacherSource, storage_root: str, max_top_k: int) -> ManifestRef: ...
+
+    def score(self, spec: PipelineSpec, manifest: ManifestRef, student_dir: str) -> str: ...
+
+    def fingerprint(self, corpus_uri: str, student_dir: str, top_k: int) -> InputsRef: ...
+
+    def admit(self, inputs: InputsRef, manifest: ManifestRef, spec: PipelineSpec) -> CorpusRef: ...
+
+    def verify(self, corpus: CorpusRef) -> CorpusRef: ...
+
+    def train(self, plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir: str) -> TrainRef: ...
+
+    def publish(self, trained: TrainRef, spec: PipelineSpec) -> PublishRef: ...
+
+    def ended(self, trained: TrainRef, spec: PipelineSpec) -> None:
+        """Called when training did not succeed (nothing is published)."""
+
+
+class LocalStages:
+    """The stages as plain calls in this process (``kiln-flows train``).
+
+    Args:
+        on_progress: ``(step, total_steps, loss)`` after each committed training step.
+        should_cancel: Polled at each step boundary.
+        handle_signals: Ctrl-C/SIGTERM stop training at the next step boundary.
+    """
+
+    def __init__(self, *, on_progress: Callable[[int, int, float], None] | None = None,
+                 should_cancel: Callable[[], bool] | None = None, handle_signals: bool = True) -> None:
+        self.on_progress, self.should_cancel, self.handle_signals = on_progress, should_cancel, handle_signals
+
+    def manifest(self, teacher: TeacherSource, storage_root: str, max_top_k: int) -> ManifestRef:
+        return stages.resolve_manifest(teacher, storage_root, max_top_k=max_top_k)
+
+    def score(self, spec: PipelineSpec, manifest: ManifestRef, student_dir: str) -> str:
+        return stages.score(**stages.score_arguments(spec, manifest, student_dir)).uri
+
+    def fingerprint(self, corpus_uri: str, student_dir: str, top_k: int) -> InputsRef:
+        return stages.fingerprint(corpus_uri, student_dir, top_k)
+
+    def admit(self, inputs: InputsRef, manifest: ManifestRef, spec: PipelineSpec) -> CorpusRef:
+        return stages.admit(inputs, manifest, spec.storage_root, kiln_strict=spec.options.kiln_strict)
+
+    def verify(self, corpus: CorpusRef) -> CorpusRef:
+        return stages.verify(corpus)
+
+    def train(self, plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir: str) -> TrainRef:
+        return train(plan, corpus, manifest, student_dir, on_progress=self.on_progress,
+                     should_cancel=self.should_cancel, handle_signals=self.handle_signals)
+
+    def publish(self, trained: TrainRef, spec: PipelineSpec) -> PublishRef:
+        return publish(trained, spec.storage_root, spec.adapter)
+
+    def ended(self, trained: TrainRef, spec: PipelineSpec) -> None:
+        return None
+
+
+@dataclass(frozen=True)
+class PreparedRun:
+    """A spec whose teacher is pinned, corpus admitted and verified, and run planned: ready to train."""
+
+    spec: PipelineSpec
+    manifest: ManifestRef
+    corpus: CorpusRef
+    plan: TrainPlan
+    student_dir: str
+
+
+def prepare(spec: PipelineSpec, stages_: Stages | None = None, *, resume: str | None = "latest",
+            device: str | None = None, precision: str | None = None,
+            gradient_checkpointing: bool = False) -> PreparedRun:
+    """Every stage before training: manifest, (score), fingerprint, admit, verify, plan."""
+    from kiln_core.storage import localize_directory
+
+    stages_ = stages_ or LocalStages()
+    student_dir = localize_directory(spec.student)
+    manifest = stages_.manifest(spec.teacher, spec.storage_root, max(32, spec.config.top_k))
+    corpus_uri = spec.corpus if spec.examples is None else stages_.score(spec, manifest, student_dir)
+    inputs = stages_.fingerprint(corpus_uri, student_dir, spec.config.top_k)
+    corpus = stages_.verify(stages_.admit(inputs, manifest, spec))
+    plan = plan_run(spec, corpus, manifest, student_dir, resume=resume, device=device, precision=precision,
+                    gradient_checkpointing=gradient_checkpointing)
+    return PreparedRun(spec=spec, manifest=manifest, corpus=corpus, plan=plan, student_dir=student_dir)
+
+
+def run_pipeline(spec: PipelineSpec, stages_: Stages | None = None, *, resume: str | None = "latest",
+                 device: str | None = None, precision: str | None = None,
+                 gradient_checkpointing: bool = False) -> PipelineResult:
+    """Validate, admit, plan, train and publish one spec; returns how it ended.
+
+    Args:
+        spec: What to train and where (``PipelineSpec``; ``kiln-flows train`` builds one from a Kiln
+            request file with ``kiln_core.engine.request``).
+        stages_: How each stage runs (default ``LocalStages()``: plain calls).
+        resume: ``"latest"`` (every pipeline attempt), a checkpoint basename, or None (fresh; refused
+            with ``resume_required`` when the run already has checkpoints).
+        device, precision, gradient_checkpointing: Training options (defaults: CUDA when available,
+            bf16 on CUDA and fp32 on CPU, off).
+
+    Returns:
+        ``PipelineResult``: status ``success`` (published, ``latest`` set), ``failed`` or ``cancelled``.
+
+    Raises:
+        Rejection: bad input at any stage (spec, teacher, corpus, student, resume checkpoint): exit 2.
+        EnvironmentFailure: storage or network failed: exit 3.
+
+    Example:
+        >>> from kiln_core.contracts.pipeline import load_spec
+        >>> result = run_pipeline(load_spec("pipeline.yaml"))  # doctest: +SKIP
+        >>> result.status, result.latest  # doctest: +SKIP
+        ('success', '/abs/kiln-data/runs/demo/latest.json')
+    """
+    stages_ = stages_ or LocalStages()
+    ready = prepare(spec, stages_, resume=resume, device=device, precision=precision,
+                    gradient_checkpointing=gradient_checkpointing)
+    trained = stages_.train(ready.plan, ready.corpus, ready.manifest, ready.student_dir)
+    published = stages_.publish(trained, spec) if trained.status == "success" else None
+    if published is None:
+        stages_.ended(trained, spec)
+    return PipelineResult(
+        status=trained.status, adapter=trained.adapter_uri, receipt=trained.receipt_uri, run=trained.run_uri,
+        latest_checkpoint=trained.latest_checkpoint, final_loss=trained.final_loss,
+        loss_history=trained.loss_history, steps=trained.steps, total_steps=trained.total_steps,
+        dataset_sha256=ready.corpus.dataset_sha256,
+        latest=published.latest_uri if published else None, checkpoints=published.checkpoints if published else [],
+        failure_reason=trained.failure_reason, failure_message=trained.failure_message, reused=trained.reused)

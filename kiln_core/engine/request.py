@@ -1,0 +1,148 @@
+"""From a Kiln ``OpdRequest`` file to a ``PipelineSpec``: what ``kiln-flows train`` hands the engine.
+
+1. read and validate the request (``OpdRequest``, Kiln's submit-time rules; unknown fields are
+   ignored, as Kiln does), the adapter name, and the resume checkpoint's name — all before any work;
+2. ``teacher`` is a file whose first line is the pinned manifest (relative to the request file), or
+   an alias in the local registry under the storage root;
+3. ``dataset_path`` (relative paths are taken relative to the request file, so a request and its
+   corpus can move together; Kiln resolves it on its server) becomes the spec's corpus.
+
+The spec then runs through ``run_pipeline`` like any other: admitted, planned (run directory
+``<root>/runs/<adapter>/<run key>/``), trained in this process or under ``torchrun``, published.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+from kiln_core.contracts.names import check_name
+from kiln_core.contracts.opd_config import ConfigError, OpdRequest, parse_opd_request, validate_request_for_offline_training
+from kiln_core.contracts.pipeline import DistributedOptions, PipelineSpec, TeacherSource, parse_spec
+from kiln_core.storage import resolve
+
+
+@dataclass(frozen=True)
+class RequestRun:
+    """A request turned into a spec, the resume point it asks for, and the warnings it raised."""
+
+    spec: PipelineSpec
+    resume: str | None
+    warnings: list[str] = field(default_factory=list)
+
+
+def load_request(request_path: str) -> tuple[OpdRequest, list[str]]:
+    """Read, parse and validate an ``OpdRequest`` JSON file; returns the request and its warnings.
+
+    Raises:
+        ConfigError: ``invalid_request`` (unreadable, not JSON) or a rule Kiln enforces at submit time;
+        NestingTooDeep: ``nesting_too_deep`` — deeper than Kiln's parser accepts.
+    """
+    from kiln_core.nesting import NestingTooDeep, check_depth
+
+    try:
+        text = resolve(request_path).read_text()
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"cannot read OPD request {request_path}: {error}", None, code="invalid_request") from None
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise NestingTooDeep(f"OPD request {request_path}", file=request_path) from None
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"OPD request {request_path} is not valid JSON: {error}", None, code="invalid_request") from None
+    check_depth(value, f"OPD request {request_path}", file=request_path)
+    request = parse_opd_request(value)
+    return request, validate_request_for_offline_training(request)
+
+
+def _anchored(path: str, request_path: str) -> str:
+    """A relative local path is taken relative to the request file's directory."""
+    if "://" in path or os.path.isabs(path) or "://" in request_path:
+        return path
+    return os.path.join(os.path.dirname(os.path.abspath(request_path)), path)
+
+
+def teacher_source(teacher: str, request_path: str, registry_root: str) -> TeacherSource:
+    """A manifest file when ``teacher`` names an existing file (next to the request), else an alias
+    registered under ``registry_root``.
+
+    Raises:
+        ConfigError: ``teacher_not_registered`` when it is neither.
+    """
+    from kiln_core.teachers.local_registry import LocalRegistryError, get_local_teacher
+
+    anchored = _anchored(teacher, request_path)
+    if os.path.isfile(anchored):
+        return TeacherSource(kind="manifest_file", path=anchored)
+    try:
+        get_local_teacher(registry_root, teacher)
+        return TeacherSource(kind="local_registry", alias=teacher)
+    except (LocalRegistryError, ValueError) as error:
+        detail = error.message if isinstance(error, LocalRegistryError) else "not a valid alias"
+        raise ConfigError(f"teacher {teacher!r} is neither a manifest file nor a registered alias: {detail}",
+                          "teacher", code="teacher_not_registered") from None
+
+
+def spec_from_request(request_path: str, *, adapter: str, student_dir: str, out_root: str = "./kiln-data",
+                      resume_checkpoint: str | None = None, nproc: int = 1, backend: str = "auto") -> RequestRun:
+    """Validate a request file and build the spec ``run_pipeline`` trains (nothing is read but the request).
+
+    Raises:
+        ConfigError: the request, the adapter name (``invalid_adapter_name``), ``nproc``; CheckpointError:
+            ``invalid_checkpoint_name`` for a resume checkpoint that is not one of the adapter's.
+
+    Example:
+        >>> prepared = spec_from_request("opd-request.json", adapter="demo", student_dir="./student")  # doctest: +SKIP
+        >>> prepared.spec.corpus  # doctest: +SKIP
+        '/abs/path/teacher-data.jsonl'
+    """
+    from kiln_core.engine.runs import check_resume_name
+
+    request, warnings = load_request(request_path)
+    check_name(adapter, field="adapter")
+    if nproc < 1:
+        raise ConfigError(f"nproc must be at least 1; got {nproc}", "nproc")
+    config = request.config
+    if config.output_name is not None and config.output_name != adapter:
+        warnings.append(f"config.output_name {config.output_name!r} is replaced by --adapter {adapter!r}")
+    resume = resume_checkpoint or config.resume_checkpoint
+    if resume is not None:  # traversal and foreign names are refused before any admission work
+        check_resume_name(resume, out_root, adapter)
+    spec = parse_spec({
+        "teacher": teacher_source(request.teacher, request_path, out_root),
+        "corpus": _anchored(request.dataset_path or "", request_path),
+        "student": student_dir,
+        "storage_root": out_root,
+        "adapter": adapter,
+        "config": config,  # already validated with Kiln's rules (unknown keys ignored, as Kiln does)
+        "distributed": DistributedOptions(nproc=nproc, backend=backend) if nproc > 1 else None,
+    }, file=request_path)
+    return RequestRun(spec=spec, resume=resume, warnings=warnings)
+
+
+def train_request(request_path: str, *, adapter: str, student_dir: str, out_root: str = "./kiln-data",
+                  resume_checkpoint: str | None = None, resume_latest: bool = False, on_progress=None,
+                  should_cancel=None, handle_signals: bool = False, on_warning=None, nproc: int = 1,
+                  backend: str = "auto", device: str | None = None, precision: str | None = None,
+                  gradient_checkpointing: bool = False):
+    """``kiln-flows train`` as a function: validate the request, then ``run_pipeline`` its spec.
+
+    Args:
+        resume_checkpoint: Resume from this basename (``--resume-checkpoint``).
+        resume_latest: Resume from the newest committed checkpoint, as every pipeline attempt does.
+        on_progress, should_cancel, handle_signals: Passed to the training stage (``LocalStages``).
+
+    Returns:
+        ``PipelineResult``.
+    """
+    from kiln_core.engine.pipeline import LocalStages, run_pipeline
+
+    run = spec_from_request(request_path, adapter=adapter, student_dir=student_dir, out_root=out_root,
+                            resume_checkpoint=resume_checkpoint, nproc=nproc, backend=backend)
+    for warning in run.warnings:
+        if on_warning:
+            on_warning(warning)
+    stages = LocalStages(on_progress=on_progress, should_cancel=should_cancel, handle_signals=handle_signals)
+    return run_pipeline(run.spec, stages, resume="latest" if resume_latest else run.resume, device=device,
+                        precision=precision, gradient_checkpointing=gradient_checkpointing)

@@ -1,0 +1,165 @@
+"""Where a run lives and where it resumes from: one rule for the CLI and the pipeline.
+
+A run's directory is ``<root>/runs/<adapter>/<run key>/``: the run key is a digest of everything that
+decides what training produces (corpus bytes, effective top-K, teacher identity revision, student
+weights, the effective config, the world size), so a retry — in the same process, from the UI, on new
+infrastructure, or ``kiln-flows train`` run again — finds the same directory, while new data for the
+same adapter name gets a new one. ``<root>/runs/<adapter>/latest.json`` points at the newest
+published run of that adapter (``kiln_core.engine.publish``). When the config leaves ``seed`` null it
+is derived from the run key, so every attempt of a run draws the same one.
+
+Resuming:
+
+* ``resume="latest"`` (the pipeline, every attempt): the newest committed checkpoint, if any;
+* a basename (``kiln-flows train --resume-checkpoint``): that checkpoint, looked up in this run's
+  directory first and else in the adapter's other runs — resuming there lets the trainer report
+  exactly which part of the run's identity differs (Kiln's resume checks);
+* ``resume=None`` (``kiln-flows train`` without ``--resume-checkpoint``): a fresh run, refused with
+  ``resume_required`` naming the newest checkpoint when this run's directory already holds some.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Any
+
+from kiln_core.contracts.opd_config import OpdConfig
+from kiln_core.contracts.pipeline import PipelineSpec
+from kiln_core.engine.refs import CorpusRef, ManifestRef, TrainPlan, TrainRef
+from kiln_core.errors import Rejection
+from kiln_core.storage import Location, list_children, resolve
+
+RUNS_DIR = "runs"
+LATEST_FILE = "latest.json"
+ADAPTER_DIR = "adapter"
+RECEIPT_FILE = "train_receipt.json"
+
+
+class ResumeRequired(Rejection):
+    """A fresh run whose directory already holds checkpoints (code ``resume_required``).
+
+    Attributes:
+        newest: Basename of the newest committed checkpoint — what to pass to ``--resume-checkpoint``.
+        run_uri: The run's directory.
+    """
+
+    def __init__(self, run_uri: str, newest: str) -> None:
+        super().__init__("resume_required", f"run directory {run_uri} already holds checkpoints; the newest is "
+                         f"{newest}. Resume from it (or use a new adapter name)", field="resume_checkpoint")
+        self.newest = newest
+        self.run_uri = run_uri
+
+
+def adapter_root(storage_root: str, adapter: str) -> Location:
+    """``<root>/runs/<adapter>``: the adapter's runs and its ``latest.json``."""
+    return resolve(storage_root).child(RUNS_DIR, adapter)
+
+
+def run_key(corpus: CorpusRef, manifest: ManifestRef, student_weights_sha256: str, config_json: dict[str, Any]) -> str:
+    """A short digest of everything that decides what a training run produces."""
+    from kiln_core.canonical import canonical_json_bytes
+
+    payload = {
+        "dataset_sha256": corpus.dataset_sha256,
+        "effective_top_k": corpus.effective_top_k,
+        "teacher_identity_revision": manifest.identity_revision,
+        "student_weights_sha256": student_weights_sha256,
+        "config": config_json,
+    }
+    return hashlib.sha256(canonical_json_bytes(payload)).hexdigest()[:16]
+
+
+def plan_run(spec: PipelineSpec, corpus: CorpusRef, manifest: ManifestRef, student_dir: str, *,
+             resume: str | None = "latest", device: str | None = None, precision: str | None = None,
+             gradient_checkpointing: bool = False) -> TrainPlan:
+    """The run directory, the effective config (seed, output name) and the resume point of a spec.
+
+    Raises:
+        ResumeRequired: ``resume`` is None and the run directory already holds committed checkpoints.
+        CheckpointError: ``resume`` is a basename that is not a checkpoint name of this adapter.
+    """
+    from kiln_core.identity.hashing import base_model_sha256
+
+    # The adapter name is part of the effective config (output_name), so every run of it agrees; the
+    # resume point is not part of a run's identity.
+    config: OpdConfig = spec.config.model_copy(update={"output_name": spec.adapter, "resume_checkpoint": None})
+    decides = config.model_dump(mode="json", by_alias=True)
+    nproc = spec.distributed.nproc if spec.distributed else 1
+    if nproc > 1:
+        # The world size decides which candidates share a step, so it decides the run (and its checkpoints).
+        decides["world_size"] = nproc
+    key = run_key(corpus, manifest, base_model_sha256(student_dir), decides)
+    if config.seed is None:
+        # Kiln draws a seed once per job; deriving it from the run key gives every attempt the same one.
+        config = config.model_copy(update={"seed": int(key, 16) % (2**63)})
+    run = adapter_root(spec.storage_root, spec.adapter).child(key)
+    if resume is None:
+        newest = newest_checkpoint(run, spec.adapter)
+        if newest is not None and finished_run(run, spec.adapter) is None:
+            raise ResumeRequired(run.uri, newest)
+    elif resume != "latest":
+        run, resume = _resume_location(run, spec.storage_root, spec.adapter, resume)
+    distributed = spec.distributed
+    return TrainPlan(run_uri=run.uri, inputs_key=key, adapter=spec.adapter, config=config.model_dump(mode="json", by_alias=True),
+                     resume=resume, nproc=nproc, backend=distributed.backend if distributed else "auto",
+                     device=device, precision=precision, gradient_checkpointing=gradient_checkpointing)
+
+
+def check_resume_name(value: str, storage_root: str, adapter: str) -> str:
+    """Refuse a resume checkpoint that is not one of ``adapter``'s names (before any work); an absolute
+    local path must lie directly in one of the adapter's run directories."""
+    from kiln_core.training.checkpoint import CheckpointError, check_resume_basename
+
+    runs = adapter_root(storage_root, adapter)
+    if runs.is_local and os.path.isabs(value):
+        parent = os.path.dirname(os.path.normpath(value))
+        if os.path.dirname(parent) != os.path.normpath(runs.path):
+            raise CheckpointError("invalid_checkpoint_name",
+                                  f"resume checkpoint {value!r} is not in a run directory of {runs.uri}")
+        return check_resume_basename(value, resolve(parent), adapter)
+    return check_resume_basename(value, runs, adapter)
+
+
+def _resume_location(run: Location, storage_root: str, adapter: str, value: str) -> tuple[Location, str]:
+    """The run directory holding the requested checkpoint, and its basename."""
+    from kiln_core.training.checkpoint import committed_checkpoints
+
+    name = check_resume_name(value, storage_root, adapter)
+    if os.path.isabs(value) and run.is_local:
+        return resolve(os.path.dirname(os.path.normpath(value))), name
+    if any(basename == name for _, basename in committed_checkpoints(run, adapter)):
+        return run, name
+    runs = adapter_root(storage_root, adapter)
+    holders = [runs.child(key) for key in list_children(runs) if not key.startswith(".") and key != run.path.rsplit("/", 1)[-1]
+               and any(basename == name for _, basename in committed_checkpoints(runs.child(key), adapter))]
+    # In another run of this adapter: resuming there makes the trainer name what differs. Not found
+    # anywhere: the trainer reports it missing from this run's directory.
+    return (holders[0] if len(holders) == 1 else run), name
+
+
+def newest_checkpoint(run: Location | str, adapter: str) -> str | None:
+    """Basename of the newest committed checkpoint in ``run``, or None."""
+    from kiln_core.training.checkpoint import latest_checkpoint
+
+    return latest_checkpoint(run if isinstance(run, Location) else resolve(run), adapter)
+
+
+def finished_run(run: Location, adapter: str) -> TrainRef | None:
+    """A run whose adapter and successful receipt are committed is finished: it is not trained again."""
+    import json
+
+    receipt = run.child(RECEIPT_FILE)
+    adapter_dir = run.child(ADAPTER_DIR)
+    if not (receipt.exists() and adapter_dir.child("adapter_config.json").exists()):
+        return None
+    record = json.loads(receipt.read_bytes())
+    if record.get("status") != "success":
+        return None
+    opd = record.get("opd") or {}
+    history = [float(x) for x in record.get("loss_history") or []]
+    data = record.get("data") or {}
+    steps = int(data.get("examples_trained") or len(history))
+    return TrainRef(run_uri=run.uri, status="success", adapter_uri=adapter_dir.uri, receipt_uri=receipt.uri,
+                    latest_checkpoint=newest_checkpoint(run, adapter), final_loss=opd.get("final_opd_loss"),
+                    steps=steps, total_steps=data.get("total_steps"), loss_history=history, reused=True)

@@ -1,0 +1,207 @@
+"""The stages before training, as plain functions: teacher manifest, scoring, fingerprint, admission,
+verification of the materialization.
+
+Each takes and returns small refs (``kiln_core.engine.refs``). ``run_pipeline`` calls them in order;
+the Prefect tasks in ``tasks/`` wrap them one to one and add retries, caching and artifacts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from kiln_core.contracts.pipeline import PipelineSpec, TeacherSource
+from kiln_core.engine.refs import CorpusRef, InputsRef, ManifestRef, ScoredRef
+from kiln_core.errors import AdmissionError, EnvironmentFailure, Rejection
+
+
+class TeacherSourceError(Rejection, ValueError):
+    """A teacher source that cannot give a manifest (a manifest file that cannot be read)."""
+
+
+def resolve_manifest(teacher: TeacherSource, storage_root: str, *, max_top_k: int = 32) -> ManifestRef:
+    """The exact manifest line for a teacher source.
+
+    Args:
+        teacher: Kiln server alias, local registry alias, local teacher directory, or manifest file.
+        storage_root: Root holding the local registry (``<root>/teachers.json``).
+        max_top_k: ``max_top_k`` for a local directory's identity.
+
+    Returns:
+        A ``ManifestRef`` whose ``manifest_line`` is byte-identical to the pinned line.
+
+    Example:
+        >>> ref = resolve_manifest(TeacherSource(kind="manifest_file", path="teacher.jsonl"), ".")  # doctest: +SKIP
+        >>> ref.identity_revision[:7]  # doctest: +SKIP
+        'sha256:'
+    """
+    from kiln_core.contracts.identity import build_manifest_line, parse_manifest_line
+
+    teacher_dir = None
+    if teacher.kind == "kiln_server":
+        from kiln_core.teachers.kiln_client import fetch_off_policy_manifest
+
+        line = fetch_off_policy_manifest(teacher.alias, base_url=teacher.url)
+    elif teacher.kind == "local_registry":
+        from kiln_core.teachers.local_registry import get_local_teacher
+
+        entry = get_local_teacher(storage_root, teacher.alias)
+        line, teacher_dir = entry.off_policy_manifest, entry.teacher_dir
+    elif teacher.kind == "manifest_file":
+        from kiln_core.teachers.local_registry import read_manifest_file
+
+        try:
+            line = read_manifest_file(teacher.path)
+        except OSError as error:
+            raise TeacherSourceError("bad_manifest_file", f"teacher manifest file {teacher.path}: "
+                                     f"{error.strerror or error}", field="teacher", file=teacher.path) from None
+    else:
+        from kiln_core.identity.local_teacher import local_teacher_identity
+
+        teacher_dir = teacher.path
+        line = build_manifest_line(local_teacher_identity(teacher.path, max_top_k=max_top_k))
+    identity = parse_manifest_line(line).teacher_identity
+    return ManifestRef(manifest_line=line, identity_revision=identity.identity_revision(), teacher=teacher.label(),
+                       source=teacher.kind, teacher_dir=teacher_dir)
+
+
+def fingerprint(corpus_uri: str, student_dir: str, top_k: int, storage_options: dict | None = None) -> InputsRef:
+    """Digest the corpus bytes and the student's tokenizer identity.
+
+    The corpus is read under admission's file-level rules, so a missing, unreadable or oversized
+    corpus is the same ``AdmissionError`` here as in ``kiln-flows admit`` (exit 2), before any cache
+    lookup; a student directory that cannot be loaded is a ``TokenizationError``.
+    """
+    from kiln_core.admission import resolve_top_k
+    from kiln_core.admission.source import read_corpus
+    from kiln_core.canonical import kiln_compact_json
+    from kiln_core.tokenization import load_student_tokenizer
+
+    corpus = read_corpus(corpus_uri, storage_options)
+    identity = load_student_tokenizer(student_dir).identity()
+    student_digest = "sha256:" + hashlib.sha256(kiln_compact_json(dict(sorted(identity.items()))).encode()).hexdigest()
+    return InputsRef(corpus_uri=corpus.uri, dataset_sha256="sha256:" + corpus.sha256_hex, student_dir=student_dir,
+                     student_digest=student_digest, effective_top_k=resolve_top_k(top_k))
+
+
+def admit(inputs: InputsRef, manifest: ManifestRef, storage_root: str, *, kiln_strict: bool = False,
+          storage_options: dict | None = None) -> CorpusRef:
+    """Admit the corpus against the pinned manifest and materialize it under ``storage_root``.
+
+    Raises:
+        AdmissionError: the corpus breaks a rule; an ``identity_mismatch`` against a local-registry
+            alias also says which field differs and how to score with the alias.
+    """
+    from kiln_core.admission import admit_corpus
+
+    try:
+        result = admit_corpus(inputs.corpus_uri, inputs.student_dir, top_k=inputs.effective_top_k,
+                              pinned_manifest=manifest.manifest_line, kiln_strict=kiln_strict, out_root=storage_root,
+                              storage_options=storage_options)
+    except AdmissionError as error:
+        if error.code == "identity_mismatch" and manifest.source == "local_registry":
+            raise _mismatch_with_hint(error, inputs.corpus_uri, manifest, storage_options) from None
+        raise
+    if result.dataset_sha256 != inputs.dataset_sha256:
+        raise EnvironmentFailure("corpus_changed", f"{inputs.corpus_uri} changed while the run was starting "
+                                 f"({inputs.dataset_sha256} → {result.dataset_sha256})", file=inputs.corpus_uri)
+    return CorpusRef(
+        uri=result.materialized, dataset_sha256=result.dataset_sha256, source_uri=result.source_uri,
+        examples=result.examples, action_tokens=result.action_tokens, env_tokens=result.env_tokens,
+        effective_top_k=result.effective_top_k,
+        teacher_identity_revision=result.teacher_identity.identity_revision() if result.teacher_identity else None,
+        reused=result.reused,
+    )
+
+
+def _mismatch_with_hint(error: AdmissionError, corpus_uri: str, manifest: ManifestRef,
+                        storage_options: dict | None) -> AdmissionError:
+    """The identity mismatch, with each differing field's two values and the fix: a corpus scored from
+    the teacher's directory carries the directory's served_model_id, not the registered alias."""
+    import json
+
+    from kiln_core.contracts.identity import TeacherIdentity
+    from kiln_core.storage import resolve
+
+    try:
+        with resolve(corpus_uri, storage_options).fs.open(resolve(corpus_uri, storage_options).path, "rb") as handle:
+            corpus_identity = json.loads(handle.readline())["teacher_identity"]
+        pinned = json.loads(manifest.manifest_line)["teacher_identity"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return error
+    fields = [name.rstrip("_") for name in TeacherIdentity.model_fields]
+    differing = [f"{name}: corpus {corpus_identity.get(name)!r}, registered {pinned.get(name)!r}"
+                 for name in fields if corpus_identity.get(name) != pinned.get(name)]
+    hint = ""
+    if any(item.startswith("served_model_id:") for item in differing):
+        hint = (f" — the corpus was scored under another name; score it with the registered alias "
+                f"(`kiln-flows score … --teacher {manifest.teacher}`) so it carries the registered identity")
+    return AdmissionError("identity_mismatch", error.line,
+                          f"the corpus's teacher does not match the registered teacher {manifest.teacher!r} "
+                          f"({'; '.join(differing)}){hint}")
+
+
+class MaterializationMismatch(EnvironmentFailure):
+    """A committed materialization whose files or counts disagree with its record (storage damage)."""
+
+
+def verify(corpus: CorpusRef, storage_options: dict | None = None) -> CorpusRef:
+    """Verify a committed materialization against its record: digests of every file, and the counts."""
+    from kiln_core.materialize import read_materialization
+
+    materialization = read_materialization(corpus.uri, storage_options)
+    record = materialization.record
+    if record.dataset_sha256 != corpus.dataset_sha256:
+        raise MaterializationMismatch("materialization_mismatch", f"{corpus.uri} holds {record.dataset_sha256}, "
+                                      f"expected {corpus.dataset_sha256}", file=corpus.uri)
+    tables = materialization.tables  # reading verifies sizes and SHA-256 of every file
+    if tables.num_examples != record.examples or tables.action_positions.shape[0] != record.action_tokens:
+        raise MaterializationMismatch("materialization_mismatch", f"{corpus.uri}: tables disagree with "
+                                      "admission.json counts", file=corpus.uri)
+    return corpus.model_copy(update={"examples": record.examples, "action_tokens": record.action_tokens})
+
+
+# ---------------------------------------------------------------------------------------------
+# Scoring unscored examples first (PipelineSpec.examples)
+
+
+def scored_location(storage_root: str, examples_sha256: str, identity_revision: str, student_dir: str,
+                    top_k: int) -> str:
+    """``<root>/scored/<key>.jsonl``, keyed by what decides the scored bytes."""
+    from kiln_core.storage import resolve
+    from kiln_core.tokenization import load_student_tokenizer
+
+    identity = load_student_tokenizer(student_dir).identity()
+    key_text = "|".join([examples_sha256, identity_revision, identity["tokenizer_vocab_sha256"],
+                         identity["chat_template_sha256"], str(top_k)])
+    key = hashlib.sha256(key_text.encode()).hexdigest()[:24]
+    return resolve(storage_root).child("scored", f"{key}.jsonl").uri
+
+
+def score(examples_uri: str, out_uri: str, *, teacher_dir: str | None, teacher_alias: str | None, registry_root: str,
+          student_dir: str, top_k: int) -> ScoredRef:
+    """Score unless ``out_uri`` already holds the scored corpus."""
+    from kiln_core.scoring import score_examples
+    from kiln_core.storage import resolve
+
+    out = resolve(out_uri)
+    if out.exists():
+        data = out.read_bytes()
+        return ScoredRef(uri=out.uri, sha256="sha256:" + hashlib.sha256(data).hexdigest(),
+                         examples=max(data.count(b"\n") - 1, 0), reused=True)
+    result = score_examples(examples_uri, teacher_dir=teacher_dir if teacher_alias is None else None,
+                            teacher_alias=teacher_alias, registry_root=registry_root, student_dir=student_dir,
+                            top_k=top_k, out_uri=out.uri)
+    return ScoredRef(uri=result.out_uri, sha256=result.sha256, examples=result.examples, reused=False)
+
+
+def score_arguments(spec: PipelineSpec, manifest: ManifestRef, student_dir: str) -> dict[str, Any]:
+    """The arguments of ``score`` for a spec's ``examples`` (its output location included)."""
+    from kiln_core.storage import resolve
+
+    digest = "sha256:" + hashlib.sha256(resolve(spec.examples).read_bytes()).hexdigest()
+    out_uri = scored_location(spec.storage_root, digest, manifest.identity_revision, student_dir, spec.config.top_k)
+    return {"examples_uri": spec.examples, "out_uri": out_uri, "teacher_dir": spec.teacher.path,
+            "teacher_alias": spec.teacher.alias if spec.teacher.kind == "local_registry" else None,
+            "registry_root": spec.storage_root, "student_dir": student_dir, "top_k": spec.config.top_k}
+

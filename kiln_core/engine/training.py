@@ -1,0 +1,120 @@
+"""The training stage: one process or ``torchrun``, resuming as the plan says, stoppable at a step.
+
+``train`` is what ``kiln-flows train`` and the pipeline's train task both run:
+
+1. a run whose adapter and successful receipt are committed is finished: its outputs are returned;
+2. ``plan.resume == "latest"`` becomes the newest committed checkpoint of the run directory, if any;
+3. with ``plan.nproc == 1`` the trainer runs here (``kiln_core.training.trainer.train_opd``); above 1
+   the job is launched under ``torchrun`` (``kiln_core.training.distributed.launch``): the ranks read
+   the committed materialization and write into the same run directory, rank 0 publishes;
+4. Ctrl-C / SIGTERM (``kiln_core.engine.interrupt``) and ``should_cancel`` stop the run at the next
+   step boundary after a checkpoint; the result then says ``cancelled``.
+
+Rejections (a checkpoint that does not match the run, a world size other than the checkpoint's) are
+raised before any model loads; a failed or cancelled run is returned, not raised.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from kiln_core.engine.interrupt import stop_requests
+from kiln_core.engine.refs import CorpusRef, ManifestRef, TrainPlan, TrainRef
+from kiln_core.engine.runs import finished_run, newest_checkpoint
+from kiln_core.storage import resolve
+
+Progress = Callable[[int, int, float], None]
+
+
+def train(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir: str, *,
+          on_progress: Progress | None = None, should_cancel: Callable[[], bool] | None = None,
+          handle_signals: bool = True) -> TrainRef:
+    """Train (or resume, or find finished) the run ``plan`` describes and say how it ended.
+
+    Args:
+        plan: Run directory, adapter, effective config, resume point, world size and device options.
+        corpus: The committed materialization to train on.
+        manifest: The teacher's pinned manifest (its identity goes into checkpoints and the receipt).
+        student_dir: Local student model directory.
+        on_progress: Called as ``(step, total_steps, loss)`` after each committed step.
+        should_cancel: Polled at each step boundary (e.g. "is the Prefect flow run cancelling?").
+        handle_signals: Turn Ctrl-C/SIGTERM into a stop at the next step boundary (main thread only).
+
+    Returns:
+        ``TrainRef`` with status ``success``, ``failed`` or ``cancelled``.
+
+    Raises:
+        Rejection: the resume checkpoint does not fit the run (``CheckpointError``/``ResumeError``), or the
+            plan cannot run (``ConfigError``: shared storage, strategy, backend).
+
+    Example:
+        >>> ref = train(plan, corpus_ref, manifest_ref, "./student")  # doctest: +SKIP
+        >>> ref.status  # doctest: +SKIP
+        'success'
+    """
+    run = resolve(plan.run_uri)
+    finished = finished_run(run, plan.adapter) if plan.run_key == plan.inputs_key else None
+    if finished is not None:
+        return finished
+    resume = newest_checkpoint(run, plan.adapter) if plan.resume == "latest" else plan.resume
+    with stop_requests(handle_signals) as stop:
+        def cancel_requested() -> bool:
+            return stop.is_set() or (should_cancel is not None and should_cancel())
+
+        if plan.nproc > 1:
+            result = _launch(plan, corpus, manifest, student_dir, resume, on_progress, cancel_requested)
+        else:
+            result = _train_here(plan, corpus, manifest, student_dir, resume, on_progress, cancel_requested)
+    return TrainRef(run_uri=run.uri, status=result.status, adapter_uri=result.adapter, receipt_uri=result.receipt,
+                    latest_checkpoint=result.latest_checkpoint, final_loss=result.final_loss, steps=result.steps,
+                    total_steps=result.total_steps, loss_history=list(result.loss_history),
+                    failure_reason=result.failure_reason, failure_message=result.failure_message,
+                    resumed_from=result.resumed_from)
+
+
+def _train_here(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir: str, resume: str | None,
+                on_progress: Progress | None, should_cancel: Callable[[], bool]):
+    from kiln_core.contracts.identity import parse_manifest_line
+    from kiln_core.contracts.opd_config import OpdConfig
+    from kiln_core.materialize import read_materialization
+    from kiln_core.training import trainer
+
+    materialization = read_materialization(corpus.uri)
+    return trainer.train_opd(
+        tables=materialization.tables, dataset_sha256=corpus.dataset_sha256, dataset_path=corpus.source_uri,
+        student_dir=student_dir, adapter_name=plan.adapter, config=OpdConfig.model_validate(plan.config),
+        run_root=plan.run_uri, teacher_identity=parse_manifest_line(manifest.manifest_line).teacher_identity,
+        teacher_alias=manifest.teacher, resume_checkpoint=resume, should_cancel=should_cancel,
+        on_progress=on_progress, device=plan.device, precision=plan.precision,
+        gradient_checkpointing=plan.gradient_checkpointing, handle_signals=False)
+
+
+def distributed_job(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir: str, resume: str | None):
+    """The ``DistributedJob`` every rank of a ``plan.nproc``-process run executes, after the refusals
+    that must come before any launch (strategy, backend, shared storage, the checkpoint's world size)."""
+    from kiln_core.training import distributed
+    from kiln_core.training.checkpoint import check_world_size, load_checkpoint
+    from kiln_core.training.student import resolve_device
+
+    distributed.check_strategy(plan.strategy)
+    distributed.resolve_backend(plan.backend, resolve_device(plan.device))
+    distributed.check_shared_storage(plan.run_uri, corpus.uri)
+    if resume is not None:  # another number of ranks than the checkpoint's is a rejection
+        check_world_size(load_checkpoint(plan.run_uri, resume), plan.nproc)
+    return distributed.DistributedJob(
+        materialization=corpus.uri, dataset_sha256=corpus.dataset_sha256, dataset_path=corpus.source_uri,
+        student_dir=student_dir, adapter_name=plan.adapter, config=plan.config, run_root=plan.run_uri,
+        manifest_line=manifest.manifest_line, teacher_alias=manifest.teacher, resume_checkpoint=resume,
+        device=plan.device, precision=plan.precision, gradient_checkpointing=plan.gradient_checkpointing,
+        backend=plan.backend)
+
+
+def _launch(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir: str, resume: str | None,
+            on_progress: Progress | None, should_cancel: Callable[[], bool]):
+    from kiln_core.training import distributed
+
+    job = distributed_job(plan, corpus, manifest, student_dir, resume)
+    # Ctrl-C reaches the ranks from the terminal's process group; should_cancel covers SIGTERM and
+    # Prefect's cancellation (launch then passes SIGTERM on to torchrun).
+    return distributed.launch(job, plan.nproc, on_progress=on_progress, should_cancel=should_cancel,
+                              forward_signals=False)
