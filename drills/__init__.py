@@ -2,7 +2,7 @@
 
 Each drill is a plain function ``run(workdir=..., trials=..., seed=...) -> dict`` that returns a small
 report with the figures (``trials``, ``passes``, ``failures``, ``crashes``, ``seconds`` and what is
-particular to the drill) and ``passed``. ``kiln-flows drill`` prints the reports; ``tests/drills``
+particular to the drill) and ``passed``. ``kiln-flows drill`` prints the reports; ``tests/fault_drills``
 runs them at CI size.
 
 * ``sigkill`` — SIGKILL a training process at random points (mid-step, mid-checkpoint, right after a

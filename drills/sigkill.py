@@ -314,6 +314,7 @@ def run(*, workdir: Path, trials: int = 20, seed: int = 0, **_: Any) -> dict[str
                 continue
             report.count("kills")
             latest, resumed = resume_like_the_pipeline(inputs.request(interval), adapter, inputs.student, str(out))
+            run_uri = resumed.run  # a kill before the first write leaves no run directory to look up earlier
             report.bump("resumed_from_step", str(int(latest.split("-step-")[1][:8]) if latest else 0))
             problems = []
             if resumed.status != "success":

@@ -119,7 +119,7 @@ def report_error(error: BaseException, *, as_json: bool, debug: bool = False) ->
     if as_json:
         print(json.dumps(known.to_json(), ensure_ascii=False, default=str), flush=True)
     else:
-        print(f"{known.status}: {known.describe()}", file=sys.stderr, flush=True)
+        print(f"{type(known).status}: {known.describe()}", file=sys.stderr, flush=True)
     return known.exit_code
 
 

@@ -9,7 +9,11 @@
   Ctrl-C; training stops at the next step boundary, the run ends ``cancelled``, and the server is
   stopped when the command exits (and, on Linux, when the command's process dies any other way).
 
-Both are called before the flow runs; neither imports anything heavy until needed.
+* ``hide_rejection_tracebacks()`` keeps Prefect's run logs to one line for a rejected input: its
+  task and flow loggers log a failure with the whole traceback, which for bad input (a ``Rejection``)
+  says nothing the rule and place do not.
+
+All are called before the flow runs; none imports anything heavy until needed.
 """
 
 from __future__ import annotations
@@ -32,6 +36,28 @@ def offline_settings() -> None:
     """Set the offline defaults (an explicit environment value wins). Call before importing Prefect."""
     for name, value in OFFLINE_SETTINGS.items():
         os.environ.setdefault(name, value)
+
+
+class _RejectionWithoutTraceback:
+    """A logging filter: a record about a ``Rejection`` keeps its message and loses its traceback."""
+
+    def filter(self, record) -> bool:
+        from kiln_core.errors import Rejection
+
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, Rejection):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def hide_rejection_tracebacks() -> None:
+    """Install the filter on Prefect's task-run and flow-run loggers (once)."""
+    import logging
+
+    for name in ("prefect.task_runs", "prefect.flow_runs"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _RejectionWithoutTraceback) for f in logger.filters):
+            logger.addFilter(_RejectionWithoutTraceback())
 
 
 def start_local_api() -> float | None:

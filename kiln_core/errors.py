@@ -86,8 +86,9 @@ class KilnFlowsError(Exception):
 
     def to_json(self) -> dict[str, Any]:
         """The one JSON error object every CLI command and flow result uses (same keys everywhere)."""
-        payload: dict[str, Any] = {"status": self.status, "code": self.code, "line": self.line, "field": self.field,
-                                   "message": self.message}
+        # The class's kind, not an instance attribute of the same name (TeacherRegistryError.status is HTTP's).
+        payload: dict[str, Any] = {"status": type(self).status, "code": self.code, "line": self.line,
+                                   "field": self.field, "message": self.message}
         if self.file is not None:
             payload["file"] = self.file
         return payload

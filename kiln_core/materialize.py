@@ -143,28 +143,6 @@ def read_materialization_at(location: Location) -> Materialization | None:
     return Materialization(location=location, record=record)
 
 
-def result_from_existing(materialization: Materialization):
-    """An ``AdmissionResult`` for a materialization that already exists (no parsing, no tokenizing)."""
-    from kiln_core.admission.admit import AdmissionResult
-
-    record = materialization.record
-    return AdmissionResult(
-        dataset_sha256=record.dataset_sha256,
-        source_uri=record.source_uri,
-        examples=record.examples,
-        action_tokens=record.action_tokens,
-        env_tokens=record.env_tokens,
-        effective_top_k=record.effective_top_k,
-        teacher_identity=materialization.teacher_identity(),
-        manifest_line=record.manifest_line,
-        materialized=materialization.uri,
-        reused=True,
-        tables_loader=lambda: materialization.tables,
-        record=record,
-        parser="reused",
-    )
-
-
 def write_materialization(
     root: str,
     result,

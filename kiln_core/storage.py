@@ -13,166 +13,33 @@ Everything kiln-flows publishes is a *directory of files plus one commit file*:
 Single files are written with one primitive, ``AtomicFile`` (local: a temp file beside the target,
 fsync, ``os.replace``, fsync of the directory; object stores: one PUT at commit).
 
-Credentials: s3fs reads the environment / AWS config, or the caller passes ``storage_options`` — as an
-argument, or for a whole run with ``storage_options_scope`` (a context variable: two runs in one
-process each see their own, and fsspec's process-wide ``fsspec.config.conf`` is never written).
-
-Timeouts are product settings, applied to every ``s3://`` location ``resolve`` returns (the caller's
-own ``config_kwargs`` win): ``KILN_FLOWS_STORAGE_CONNECT_TIMEOUT`` (seconds, default 10),
-``KILN_FLOWS_STORAGE_READ_TIMEOUT`` (seconds, default 60) and ``KILN_FLOWS_STORAGE_MAX_ATTEMPTS``
-(attempts per request, botocore's ``standard`` retry mode, default 3; s3fs's own retry loop is set to
-one pass so the attempts are not multiplied). Writes go out without ``Expect: 100-continue``: aiohttp
-waits for the ``100 Continue`` with no timeout, so a frozen endpoint would hang every PUT forever.
-A frozen or unreachable endpoint therefore fails each request after a bounded time with a
-``StorageFailure`` (``EnvironmentFailure``, retried by Prefect); a URI whose protocol is unknown or
-whose package is not installed is a ``StorageRejection``.
+Credentials, timeouts and the errors storage raises are in ``kiln_core.storage_settings``:
+``resolve`` applies the run's scoped options and the product's S3 timeouts to every location, and
+turns an unknown protocol or a missing package into a ``StorageRejection``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import os
 import posixpath
 import tempfile
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from kiln_core.errors import EnvironmentFailure, Rejection
+from kiln_core.storage_settings import (  # noqa: F401 - re-exported: callers import them from here
+    S3_PROTOCOLS,
+    StorageFailure,
+    StorageRejection,
+    as_environment_failure,
+    effective_options,
+    storage_options_scope,
+)
 
 INCOMPLETE_SENTINEL = ".incomplete"
-
-CONNECT_TIMEOUT_ENV = "KILN_FLOWS_STORAGE_CONNECT_TIMEOUT"
-READ_TIMEOUT_ENV = "KILN_FLOWS_STORAGE_READ_TIMEOUT"
-MAX_ATTEMPTS_ENV = "KILN_FLOWS_STORAGE_MAX_ATTEMPTS"
-DEFAULT_CONNECT_TIMEOUT = 10.0
-DEFAULT_READ_TIMEOUT = 60.0
-DEFAULT_MAX_ATTEMPTS = 3
-_S3_PROTOCOLS = ("s3", "s3a")
-
-
-class StorageRejection(Rejection, ValueError):
-    """A storage URI kiln-flows cannot use as given: unknown protocol (``unknown_protocol``), or the
-    package for it is not installed (``storage_package_missing``)."""
-
-    def __init__(self, code: str, message: str, *, file: str | None = None) -> None:
-        super().__init__(code, message, file=file)
-
-
-class StorageFailure(EnvironmentFailure, OSError):
-    """Storage that did not answer or refused: timeout, unreachable, no credentials, permission
-    denied (code ``storage_error``). Exit 3; Prefect retries the task."""
-
-    def __init__(self, message: str, *, file: str | None = None, code: str = "storage_error") -> None:
-        super().__init__(code, message, file=file)
-
-    def __str__(self) -> str:
-        return self.describe()
-
-
-def as_environment_failure(error: BaseException) -> EnvironmentFailure | None:
-    """``error`` as an ``EnvironmentFailure`` when it is a storage or network failure, else None.
-
-    Covers ``OSError`` (permission denied, read-only file system, connection refused, …), timeouts,
-    and the exceptions of botocore and aiohttp (no credentials, endpoint unreachable, read timeout)
-    that fsspec backends let through untranslated.
-    """
-    if isinstance(error, EnvironmentFailure):
-        return error
-    module = type(error).__module__ or ""
-    network = module.startswith(("botocore", "aiobotocore", "aiohttp", "urllib3", "httpx", "requests"))
-    if isinstance(error, (OSError, TimeoutError)) or network:
-        where = getattr(error, "filename", None)
-        detail = str(error) or type(error).__name__
-        failure = StorageFailure(f"{type(error).__name__}: {detail}", file=str(where) if where else None)
-        failure.__cause__ = error
-        return failure
-    return None
-
-
-# ---------------------------------------------------------------------------------------------
-# Run-scoped options and product defaults
-
-_SCOPED_OPTIONS: contextvars.ContextVar[dict[str, dict[str, Any]]] = contextvars.ContextVar(
-    "kiln_flows_storage_options", default={})
-
-
-@contextlib.contextmanager
-def storage_options_scope(per_protocol: dict[str, dict[str, Any]] | None) -> Iterator[None]:
-    """Use ``per_protocol`` fsspec options (``{"s3": {"key": …, "secret": …}}``) for every ``resolve``
-    in this context (thread, Prefect task) until the block ends; explicit arguments still win.
-
-    Example:
-        >>> with storage_options_scope({"memory": {}}):
-        ...     resolve("memory://bucket/x").uri
-        'memory://bucket/x'
-    """
-    merged = dict(_SCOPED_OPTIONS.get())
-    for protocol, options in (per_protocol or {}).items():
-        merged[protocol] = {**merged.get(protocol, {}), **dict(options)}
-    token = _SCOPED_OPTIONS.set(merged)
-    try:
-        yield
-    finally:
-        _SCOPED_OPTIONS.reset(token)
-
-
-def _setting(name: str, default: float) -> float:
-    value = os.environ.get(name)
-    if value is None or not value.strip():
-        return default
-    try:
-        number = float(value)
-    except ValueError:
-        raise StorageRejection("invalid_storage_setting", f"{name}={value!r} is not a number") from None
-    if number <= 0:
-        raise StorageRejection("invalid_storage_setting", f"{name}={value!r} must be positive")
-    return number
-
-
-def s3_client_settings() -> dict[str, Any]:
-    """The botocore ``config_kwargs`` kiln-flows applies to S3 (timeouts, bounded retries)."""
-    return {
-        "connect_timeout": _setting(CONNECT_TIMEOUT_ENV, DEFAULT_CONNECT_TIMEOUT),
-        "read_timeout": _setting(READ_TIMEOUT_ENV, DEFAULT_READ_TIMEOUT),
-        "retries": {"max_attempts": int(_setting(MAX_ATTEMPTS_ENV, DEFAULT_MAX_ATTEMPTS)), "mode": "standard"},
-    }
-
-
-_NO_CONTINUE_SESSION: Any = None
-
-
-def _session_without_expect_continue() -> Any:
-    """One aiobotocore session for every s3fs instance we create, without botocore's handler that adds
-    ``Expect: 100-continue`` to PUTs (see the module docstring). Shared, so fsspec's instance cache
-    still hits (it keys instances by their constructor arguments)."""
-    global _NO_CONTINUE_SESSION
-    if _NO_CONTINUE_SESSION is None:
-        import aiobotocore.session
-        import botocore.handlers
-
-        session = aiobotocore.session.AioSession()
-        session.unregister("before-call.s3", botocore.handlers.add_expect_header)
-        _NO_CONTINUE_SESSION = session
-    return _NO_CONTINUE_SESSION
-
-
-def effective_options(uri: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The fsspec options ``resolve`` uses for ``uri``: product defaults, then the run's scoped options
-    for its protocol, then ``storage_options``."""
-    protocol = uri.split("://", 1)[0] if "://" in uri else "file"
-    options = dict(_SCOPED_OPTIONS.get().get(protocol, {}))
-    options.update(storage_options or {})
-    if protocol in _S3_PROTOCOLS:
-        options["config_kwargs"] = {**s3_client_settings(), **dict(options.get("config_kwargs") or {})}
-        if "session" not in options and "profile" not in options:
-            options["session"] = _session_without_expect_continue()
-    return options
-
 
 @dataclass(frozen=True)
 class Location:
@@ -237,7 +104,7 @@ def resolve(uri: str, storage_options: dict[str, Any] | None = None) -> Location
         raise StorageRejection("unknown_protocol", f"{uri}: fsspec knows no protocol {protocol!r}", file=uri) from None
     if isinstance(fs, LocalFileSystem) and not uri.startswith("file://"):
         uri = path
-    if getattr(fs, "protocol", None) and set(_S3_PROTOCOLS) & set(fs.protocol if isinstance(fs.protocol, tuple) else [fs.protocol]):
+    if getattr(fs, "protocol", None) and set(S3_PROTOCOLS) & set(fs.protocol if isinstance(fs.protocol, tuple) else [fs.protocol]):
         fs.retries = 1  # botocore's bounded retries (s3_client_settings) are the only retry loop
     return Location(fs, path.rstrip("/") or path, uri.rstrip("/") or uri)
 

@@ -33,6 +33,14 @@ os.environ.update(
 os.environ.pop("PREFECT_API_URL", None)
 
 import pytest  # noqa: E402
+from hypothesis import settings as hypothesis_settings  # noqa: E402
+
+# Property tests are reproducible in CI: the same examples on every run (past failures are pinned with
+# @example on each test). Locally they keep exploring; HYPOTHESIS_PROFILE=ci reproduces a CI run.
+hypothesis_settings.register_profile("ci", derandomize=True, print_blob=True, database=None)
+hypothesis_settings.register_profile("dev", print_blob=True)
+hypothesis_settings.load_profile(
+    os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI", "").lower() == "true" else "dev"))
 
 
 @pytest.fixture(scope="session")

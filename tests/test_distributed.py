@@ -258,9 +258,10 @@ def test_cli_nproc_2_end_to_end(tiny_student, tmp_path, capsys):
 
     code, result = cli("--adapter", "dist", "--nproc", "2")
     assert code == 0, result
-    run_dir = out / "runs" / "dist"
-    assert result == {"status": "success", "adapter": str(run_dir / "adapter"), "receipt": str(run_dir / "train_receipt.json"),
-                      "latest_checkpoint": "dist-checkpoint-step-00000001.kiln-checkpoint", "final_loss": result["final_loss"]}
+    run_dir = Path(result["run"])
+    assert run_dir.parent == out / "runs" / "dist"  # <root>/runs/<adapter>/<run key>/, the world size in the key
+    assert (result["status"], result["adapter"], result["receipt"], result["latest_checkpoint"]) == (
+        "success", str(run_dir / "adapter"), str(run_dir / "train_receipt.json"), "dist-checkpoint-step-00000001.kiln-checkpoint")
     r = receipt(run_dir)
     assert r["status"] == "success" and r["distributed"]["world_size"] == 2 and len(r["loss_history"]) == 2
     assert (run_dir / "adapter" / "adapter_model.safetensors").exists()

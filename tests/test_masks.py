@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from kiln_core.admission import admit_corpus
-from kiln_core.admission.records import parse_corpus
+from kiln_core.admission.parse import parse_corpus
 from kiln_core.errors import AdmissionError
 from kiln_core.synthetic import synthesize_corpus
 from kiln_core.tokenization import (

@@ -227,13 +227,13 @@ def test_pipeline_end_to_end(world, reference, tiny_student):
 def test_unchanged_corpus_is_never_admitted_twice(world, reference, monkeypatch):
     import kiln_core.admission
     import kiln_core.admission.admit as admit_module
-    import kiln_core.admission.records as records_module
+    import kiln_core.admission.parse as parse_module
 
     def refuse(*args, **kwargs):
         raise AssertionError("parse_corpus was called for a corpus that was already admitted")
 
     monkeypatch.setattr(admit_module, "parse_corpus", refuse)
-    monkeypatch.setattr(records_module, "parse_corpus", refuse)
+    monkeypatch.setattr(parse_module, "parse_corpus", refuse)
     corpora = reference.root / "corpora"
     materialized = listing(corpora)
     assert len(materialized) == 1

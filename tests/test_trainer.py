@@ -127,8 +127,10 @@ def test_sigkill_after_a_checkpoint_then_resume_is_bit_exact(tiny_student, tmp_p
     tables = synthetic_tables()
     np.savez(tmp_path / "tables.npz", **{name: getattr(tables, name) for name in tables.__dataclass_fields__})
     killed = tmp_path / "killed"
+    # Event-driven, not timed: the driver blocks on its (never written) stdin after step 5, that is
+    # after checkpoint 4 is committed, so the SIGKILL below always lands in an unfinished run.
     driver = (
-        "import sys, time, numpy as np, torch\n"
+        "import sys, numpy as np, torch\n"
         "torch.set_num_threads(1)\n"
         "from kiln_core.corpus import CorpusTables\n"
         "from kiln_core.contracts.opd_config import OpdConfig\n"
@@ -138,9 +140,9 @@ def test_sigkill_after_a_checkpoint_then_resume_is_bit_exact(tiny_student, tmp_p
         f"config = OpdConfig.model_validate_json({config.model_dump_json()!r})\n"
         f"train_opd(tables=tables, dataset_sha256={DATASET_SHA!r}, dataset_path='corpus.jsonl', student_dir={str(tiny_student)!r},\n"
         f"    adapter_name={ADAPTER!r}, config=config, run_root={str(killed)!r}, teacher_identity=None,\n"
-        "    teacher_alias='tiny-teacher', on_progress=lambda step, total, loss: time.sleep(0.4))\n"
+        "    teacher_alias='tiny-teacher', on_progress=lambda step, total, loss: step >= 5 and sys.stdin.readline())\n"
     )
-    proc = subprocess.Popen([sys.executable, "-c", driver], cwd=Path(__file__).parents[1],
+    proc = subprocess.Popen([sys.executable, "-c", driver], cwd=Path(__file__).parents[1], stdin=subprocess.PIPE,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     manifest = killed / "demo-checkpoint-step-00000004.kiln-checkpoint" / "checkpoint_manifest.json"
     deadline = time.monotonic() + 120

@@ -21,9 +21,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from flows.local_api import offline_settings, start_local_api
+    from flows.local_api import hide_rejection_tracebacks, offline_settings, start_local_api
 
     offline_settings()
+    hide_rejection_tracebacks()
     if not args.json:
         os.environ.setdefault("KILN_FLOWS_PROGRESS", "1")  # a training progress bar on stderr
     started = time.perf_counter()

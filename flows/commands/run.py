@@ -39,9 +39,10 @@ def run(args: argparse.Namespace) -> int:
 
     spec = load_spec(args.pipeline)  # a rejection (exit 2) goes to the CLI's guard, before Prefect loads
 
-    from flows.local_api import offline_settings, start_local_api
+    from flows.local_api import hide_rejection_tracebacks, offline_settings, start_local_api
 
     offline_settings()
+    hide_rejection_tracebacks()
     if args.quiet:
         os.environ["PREFECT_LOGGING_LEVEL"] = "WARNING"
     elif not args.json:

@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from kiln_core.admission.records import ParsedCorpus, parse_corpus
+from kiln_core.admission.parse import parse_corpus
+from kiln_core.admission.records import ParsedCorpus
 from kiln_core.admission.rules import check_examples
 from kiln_core.admission.source import read_corpus
 from kiln_core.contracts.identity import (
@@ -159,7 +160,7 @@ def admit_corpus(
         )
         if existing is not None:
             _check_binding(existing.teacher_identity(), pinned, student, effective_top_k, line=existing.record.manifest_line_number)
-            return materialize.result_from_existing(existing)
+            return _result_from_existing(existing)
 
     parsed = parse_corpus(corpus.data)
     manifest = _check_manifest_records(parsed, kiln_strict)
@@ -207,6 +208,26 @@ def admit_corpus(
             storage_options=storage_options,
         )
     return result
+
+
+def _result_from_existing(materialization) -> AdmissionResult:
+    """An ``AdmissionResult`` for a materialization that already exists (no parsing, no tokenizing)."""
+    record = materialization.record
+    return AdmissionResult(
+        dataset_sha256=record.dataset_sha256,
+        source_uri=record.source_uri,
+        examples=record.examples,
+        action_tokens=record.action_tokens,
+        env_tokens=record.env_tokens,
+        effective_top_k=record.effective_top_k,
+        teacher_identity=materialization.teacher_identity(),
+        manifest_line=record.manifest_line,
+        materialized=materialization.uri,
+        reused=True,
+        tables_loader=lambda: materialization.tables,
+        record=record,
+        parser="reused",
+    )
 
 
 def _load_student(student_dir: str) -> StudentTokenizer:

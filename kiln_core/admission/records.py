@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from kiln_core.admission.source import LineIndex, index_lines
+from kiln_core.admission.source import LineIndex
 from kiln_core.contracts.identity import MANIFEST_SCHEMA
 from kiln_core.errors import AdmissionError, Rejection
 from kiln_core.tokenization import Conversation, Segment, TokenizationError, normalize_content
@@ -72,21 +72,6 @@ class ParsedCorpus:
     @property
     def num_examples(self) -> int:
         return int(self.example_lines.shape[0])
-
-
-def parse_corpus(data: bytes) -> ParsedCorpus:
-    """Parse corpus bytes (already checked to be UTF-8) into a ``ParsedCorpus``.
-
-    Raises:
-        AdmissionError: ``invalid_json``, ``not_an_object`` or ``invalid_record`` at the first bad line.
-    """
-    from kiln_core.admission.columnar import parse_columnar
-
-    lines = index_lines(data)
-    parsed = parse_columnar(data, lines)
-    if parsed is None:
-        parsed = _parse_exact(data, lines)
-    return parsed
 
 
 # --- exact path ---------------------------------------------------------------------------------
@@ -146,7 +131,7 @@ CANDIDATE_FIELDS = ("token_id", "logprob")
 SEGMENT_FIELDS = ("role", "content", "kind", "tool_call_id", "warning_prefix_len")
 
 
-def _parse_exact(data: bytes, lines: LineIndex) -> ParsedCorpus:
+def parse_exact(data: bytes, lines: LineIndex) -> ParsedCorpus:
     text_lines = data.decode("utf-8").split("\n")
     if text_lines and text_lines[-1] == "" and data.endswith(b"\n"):
         text_lines.pop()

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Callable, Protocol
 
 from kiln_core.contracts.pipeline import PipelineSpec, TeacherSource
-from kiln_core.engine import stages
+import kiln_core.engine.stages as stages
 from kiln_core.engine.publish import publish
 from kiln_core.engine.refs import CorpusRef, InputsRef, ManifestRef, PipelineResult, PublishRef, TrainPlan, TrainRef
 from kiln_core.engine.runs import plan_run

@@ -9,6 +9,7 @@ the run up; the run is deleted afterwards. Screenshots land in /tmp for debuggin
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import time
@@ -35,11 +36,15 @@ def _binary(*names: str) -> str | None:
 
 @pytest.fixture
 def browser(tmp_path):
-    """Headless chromium with a throwaway profile; skipped when chromium or chromedriver is absent."""
+    """Headless chromium with a throwaway profile. Without chromium or chromedriver the test is skipped
+    on a developer machine, and fails in CI (``CI=true``): CI must not go green without running it."""
     chromium = _binary("chromium", "chromium-browser")
     chromedriver = _binary("chromedriver")
     if chromium is None or chromedriver is None:
-        pytest.skip("needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)")
+        reason = "needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)"
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"CI=true: {reason}")
+        pytest.skip(reason)
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
