@@ -55,7 +55,7 @@ DRILLS: dict[str, tuple[str, dict[str, int]]] = {
     "concurrent-materialize": ("drills.concurrency", {"trials": 12}),
     "corrupt-checkpoint": ("drills.corruption", {"trials": 9}),
     "fuzz-admission": ("drills.fuzz", {"examples": 10_000}),
-    "fuzz-oracle": ("drills.fuzz", {"examples": 10_000}),
+    "fuzz-oracle": ("drills.fuzz_oracle", {"examples": 10_000}),
 }
 
 MAX_DETAILS = 20
