@@ -172,3 +172,28 @@ def test_resume_mismatch_is_a_rejection(tiny_student, corpus_dir, tmp_path, caps
     changed = write_request(corpus_dir, "changed.json", epochs=1, learning_rate=0.01)
     code, result = train(capsys, "--request", changed, *args, "--resume-checkpoint", "mismatch-checkpoint-step-00000002.kiln-checkpoint")
     assert code == 2 and result["code"] == "resume_effective_config"
+
+
+def test_a_corpus_scored_from_the_teacher_dir_names_the_differing_field_against_its_alias(
+        tiny_student, tiny_teacher, tmp_path, capsys):
+    """Scored with ``--teacher DIR`` (served_model_id = the directory's name), trained against the same
+    teacher registered under an alias: the rejection names the field, both values, and the fix."""
+    import random
+
+    from kiln_core.synthetic import synthetic_example
+
+    rng = random.Random(2)
+    examples = tmp_path / "examples.jsonl"
+    examples.write_text("".join(json.dumps(synthetic_example(rng, words=5, index=i)) + "\n" for i in range(3)))
+    root = tmp_path / "root"
+    assert main(["score", str(examples), "--teacher", str(tiny_teacher), "--student", str(tiny_student), "--top-k", "16",
+                 "--out", str(tmp_path / "corpus.jsonl"), "--device", "cpu", "--quiet", "--json"]) == 0
+    assert main(["teachers", "register", "tiny-alias", str(tiny_teacher), "--out", str(root), "--device", "cpu"]) == 0
+    capsys.readouterr()
+    request = tmp_path / "request.json"
+    request.write_text(json.dumps({"dataset_path": "corpus.jsonl", "teacher": "tiny-alias", "config": CONFIG}))
+    code, result = train(capsys, "--request", str(request), "--adapter", "aliased", "--student", str(tiny_student),
+                         "--out", str(root), "--json")
+    assert code == 2 and result["code"] == "identity_mismatch", result
+    assert f"served_model_id: corpus {tiny_teacher.name!r}, registered 'tiny-alias'" in result["message"]
+    assert "--teacher tiny-alias" in result["message"]  # how to fix it: score with the alias
