@@ -96,12 +96,12 @@ def resolve(uri: str, storage_options: dict[str, Any] | None = None) -> Location
         fs, path = fsspec.core.url_to_fs(uri, **effective_options(uri, storage_options))
     except ImportError as error:
         raise StorageRejection("storage_package_missing",
-                               f"{uri}: {error} (e.g. `pip install 'kiln-flows[s3]'` for s3://)", file=uri) from None
+                               f"{error} (e.g. `pip install 'kiln-flows[s3]'` for s3://)", file=uri) from None
     except ValueError as error:
         if "Protocol not known" not in str(error):
             raise
         protocol = uri.split("://", 1)[0]
-        raise StorageRejection("unknown_protocol", f"{uri}: fsspec knows no protocol {protocol!r}", file=uri) from None
+        raise StorageRejection("unknown_protocol", f"fsspec knows no protocol {protocol!r}", file=uri) from None
     if isinstance(fs, LocalFileSystem) and not uri.startswith("file://"):
         uri = path
     if getattr(fs, "protocol", None) and set(S3_PROTOCOLS) & set(fs.protocol if isinstance(fs.protocol, tuple) else [fs.protocol]):
