@@ -69,6 +69,24 @@ def test_file_not_found(tmp_path, tiny_student):
     assert (error.code, error.line) == ("file_not_found", None)
 
 
+def test_file_unreadable(tmp_path, tiny_student, base_lines, monkeypatch):
+    import builtins
+
+    import kiln_core.admission.source as source
+
+    path = write(tmp_path, base_lines)
+    real_open = builtins.open
+
+    def refusing_open(file, *args, **kwargs):  # chmod does not stop root: the refusal is simulated
+        if str(file) == str(path):
+            raise PermissionError(13, "Permission denied", str(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(source, "open", refusing_open, raising=False)
+    error = rejection(tmp_path, path, tiny_student)
+    assert (error.code, error.line) == ("file_unreadable", None) and "Permission denied" in error.message
+
+
 def test_symlink_is_not_a_regular_file(tmp_path, tiny_student, base_lines):
     target = write(tmp_path, base_lines)
     link = tmp_path / "link.jsonl"
