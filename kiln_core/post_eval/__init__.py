@@ -3,7 +3,8 @@
 Read in this order:
 
 * ``config``   — ``PostEvalConfig`` and Kiln's submit-time rules.
-* ``suite``    — suites, examples, generation settings, aggregation; suite and generation hashes.
+* ``suite``    — suites, examples, generation settings, aggregation (``wire`` encodes them as serde does).
+* ``identity`` — Kiln's suite and effective-generation hashes.
 * ``registry`` — suites stored under ``<storage root>/.eval/suites/<name>/``.
 * ``overlap``  — a ``held-out`` suite must not overlap the training data.
 * ``scorers``  — grading one completion (``answer_parsing`` holds the parsing helpers).
@@ -42,11 +43,12 @@ from kiln_core.post_eval.gate import (GATE_OUTCOMES, PostEvalGateEvidence, aggre
 from kiln_core.post_eval.overlap import check_training_overlap, conversation_from_opd_example
 from kiln_core.post_eval.registry import SuiteRegistry
 from kiln_core.post_eval.stats import derive_eval_completion_seed, sign_test_p_value, wilson_interval
-from kiln_core.post_eval.suite import EvalSuite, load_suite, suite_sha256
+from kiln_core.post_eval.identity import effective_generation_sha256, suite_sha256
+from kiln_core.post_eval.suite import EvalSuite, load_suite
 
 __all__ = [
     "POST_EVAL_CODES", "PostEvalRejection", "PostEvalConfig", "parse_post_eval_config", "validate_post_eval_config",
-    "EvalSuite", "load_suite", "suite_sha256", "SuiteRegistry", "check_training_overlap",
+    "EvalSuite", "load_suite", "suite_sha256", "effective_generation_sha256", "SuiteRegistry", "check_training_overlap",
     "conversation_from_opd_example", "derive_eval_completion_seed", "sign_test_p_value", "wilson_interval",
     "GATE_OUTCOMES", "PostEvalGateEvidence", "evaluate_paired_promotion", "aggregate_gate_outcome",
     "merge_gate_evidence", "PostEvalResult", "run_post_eval", "LOSING_OUTCOMES", "KILN_RENAMED_OUTCOMES", "GateFate",

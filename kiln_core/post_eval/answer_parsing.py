@@ -10,10 +10,13 @@ from __future__ import annotations
 import json
 import math
 import re
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
     "WHITE_SPACE",
+    "ThinkingSplit",
+    "split_thinking",
     "rust_trim",
     "rust_split_whitespace",
     "extract_last_number",
@@ -43,6 +46,43 @@ def rust_trim(text: str) -> str:
 def rust_split_whitespace(text: str) -> list[str]:
     """``str::split_whitespace`` (no empty parts)."""
     return [part for part in _WHITE_SPACE_RUN.split(text) if part]
+
+
+# ---- reasoning blocks [crates/kiln-eval/src/qwen3.rs · split_thinking]
+
+
+@dataclass(frozen=True)
+class ThinkingSplit:
+    reasoning: str | None
+    answer: str
+    had_thinking: bool
+    unclosed: bool
+
+
+def _trim_one_leading_newline(text: str) -> str:
+    for prefix in ("\n\n", "\n"):
+        if text.startswith(prefix):
+            return text[len(prefix):]
+    return text
+
+
+def split_thinking(raw: str) -> ThinkingSplit:
+    """Separate a leading ``<think>…</think>`` block from the answer [qwen3.rs · split_thinking].
+
+    Example:
+        >>> split_thinking("<think>\\nhmm\\n</think>\\n\\nParis").answer
+        'Paris'
+    """
+    trimmed = raw.lstrip(WHITE_SPACE)
+    open_index = raw.find("<think>")
+    if open_index < 0 or rust_trim(raw[:open_index]):
+        return ThinkingSplit(None, _trim_one_leading_newline(trimmed), False, False)
+    body = raw[open_index + len("<think>"):]
+    close_index = body.find("</think>")
+    if close_index < 0:
+        return ThinkingSplit(body.strip("\n"), "", True, True)
+    after = body[close_index + len("</think>"):].lstrip("\n")
+    return ThinkingSplit(body[:close_index].strip("\n"), _trim_one_leading_newline(after), True, False)
 
 
 # ---- numeric_tolerance [crates/kiln-eval/src/scorers/numeric.rs · parse_number, extract_last_number]

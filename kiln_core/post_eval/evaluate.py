@@ -27,7 +27,8 @@ from kiln_core.post_eval.gate import (PairedEvidenceError, PostEvalGate, PostEva
                                       decision_verdict, evaluate_paired_promotion)
 from kiln_core.post_eval.reduce import AggregationError
 from kiln_core.post_eval.scorers import JudgeRunner
-from kiln_core.post_eval.suite import EvalSuite, effective_generation_sha256, suite_sha256
+from kiln_core.post_eval.identity import effective_generation_sha256, suite_sha256
+from kiln_core.post_eval.suite import EvalSuite
 
 __all__ = ["PostEvalResult", "run_post_eval"]
 

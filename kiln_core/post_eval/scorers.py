@@ -1,7 +1,7 @@
 """Kiln's scorers: a JSON object tagged by ``kind`` that grades one completion.
 
 Source: crates/kiln-eval/src/scorers/{mod,exact_match,contains,regex_match,numeric,json_validity,
-multiple_choice,llm_judge}.rs and crates/kiln-eval/src/qwen3.rs · split_thinking. Each completion
+multiple_choice,llm_judge}.rs and crates/kiln-eval/src/qwen3.rs · split_thinking (in ``answer_parsing``). Each completion
 gets a kind (``pass | fail | invalid | error``) and a score in [0, 1] held as f32.
 
 * ``<think>…</think>`` is split off first: an unclosed block is ``invalid`` (score 0); otherwise the
@@ -32,8 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from kiln_core.post_eval import answer_parsing as parse
 from kiln_core.post_eval.wire import to_f32
 
-__all__ = ["Scorer", "ScoredCompletion", "ScorerError", "JudgeRunner", "ThinkingSplit", "split_thinking",
-           "score_completion", "SUPPORTED_SCORERS", "DEFAULT_JUDGE_TEMPLATE", "DEFAULT_JUDGE_REGEX"]
+__all__ = ["Scorer", "ScoredCompletion", "ScorerError", "JudgeRunner", "score_completion", "SUPPORTED_SCORERS", "DEFAULT_JUDGE_TEMPLATE", "DEFAULT_JUDGE_REGEX"]
 
 SUPPORTED_SCORERS = ("exact_match", "contains", "regex", "json_validity", "multiple_choice",
                      "numeric_tolerance", "llm_judge", "all", "any")
@@ -183,40 +182,6 @@ class ScoredCompletion:
     unclosed_thinking: bool = False
 
 
-@dataclass(frozen=True)
-class ThinkingSplit:
-    reasoning: str | None
-    answer: str
-    had_thinking: bool
-    unclosed: bool
-
-
-def _trim_one_leading_newline(text: str) -> str:
-    for prefix in ("\n\n", "\n"):
-        if text.startswith(prefix):
-            return text[len(prefix):]
-    return text
-
-
-def split_thinking(raw: str) -> ThinkingSplit:
-    """Separate a leading ``<think>…</think>`` block from the answer [qwen3.rs · split_thinking].
-
-    Example:
-        >>> split_thinking("<think>\\nhmm\\n</think>\\n\\nParis").answer
-        'Paris'
-    """
-    trimmed = raw.lstrip(parse.WHITE_SPACE)
-    open_index = raw.find("<think>")
-    if open_index < 0 or parse.rust_trim(raw[:open_index]):
-        return ThinkingSplit(None, _trim_one_leading_newline(trimmed), False, False)
-    body = raw[open_index + len("<think>"):]
-    close_index = body.find("</think>")
-    if close_index < 0:
-        return ThinkingSplit(body.strip("\n"), "", True, True)
-    after = body[close_index + len("</think>"):].lstrip("\n")
-    return ThinkingSplit(body[:close_index].strip("\n"), _trim_one_leading_newline(after), True, False)
-
-
 def score_completion(scorer: Any, example: Any, completion: str, judge: JudgeRunner | None = None) -> ScoredCompletion:
     """Grade one completion of ``example`` with ``scorer`` [scorers/mod.rs · score_completion].
 
@@ -238,7 +203,7 @@ def score_completion(scorer: Any, example: Any, completion: str, judge: JudgeRun
         >>> score_completion(ExactMatch(kind="exact_match"), example, " 4\\n").kind
         'pass'
     """
-    split = split_thinking(completion)
+    split = parse.split_thinking(completion)
     if isinstance(scorer, (LlmJudge, AllOf, AnyOf)):
         answer = completion
     elif split.unclosed:

@@ -7,10 +7,7 @@ Parsing is as strict as serde where serde is strict (an integer field refuses ``
 scorers kiln-flows does not run. A suite comes as one JSON document with inline ``examples``, or as a
 header JSON without examples plus a JSONL file of examples (``load_suite``).
 
-Identity [crates/kiln-eval/src/replay.rs]: ``suite_sha256`` and ``effective_generation_sha256``
-follow Kiln's framing over the serde encoding of these models (``wire()`` gives the field order; see
-``wire.py``). Thinking budgets are part of the generation identity; kiln-flows records them but its
-runner does not enforce them (the resolved records say ``applied: false``).
+Each model's ``wire()`` is its serde encoding in Kiln's field order; ``identity.py`` hashes it.
 """
 
 from __future__ import annotations
@@ -22,16 +19,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kiln_core.post_eval.errors import PostEvalRejection
 from kiln_core.post_eval.scorers import Scorer, unported_kinds, SUPPORTED_SCORERS
-from kiln_core.post_eval.wire import (EFFECTIVE_GENERATION_DOMAIN, F32, SUITE_DOMAIN, hash_json, json_value,
-                                      rust_debug_str, rust_display_float, to_f32)
+from kiln_core.post_eval.wire import F32, json_value, rust_debug_str, rust_display_float, to_f32
 from kiln_core.strict_json import StrictJsonError, loads_strict
 
 __all__ = ["EvalGenerationParams", "EvalAggregation", "EvalChatMessage", "EvalExample", "EvalSuite",
-           "SUITE_SCHEMA_VERSION", "load_suite", "parse_suite", "effective_generation", "suite_sha256",
-           "effective_generation_sha256", "validation_message"]
+           "SUITE_SCHEMA_VERSION", "load_suite", "parse_suite", "effective_generation", "validation_message"]
 
 SUITE_SCHEMA_VERSION = 2  # crates/kiln-eval/src/lib.rs · SUITE_SCHEMA_VERSION (docs/EVAL_GUIDE.md "schema-v2")
-SEED_DERIVATION = "kiln.eval-seed.v1"
 U32_MAX = 2**32 - 1
 U64_MAX = 2**64 - 1
 U32 = Annotated[int, Field(ge=0, le=U32_MAX)]
@@ -385,38 +379,3 @@ def effective_generation(suite: EvalSuite, example: EvalExample,
     if override is not None:
         return override, "run_override"
     return suite.generation, "suite"
-
-
-def suite_sha256(suite: EvalSuite) -> str:
-    """Kiln's ``eval_suite_sha256``: ``hash_json("kiln.eval-suite.v1\\0", suite)``."""
-    return hash_json(SUITE_DOMAIN, suite.wire())
-
-
-def _budget_record(params: EvalGenerationParams, scope: str) -> dict[str, Any]:
-    """``ThinkingBudgetRecord`` as Kiln resolves it with no server default; never applied here."""
-    limits: dict[str, Any] = {}
-    sources = []
-    for field, key in (("thinking_budget_tokens", "max_tokens"), ("thinking_budget_ms", "max_time_ms")):
-        value = params.budget(field)
-        if value == "inherit":
-            sources.append("unlimited")
-        elif value is None:
-            sources.append(f"{scope}_unlimited")
-        else:
-            limits[key] = value
-            sources.append(scope)
-    return {"configured": bool(limits), "applied": False, **limits, "tokens_source": sources[0],
-            "time_source": sources[1], "triggered": False}
-
-
-def effective_generation_sha256(suite: EvalSuite, override: EvalGenerationParams | None, effective_seed: int) -> str:
-    """Kiln's ``eval_effective_generation_sha256`` for one run of ``suite``."""
-    budgets = [_budget_record(*effective_generation(suite, example, override)) for example in suite.examples]
-    identity = {
-        "seed_derivation": SEED_DERIVATION,
-        "effective_seed": str(effective_seed),
-        "suite_sha256": suite_sha256(suite),
-        "generation_override": override.wire() if override is not None else None,
-        "resolved_thinking_budgets": budgets,
-    }
-    return hash_json(EFFECTIVE_GENERATION_DOMAIN, identity)
