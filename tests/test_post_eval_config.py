@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -34,6 +36,12 @@ def rejected(doc) -> PostEvalRejection:
     with pytest.raises(PostEvalRejection) as caught:
         load(doc)
     return caught.value
+
+
+def test_importing_post_eval_stays_light():
+    code = "import sys, kiln_core.post_eval; print(sorted(m for m in ('torch', 'prefect') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
 
 
 # ---- PostEvalConfig ------------------------------------------------------------------------------

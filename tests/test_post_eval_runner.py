@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from kiln_core.post_eval import load_suite, parse_post_eval_config, run_post_eval
+from kiln_core.post_eval import PostEvalRejection, load_suite, parse_post_eval_config, run_post_eval
 from kiln_core.post_eval.runner import generate, load_arm, render_prompt, run_suite
 from kiln_core.post_eval.stats import derive_eval_completion_seed, sign_test_p_value
 from kiln_core.post_eval.suite import EvalChatMessage, EvalGenerationParams
@@ -208,6 +208,23 @@ def test_broken_examples_become_error_outcomes_not_a_failed_run(models):
     assert by_id["no-target"].kind == "error" and by_id["no-target"].detail.startswith("scorer error: scorer `numeric")
     assert (by_id["judge"].kind, by_id["judge"].detail) == ("invalid", "judge runner unavailable")
     assert run.metrics["num_error"] == 2 and run.metrics["accuracy"] == 0.0
+
+
+def test_a_suite_built_in_code_is_validated_before_any_model_work():
+    suite = suite_with_targets(["4"] * 20).model_copy(update={"name": "bad/name"})
+    with pytest.raises(PostEvalRejection) as caught:
+        run_suite(suite, None, adapter_label=None, override=None, effective_seed=1)
+    assert caught.value.code == "eval_suite_invalid"
+
+
+def test_a_generation_override_that_breaks_the_aggregation_is_an_error_outcome(models):
+    suite = suite_with_targets(models["base_answers"], schema_version=2, generation={"n": 3},
+                               aggregation={"kind": "pass_at_k", "k": 3})
+    config = gated(0.5, generation={"n": 1})
+    result = run_post_eval(config, suite, student_dir=models["student"], candidate_adapter=models["noop"],
+                           candidate_name="noop", seed=1)
+    assert result.outcome == "error"
+    assert result.error == 'example "q0" generation.n 1 does not match aggregation pass@3 (k=3)'
 
 
 def test_effective_seed_falls_back_to_the_post_eval_generation_seed(models):

@@ -154,9 +154,12 @@ def run_suite(suite: EvalSuite, arm: Arm, *, adapter_label: str | None, override
     """Generate, score and reduce every example of ``suite`` with one arm.
 
     Raises:
+        PostEvalRejection: The suite breaks one of Kiln's suite rules (a suite built in code; registry
+            suites were validated when loaded).
         AggregationError: An effective ``n`` differs from the aggregation's k (Kiln refuses the run).
         PostEvalTimeout: ``deadline`` (a ``time.monotonic()`` value) passed.
     """
+    suite.validate_rules()
     k = suite.aggregation.k
     for example in suite.examples:
         params, _ = effective_generation(suite, example, override)
