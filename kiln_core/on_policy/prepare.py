@@ -22,9 +22,12 @@ Kiln (``crates/kiln-train/src/opd.rs`` · ``prepare_opd_prompts_for_training``,
 
 The training-path masks come from ``kiln_core.tokenization`` through ``encode_conversations``: a
 prompt ending with assistant turns is passed as its earlier messages plus that final turn as the
-response (the same rendered text). Where messages continue after the last assistant turn, only the
-part up to that turn is rendered: the rollout prefix ends at the *first* action, so the tokens after
-the last assistant turn are never used on-policy.
+response, which renders the same text unless that last turn carries ``tool_calls`` or a ``name``
+(the builder's response slot holds text only). Where messages continue after the last assistant
+turn, only the part up to that turn is rendered: the rollout prefix ends at the *first* action, so
+the tokens after the last assistant turn are never used on-policy. A builder refusal (for example
+a target at position 0, once the builder refuses those) drops the prompt, as Kiln drops a prompt
+whose tokenization fails.
 """
 
 from __future__ import annotations
