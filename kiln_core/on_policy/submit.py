@@ -37,7 +37,7 @@ from kiln_core.errors import Rejection
 from kiln_core.on_policy.render import RenderError, encode_text, render_for_generation, teacher_messages
 
 __all__ = ["OnPolicyPlan", "StudentFacts", "TeacherBinding", "bind_teacher", "check_prompts_fit", "check_request",
-           "check_teacher", "plan_on_policy"]
+           "check_teacher", "plan_on_policy", "student_facts"]
 
 MAX_PROMPTS = 100_000
 MAX_PROMPT_BYTES = 64 * 1024 * 1024
