@@ -25,6 +25,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from kiln_core.contracts.opd_prompt import OpdPrompt
+
 __all__ = [
     "ConfigError",
     "MuonOptimizer",
@@ -36,6 +38,7 @@ __all__ = [
     "parse_opd_config",
     "parse_opd_request",
     "validate_for_offline_training",
+    "validate_config_rules",
     "validate_request_for_offline_training",
     "resolve_top_k",
     "resolve_learning_rate",
@@ -205,7 +208,8 @@ class OpdRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
 
     teacher: str
-    prompts: list[dict[str, Any]] | None = None
+    prompts: list[OpdPrompt] = Field(default_factory=list)
+    """On-policy prompts (Kiln's ``OpdPrompt``); ``null`` is refused as serde refuses it."""
     dataset_path: str | None = None
     config: OpdConfig = Field(default_factory=OpdConfig)
     post_eval: dict[str, Any] | None = None
@@ -298,8 +302,8 @@ def effective_samples_per_prompt(config: OpdConfig, prompt_count: int | None = N
     """Candidates per example per epoch.
 
     Off-policy: the default 4 means 1 (each example once); any other value n repeats it n times.
-    On-policy (for completeness; kiln-flows does not sample): the default 4 auto-scales to 64 below 50
-    prompts, 16 below 200, else 4.
+    On-policy: the default 4 auto-scales to 64 below 50 prompts, 16 below 200, else 4, counting every
+    prompt of the request before any is dropped (``opd.rs`` · ``opd_train_to_with_checkpoint_root_and_runtime``).
 
     Example:
         >>> effective_samples_per_prompt(OpdConfig(training_mode="off_policy"))
@@ -315,13 +319,14 @@ def effective_samples_per_prompt(config: OpdConfig, prompt_count: int | None = N
     return 64 if prompt_count < 50 else 16 if prompt_count < 200 else 4
 
 
-def effective_config(config: OpdConfig, seed: int, top_k: int) -> dict[str, Any]:
+def effective_config(config: OpdConfig, seed: int, top_k: int, prompt_count: int | None = None) -> dict[str, Any]:
     """The JSON-able effective config bound into checkpoints and receipts.
 
     It is the serialized config without ``resume_checkpoint`` (resuming must not change the run's
     identity), with ``learning_rate`` and ``seed`` resolved, plus ``effective_top_k`` and
-    ``effective_samples_per_prompt``. Keys are sorted at every level so that comparing two effective
-    configs never depends on construction order.
+    ``effective_samples_per_prompt`` (on-policy: pass ``prompt_count``, the request's prompt count).
+    Keys are sorted at every level so that comparing two effective configs never depends on
+    construction order.
 
     Example:
         >>> effective_config(OpdConfig(training_mode="off_policy"), 7, 32)["effective_samples_per_prompt"]
@@ -332,7 +337,7 @@ def effective_config(config: OpdConfig, seed: int, top_k: int) -> dict[str, Any]
     data["learning_rate"] = resolve_learning_rate(config)
     data["seed"] = int(seed)
     data["effective_top_k"] = int(top_k)
-    data["effective_samples_per_prompt"] = effective_samples_per_prompt(config)
+    data["effective_samples_per_prompt"] = effective_samples_per_prompt(config, prompt_count)
     return _sorted(data)
 
 
@@ -367,6 +372,26 @@ def validate_for_offline_training(config: OpdConfig) -> list[str]:
             'is pre-scored, so set "training_mode": "off_policy" in the request config',
             "config.training_mode",
         )
+    return validate_config_rules(config)
+
+
+def validate_config_rules(config: OpdConfig, *, pre_scored: bool = True) -> list[str]:
+    """Kiln's submit-time config rules shared by both training modes (no source or mode rule).
+
+    ``pre_scored`` (a ``dataset_path`` corpus): ``top_k`` is resolved against itself as Kiln does at
+    submit. Otherwise (on-policy) only ``top_k > 0`` is checked here; the source cap is the teacher's
+    ``max_top_k``, resolved once the teacher is known (``kiln_core.on_policy.submit``).
+
+    Returns:
+        Warnings that do not block the run (an explicit learning rate far from the default).
+
+    Raises:
+        ConfigError: the first rule the config breaks, with Kiln's message.
+
+    Example:
+        >>> validate_config_rules(OpdConfig())
+        []
+    """
     if config.objective == "cross_entropy":
         raise ConfigError(
             "OPD objective: cross_entropy is not wired into the production OPD loss root; use reverse_kl",
@@ -404,7 +429,10 @@ def validate_for_offline_training(config: OpdConfig) -> list[str]:
             "OPD max_cost_usd is unavailable: cost budgets are not enforced for OPD training; use null",
             "config.max_cost_usd",
         )
-    resolve_top_k(config.top_k)  # "> 0" first, then the {16, 32} support sizes
+    if pre_scored:
+        resolve_top_k(config.top_k)  # "> 0" first, then the {16, 32} support sizes
+    elif config.top_k <= 0:
+        raise ConfigError("OPD top_k must be > 0", "config.top_k")
     if config.samples_per_prompt <= 0:
         raise ConfigError("OPD samples_per_prompt must be > 0", "config.samples_per_prompt")
     if config.sampler_segments == 0:

@@ -1,0 +1,34 @@
+"""Helpers shared by the on-policy tests: prompts, requests and students with other chat templates."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from kiln_core.contracts.opd_config import OpdRequest, parse_opd_request
+
+
+def chat(user: str, *, system: str | None = None, dummy: bool = True) -> dict[str, Any]:
+    """One on-policy prompt: optional system turn, a user turn, and Kiln's dummy assistant turn."""
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+    if dummy:
+        messages.append({"role": "assistant", "content": ""})
+    return {"messages": messages}
+
+
+def request(prompts: list[dict[str, Any]], teacher: str = "tiny-teacher", **config: Any) -> OpdRequest:
+    return parse_opd_request({"teacher": teacher, "prompts": prompts, "config": config})
+
+
+def student_with_template(source: Path, destination: Path, template: str) -> Path:
+    """The student's config and tokenizer (no weights) with another chat template."""
+    destination.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(source) / name, destination / name)
+    config = json.loads((destination / "tokenizer_config.json").read_text(encoding="utf-8"))
+    config.pop("chat_template", None)
+    (destination / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    (destination / "chat_template.jinja").write_text(template, encoding="utf-8")
+    return destination
