@@ -291,3 +291,174 @@ OPD_EFFECTIVE_CONFIG_KEYS = {
     "allow_high_lora_scale", "base_adapter", "output_name", "auto_load", "checkpoint_interval", "detect_anomaly",
     "seed", "optimizer", "echo", "epochs", "max_cost_usd", "effective_top_k", "effective_samples_per_prompt",
 }
+
+
+# --- train_receipt.rs TrainReceipt (no deny_unknown_fields: our extra fields are ignored by Kiln) ----
+
+
+class Lenient(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+class KilnSourceReceipt(Lenient):
+    git_commit: StrictStr | None = None
+    git_dirty: StrictBool | None = None
+    git_source: StrictStr | None = None
+    package_version: StrictStr
+    env_config_hash: StrictStr | None = None
+
+
+class ModelReceipt(Lenient):
+    path: StrictStr | None = None
+    config_hash: StrictStr | None = None
+    base_weight_shard_manifest: BaseWeightShardManifest | None = None
+
+
+class TokenizerReceipt(Lenient):
+    config_hash: StrictStr | None = None
+    tokenizer_config_hash: StrictStr | None = None
+    chat_template_hash: StrictStr | None = None
+    training_chat_template_hash: StrictStr | None = None
+
+
+class AdapterFileReceipt(Lenient):
+    path: StrictStr | None = None
+    adapter_model_sha256: StrictStr | None = None
+    adapter_model_bytes: U64 | None = None
+
+
+class AdapterReceiptSet(Lenient):
+    base: AdapterFileReceipt
+    output: AdapterFileReceipt
+
+
+class TrainingDataReceipt(Lenient):
+    source: StrictStr
+    path: StrictStr | None = None
+    sha256: StrictStr | None = None
+
+
+class HyperparameterReceipt(Lenient):
+    mode: StrictStr
+    rank: U64
+    alpha: F64
+    alpha_over_rank: F64 | None = None
+    learning_rate: F64
+    epochs: U64
+    seed: U64 | None = None
+    shuffle: StrictBool = False
+
+
+class OpdReceipt(Lenient):
+    training_mode: StrictStr
+    objective: StrictStr
+    loss_granularity: StrictStr
+    teacher_id: StrictStr | None = None
+    teacher_content_revision: StrictStr | None = None
+    teacher_identity: dict[str, Any] | None = None
+    top_k: U64 | None = None
+    samples_per_prompt: U64
+    action_tokens: U64
+    env_tokens: U64
+    echo_combined: StrictBool
+    echo_lambda: F64 | None = None
+    initial_opd_loss: F64 | None = None
+    final_opd_loss: F64 | None = None
+
+
+class EchoReceipt(Lenient):
+    enabled: StrictBool
+    lambda_: F64 | None = Field(default=None, alias="lambda")
+    env_mask_mode: StrictStr | None = None
+    warning_filter: StrictBool | None = None
+    initial_env_ce: F64 | None = None
+    final_env_ce: F64 | None = None
+    dropped_reason: StrictStr | None = None
+
+
+class HistogramBucket(Lenient):
+    label: StrictStr
+    min_inclusive: F64 | None = None
+    max_inclusive: F64 | None = None
+    count: U64
+
+
+class RewardStatsReceipt(Lenient):
+    count: U64
+    mean: F64 | None = None
+    stdev: F64 | None = None
+    min: F64 | None = None
+    max: F64 | None = None
+    group_count: U64 = 0
+    all_pass_group_count: U64 = 0
+    all_fail_group_count: U64 = 0
+    degenerate_group_count: U64 = 0
+    group_variance_histogram: list[HistogramBucket]
+
+
+class TrainingPhaseTimingsReceipt(Lenient):
+    tokenize_ms: F64
+    mask_build_ms: F64
+    reference_forward_ms: F64
+    policy_forward_ms: F64
+    backward_ms: F64
+    optimizer_ms: F64
+    gpu_writer_wait_ms: F64 = 0.0
+    gpu_writer_held_ms: F64 = 0.0
+    gpu_writer_acquisitions: U64 = 0
+
+
+class RuntimeReceipt(Lenient):
+    wall_clock_ms: U64
+    peak_vram_mib: U64 | None = None
+    execution_provenance: ExecutionProvenanceV1 | None = None
+    training_precision: TrainingCheckpointPrecision | None = None
+
+
+class LoraDeltaNormSummary(Lenient):
+    module: StrictStr
+    pair_count: U64
+    a_l2_mean: F64
+    a_l2_max: F64
+    b_l2_mean: F64
+    b_l2_max: F64
+    delta_l2_upper_bound_mean: F64
+    delta_l2_upper_bound_max: F64
+
+
+class LoraGradNormSummary(Lenient):
+    module: StrictStr
+    sample_count: U64
+    min: F64
+    mean: F64
+    max: F64
+
+
+class TrainReceipt(Lenient):
+    schema_version: U32
+    receipt_type: StrictStr
+    adapter_name: StrictStr
+    produced_at: StrictStr
+    status: Literal["success", "failed"]
+    failure_reason: StrictStr | None = None
+    failure_message: StrictStr | None = None
+    kiln: KilnSourceReceipt
+    model: ModelReceipt
+    tokenizer: TokenizerReceipt
+    adapters: AdapterReceiptSet
+    training_data: TrainingDataReceipt
+    hyperparameters: HyperparameterReceipt
+    grpo: dict[str, Any] | None = None
+    opd: OpdReceipt | None = None
+    echo: EchoReceipt
+    no_policy_loss: StrictBool
+    data: DataStatsReceipt
+    rewards: RewardStatsReceipt
+    token_counts: TokenCountReceipt
+    phase_timings: TrainingPhaseTimingsReceipt | None = None
+    runtime: RuntimeReceipt
+    config_hashes: dict[str, Any] | None = None
+    lora_delta_norms: list[LoraDeltaNormSummary]
+    lora_grad_norms: list[LoraGradNormSummary] = Field(default_factory=list)
+    adapter_smoke_test: dict[str, Any] | None = None
+    config: Any

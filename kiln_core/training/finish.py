@@ -7,20 +7,16 @@ from __future__ import annotations
 
 import resource
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
 from kiln_core.canonical import sha256_prefixed
 from kiln_core.storage import Location, StagedDirectory
-from kiln_core.training.plan import ADAPTER_DIR
+from kiln_core.training.plan import ADAPTER_DIR, RunPlan
+from kiln_core.training.progress import Clock, LoopProgress
 from kiln_core.training.receipt import RECEIPT_FILE, RunOutcome, build_receipt, write_receipt
 from kiln_core.training.step import lora_delta_norms
 from kiln_core.training.student import Student
-
-if TYPE_CHECKING:
-    from kiln_core.training.plan import RunPlan
-    from kiln_core.training.trainer import Clock, LoopProgress
 
 __all__ = ["publish_adapter", "record_adapter", "finish_run"]
 
@@ -34,7 +30,7 @@ def publish_adapter(student: Student, run_dir: Location) -> dict[str, bytes]:
     return files
 
 
-def record_adapter(outcome: RunOutcome, plan: "RunPlan", student: Student, files: dict[str, bytes] | None) -> None:
+def record_adapter(outcome: RunOutcome, plan: RunPlan, student: Student, files: dict[str, bytes] | None) -> None:
     """Note a published adapter in the outcome (``files`` is None on the ranks that did not publish)."""
     outcome.status = "success"
     outcome.adapter_uri = plan.run_dir.child(ADAPTER_DIR).uri
@@ -45,7 +41,7 @@ def record_adapter(outcome: RunOutcome, plan: "RunPlan", student: Student, files
     outcome.lora_delta_norms = lora_delta_norms(student, float(config.lora_alpha) / config.lora_rank)
 
 
-def finish_run(plan: "RunPlan", outcome: RunOutcome, progress: "LoopProgress", clock: "Clock") -> str:
+def finish_run(plan: RunPlan, outcome: RunOutcome, progress: LoopProgress, clock: Clock) -> str:
     """Fill the outcome from the loop's progress and write ``train_receipt.json``; returns its URI."""
     outcome.global_step = progress.global_step
     outcome.loss_history = list(progress.loss_history)

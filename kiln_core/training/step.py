@@ -10,23 +10,18 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 
 from kiln_core.contracts.opd_config import OpdConfig
 from kiln_core.corpus import CorpusTables
-from kiln_core.training.checkpoint.format import TokenCounts
 from kiln_core.training.loss import compose_step_loss, echo_env_cross_entropy
+from kiln_core.training.plan import RunPlan
+from kiln_core.training.progress import TOKEN_COUNT_KEYS, Clock, LoopProgress
 from kiln_core.training.student import Student, lora_module
 
-if TYPE_CHECKING:
-    from kiln_core.training.plan import RunPlan
-    from kiln_core.training.trainer import Clock, LoopProgress
-
-__all__ = ["StopTraining", "TOKEN_COUNT_KEYS", "sequence_loss", "train_step", "train_step_distributed", "module_grad_norms"]
-
-TOKEN_COUNT_KEYS = tuple(TokenCounts.model_fields)
+__all__ = ["StopTraining", "sequence_loss", "train_step", "train_step_distributed", "module_grad_norms", "lora_delta_norms"]
 
 
 class StopTraining(Exception):
@@ -74,7 +69,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _forward(student: Student, tables: CorpusTables, plan: "RunPlan", candidate: int, clock: "Clock"):
+def _forward(student: Student, tables: CorpusTables, plan: RunPlan, candidate: int, clock: Clock):
     with clock.phase("data"):
         batch = tables.example(plan.schedule.example_of(candidate)).to_torch(student.device)
     with clock.phase("forward"):
@@ -83,15 +78,15 @@ def _forward(student: Student, tables: CorpusTables, plan: "RunPlan", candidate:
     return loss, env_ce, counts
 
 
-def _backward(loss: torch.Tensor, scale: int, config: OpdConfig, clock: "Clock", device: torch.device) -> None:
+def _backward(loss: torch.Tensor, scale: int, config: OpdConfig, clock: Clock, device: torch.device) -> None:
     with clock.phase("backward"):
         with torch.autograd.detect_anomaly() if config.detect_anomaly else contextlib.nullcontext():
             (loss / scale).backward()  # gradient of the mean of the group's per-sequence losses
         _sync(device)
 
 
-def train_step(student: Student, optimizer: torch.optim.Optimizer, tables: CorpusTables, plan: "RunPlan",
-               progress: "LoopProgress", clock: "Clock") -> float:
+def train_step(student: Student, optimizer: torch.optim.Optimizer, tables: CorpusTables, plan: RunPlan,
+               progress: LoopProgress, clock: Clock) -> float:
     """One optimizer step over the next group of candidates; returns the step loss (mean over them)."""
     candidates = plan.schedule.candidates_of_step(progress.global_step)
     optimizer.zero_grad(set_to_none=True)
@@ -111,8 +106,8 @@ def train_step(student: Student, optimizer: torch.optim.Optimizer, tables: Corpu
 _STAT_COLUMNS = 4 + len(TOKEN_COUNT_KEYS)
 
 
-def train_step_distributed(student: Student, optimizer: torch.optim.Optimizer, tables: CorpusTables, plan: "RunPlan",
-                           progress: "LoopProgress", clock: "Clock") -> float:
+def train_step_distributed(student: Student, optimizer: torch.optim.Optimizer, tables: CorpusTables, plan: RunPlan,
+                           progress: LoopProgress, clock: Clock) -> float:
     """One optimizer step of a multi-process run: ``train_step``'s math over the whole group.
 
     Per-candidate losses, token counts and ECHO values are gathered first, so every rank checks and
@@ -161,8 +156,8 @@ def module_grad_norms(parameters: dict[str, torch.nn.Parameter]) -> dict[str, fl
     return {module: math.sqrt(total) for module, total in squares.items()}
 
 
-def _apply_update(student: Student, optimizer: torch.optim.Optimizer, progress: "LoopProgress", losses: list[float],
-                  clock: "Clock") -> float:
+def _apply_update(student: Student, optimizer: torch.optim.Optimizer, progress: LoopProgress, losses: list[float],
+                  clock: Clock) -> float:
     """Optimizer step on the accumulated gradients, finite check, commit; returns the step loss."""
     with clock.phase("optimizer"):
         norms = module_grad_norms(student.lora_parameters)

@@ -27,7 +27,6 @@ import random
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
 import numpy as np
@@ -38,13 +37,14 @@ from safetensors.torch import save as save_safetensors
 from kiln_core.contracts.opd_config import OpdConfig
 from kiln_core.corpus import CorpusTables
 from kiln_core.training import checkpoint as ckpt
-from kiln_core.training.checkpoint.format import DataStats, KilnFlowsState, LoraGradNorms, OpdLoopState, RankRngState
+from kiln_core.training.checkpoint.format import KilnFlowsState, RankRngState
 from kiln_core.training.distributed.world import World
 from kiln_core.training.finish import finish_run, publish_adapter, record_adapter
 from kiln_core.training.optim import build_optimizer, load_optimizer_state, optimizer_state_tensors
 from kiln_core.training.plan import RunPlan, Schedule, plan_run
+from kiln_core.training.progress import Clock, LoopProgress
 from kiln_core.training.receipt import RunOutcome
-from kiln_core.training.step import TOKEN_COUNT_KEYS, StopTraining, train_step, train_step_distributed
+from kiln_core.training.step import StopTraining, train_step, train_step_distributed
 from kiln_core.training.student import Student, load_student
 
 __all__ = ["TrainResult", "Schedule", "LoopProgress", "Clock", "train_opd", "CANCEL_MESSAGE"]
@@ -69,41 +69,6 @@ class TrainResult(BaseModel):
     effective_seed: int
     phase_timings_ms: dict[str, float]
     world_size: int = 1
-
-
-@dataclass
-class LoopProgress:
-    """The loop's typed state; ``loop_state()`` is exactly what a checkpoint stores."""
-
-    global_step: int = 0
-    loss_history: list[float] = field(default_factory=list)
-    token_counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TOKEN_COUNT_KEYS, 0))
-    grad_norms: LoraGradNorms = field(default_factory=LoraGradNorms)
-    last_env_ce: float | None = None
-
-    def loop_state(self, schedule: Schedule, examples_read: int) -> OpdLoopState:
-        epoch, cursor = schedule.cursor_after(self.global_step)
-        return OpdLoopState(
-            global_step=self.global_step, epoch_index=epoch, cursor_in_epoch=cursor, loss_history=list(self.loss_history),
-            last_loss=self.loss_history[-1] if self.loss_history else None,
-            data_stats=DataStats(examples_read=examples_read, examples_filtered=0, examples_trained=self.global_step),
-            token_counts=ckpt.TokenCounts(**self.token_counts), run_env_ce=self.last_env_ce, lora_grad_norms=self.grad_norms)
-
-    def record_candidate(self, counts: dict[str, int], env_ce: float | None) -> None:
-        self.token_counts = {key: self.token_counts[key] + counts[key] for key in TOKEN_COUNT_KEYS}
-        if env_ce is not None:  # the ECHO term fired for this candidate
-            self.last_env_ce = env_ce
-
-    def commit_step(self, loss: float, module_norms: dict[str, float]) -> None:
-        self.global_step += 1
-        self.loss_history.append(loss)
-        self.grad_norms = self.grad_norms.observe(module_norms)
-
-    @classmethod
-    def from_loop_state(cls, state: OpdLoopState) -> "LoopProgress":
-        return cls(global_step=state.global_step, loss_history=list(state.loss_history),
-                   token_counts=state.token_counts.model_dump(), grad_norms=state.lora_grad_norms,
-                   last_env_ce=state.run_env_ce)
 
 
 def train_opd(
@@ -269,22 +234,6 @@ def _write_checkpoint(plan: RunPlan, student: Student, optimizer: torch.optim.Op
 
     world.publish_on_main(write)
     return ckpt.checkpoint_basename(plan.adapter_name, progress.global_step)
-
-
-class Clock:
-    """Accumulates wall time per phase (data, forward, backward, optimizer, checkpoint, ...)."""
-
-    def __init__(self) -> None:
-        self.started = time.perf_counter()
-        self.totals_ms: dict[str, float] = {}
-
-    @contextlib.contextmanager
-    def phase(self, name: str):
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.totals_ms[name] = self.totals_ms.get(name, 0.0) + (time.perf_counter() - t0) * 1e3
 
 
 def _seed_everything(seed: int) -> None:
