@@ -28,7 +28,7 @@ from kiln_core.contracts.identity import (
 )
 from kiln_core.corpus import CorpusTables
 from kiln_core.errors import AdmissionError
-from kiln_core.training.data_identity import kiln_prompts_sha256
+from kiln_core.kiln_prompts import kiln_prompts_sha256
 from kiln_core.tokenization import (
     EncodedConversation,
     StudentTokenizer,

@@ -100,7 +100,7 @@ class Progress(_Kiln):
 class DataBinding(_Kiln):
     source_kind: str
     content_sha256: str
-    """Raw hex SHA-256 of the prompt list (``data_identity.kiln_prompts_sha256``)."""
+    """Raw hex SHA-256 of the prompt list (``kiln_core.kiln_prompts.kiln_prompts_sha256``)."""
     item_count: int = Field(ge=0)
 
 
