@@ -133,7 +133,7 @@ class DistributedOptions(BaseModel):
     @field_validator("strategy")
     @classmethod
     def _implemented(cls, value: str) -> str:
-        # Where FSDP would plug in: kiln_core/training/distributed.py (module docstring).
+        # Where FSDP would plug in: kiln_core/training/distributed/world.py (module docstring).
         if value == "fsdp":
             raise ValueError("fsdp is not implemented; use ddp")
         return value

@@ -78,6 +78,9 @@ class CorpusTables:
     env_offsets: np.ndarray
     teacher_ids: np.ndarray
     teacher_logprobs: np.ndarray
+    kiln_prompts_sha256: str | None = None
+    """Kiln's ``data.content_sha256`` of the corpus (raw hex of its prompt list, set at admission;
+    ``kiln_core.kiln_prompts.kiln_prompts_sha256``); None for hand-built tables."""
 
     @property
     def num_examples(self) -> int:

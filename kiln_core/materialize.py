@@ -68,6 +68,8 @@ class AdmissionRecord(BaseModel):
     teacher_identity_revision: str | None
     pinned_identity_revision: str | None
     files: dict[str, FileDigest]
+    kiln_prompts_sha256: str | None = None
+    """Kiln's ``data.content_sha256`` of the corpus (raw hex); absent in materializations written before it."""
     created_at: str
     kiln_flows_version: str
 
@@ -209,6 +211,7 @@ def write_materialization(
         teacher_identity_revision=result.teacher_identity.identity_revision() if result.teacher_identity else None,
         pinned_identity_revision=pinned_identity.identity_revision() if pinned_identity else None,
         files={name: FileDigest(bytes=len(data), sha256=sha256_hex(data)) for name, data in payloads.items()},
+        kiln_prompts_sha256=tables.kiln_prompts_sha256,
         created_at=_dt.datetime.now(_dt.timezone.utc).isoformat().replace("+00:00", "Z"),
         kiln_flows_version=__version__,
     )
@@ -321,4 +324,5 @@ def _read_tables(location: Location, record: AdmissionRecord) -> CorpusTables:
         env_offsets=env_offsets,
         teacher_ids=teacher_ids,
         teacher_logprobs=teacher_logprobs,
+        kiln_prompts_sha256=record.kiln_prompts_sha256,
     )

@@ -17,25 +17,22 @@ from tasks.artifacts import artifact_key, markdown_links, table_rows
 from tasks.refs import PublishRef, TrainRef
 
 
-def receipt_summary(receipt: dict[str, Any]) -> dict[str, Any]:
-    """The receipt fields a person looks at first."""
-    opd = receipt.get("opd") or {}
-    tokens = receipt.get("token_counts") or {}
-    output = (receipt.get("adapters") or {}).get("output") or {}
-    data = receipt.get("training_data") or {}
+def receipt_summary(receipt: Any) -> dict[str, Any]:
+    """The fields of a ``TrainReceipt`` a person looks at first."""
     return {
-        "status": receipt.get("status"),
-        "failure_reason": receipt.get("failure_reason"),
-        "final_opd_loss": opd.get("final_opd_loss"),
-        "steps": (receipt.get("data") or {}).get("examples_trained"),
-        "action_tokens": tokens.get("action_tokens"),
-        "env_tokens": tokens.get("env_tokens"),
-        "context_tokens": tokens.get("context_tokens"),
-        "top_k": opd.get("top_k"),
-        "dataset_sha256": data.get("sha256"),
-        "teacher_identity_revision": opd.get("teacher_identity_revision"),
-        "adapter_model_sha256": output.get("adapter_model_sha256"),
-        "wall_clock_ms": (receipt.get("runtime") or {}).get("wall_clock_ms"),
+        "status": receipt.status,
+        "failure_reason": receipt.failure_reason,
+        "final_opd_loss": receipt.opd.final_opd_loss,
+        "steps": receipt.data.examples_trained,
+        "action_tokens": receipt.token_counts.action_tokens,
+        "env_tokens": receipt.token_counts.env_tokens,
+        "context_tokens": receipt.token_counts.context_tokens,
+        "top_k": receipt.opd.top_k,
+        "dataset_sha256": receipt.training_data.sha256,
+        "teacher_identity_revision": receipt.opd.teacher_identity_revision,
+        "teacher_content_revision": receipt.opd.teacher_content_revision,
+        "adapter_model_sha256": receipt.adapters.output.adapter_model_sha256,
+        "wall_clock_ms": receipt.runtime.wall_clock_ms,
     }
 
 
@@ -44,14 +41,15 @@ def publish(train: TrainRef, storage_root: str, adapter: str) -> PublishRef:
     from kiln_core.canonical import sha256_hex, sha256_prefixed
     from kiln_core.storage import resolve, write_bytes_atomic
     from kiln_core.training.checkpoint import committed_checkpoints
+    from kiln_core.training.receipt import read_receipt
 
     receipt_location = resolve(train.receipt_uri)
     receipt_bytes = receipt_location.read_bytes()
-    receipt = json.loads(receipt_bytes)
+    receipt = read_receipt(receipt_location)
     if train.adapter_uri is None:
         raise ValueError(f"run {train.run_uri} has no adapter to publish (status {train.status})")
     adapter_file = resolve(train.adapter_uri).child("adapter_model.safetensors")
-    expected = ((receipt.get("adapters") or {}).get("output") or {}).get("adapter_model_sha256")
+    expected = receipt.adapters.output.adapter_model_sha256
     actual = sha256_prefixed(adapter_file.read_bytes())
     if expected != actual:
         raise ValueError(f"{adapter_file.uri} is {actual}, but the receipt records {expected}")
@@ -64,8 +62,8 @@ def publish(train: TrainRef, storage_root: str, adapter: str) -> PublishRef:
         "receipt_sha256": "sha256:" + sha256_hex(receipt_bytes),
         "run": train.run_uri,
         "adapter_model_sha256": actual,
-        "dataset_sha256": (receipt.get("training_data") or {}).get("sha256"),
-        "produced_at": receipt.get("produced_at"),
+        "dataset_sha256": receipt.training_data.sha256,
+        "produced_at": receipt.produced_at,
     }
     write_bytes_atomic(latest, json.dumps(pointer, indent=2).encode("utf-8"))
     return PublishRef(
@@ -82,8 +80,9 @@ def record_artifacts(train: TrainRef, adapter: str, published: PublishRef | None
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
     from kiln_core.storage import resolve
+    from kiln_core.training.receipt import read_receipt
 
-    receipt = json.loads(resolve(train.receipt_uri).read_bytes())
+    receipt = read_receipt(resolve(train.receipt_uri))
     create_table_artifact(
         table_rows(receipt_summary(receipt)),
         key=artifact_key("receipt", adapter),

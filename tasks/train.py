@@ -10,7 +10,7 @@ reaches it; the trainer turns SIGTERM into a cooperative stop at the next step b
 checkpoint, and the task reports ``cancelled``.
 
 With ``distributed.nproc > 1`` (``PipelineSpec.distributed``) the task launches ``torchrun`` as a
-subprocess (``kiln_core.training.distributed.launch``): the ranks read the corpus materialization and
+subprocess (``kiln_core.training.distributed.launcher.launch``): the ranks read the corpus materialization and
 write into the same run directory, rank 0 publishes, and the task returns rank 0's result. A Prefect
 cancellation or SIGTERM is passed on to every rank (cooperative stop + checkpoint); a crashed rank
 fails the attempt, and the retry resumes from the newest checkpoint with the same number of ranks.
@@ -19,7 +19,6 @@ fails the attempt, and the retry resumes from the newest checkpoint with the sam
 from __future__ import annotations
 
 import hashlib
-import os
 import time
 from typing import Any, Callable
 
@@ -27,9 +26,6 @@ from prefect import task
 
 from tasks.artifacts import ProgressReporter, artifact_key
 from tasks.refs import CorpusRef, ManifestRef, TrainRef
-
-# Test hook: fail the first attempt right after this step commits (exercises retry-from-checkpoint).
-FAIL_AT_STEP_ENV = "KILN_FLOWS_FAIL_AT_STEP"
 
 
 def run_key(corpus: CorpusRef, manifest: ManifestRef, student_weights_sha256: str, config_json: dict[str, Any]) -> str:
@@ -107,8 +103,6 @@ def train_task(
                                "./kiln-data/runs/demo/3f2a9c0d1e2b4a5c")
         ```
     """
-    from prefect.runtime import task_run
-
     from kiln_core.contracts.identity import parse_manifest_line
     from kiln_core.materialize import read_materialization
     from kiln_core.storage import resolve
@@ -120,17 +114,16 @@ def train_task(
     if finished is not None:
         return finished
     resume = latest_checkpoint(run, adapter)
-    fail_at = os.environ.get(FAIL_AT_STEP_ENV)
     reporter = ProgressReporter(
         key=artifact_key("train-progress", adapter),
         description=f"training {adapter}" + (f" (resuming from {resume})" if resume else ""),
         every_seconds=progress_every_seconds,
     )
-    fail_at_step = int(fail_at) if fail_at and task_run.run_count <= 1 else None
     options = _distributed_options(distributed)
     if options["nproc"] > 1:
         from kiln_core.training.checkpoint import check_world_size, load_checkpoint
-        from kiln_core.training.distributed import DistributedJob, check_strategy, launch
+        from kiln_core.training.distributed.launcher import DistributedJob, launch
+        from kiln_core.training.distributed.world import check_strategy
 
         check_strategy(options["strategy"])
         if resume is not None:  # a retry with another number of ranks is a rejection, before any launch
@@ -139,7 +132,7 @@ def train_task(
             materialization=corpus.uri, dataset_sha256=corpus.dataset_sha256, dataset_path=corpus.source_uri,
             student_dir=student_dir, adapter_name=adapter, config=config.model_dump(mode="json", by_alias=True),
             run_root=run.uri, manifest_line=manifest.manifest_line, teacher_alias=manifest.teacher,
-            resume_checkpoint=resume, fail_at_step=fail_at_step, backend=options["backend"])
+            resume_checkpoint=resume, backend=options["backend"])
         result = launch(job, options["nproc"], on_progress=lambda step, total, loss: reporter.update(step, total, loss),
                         should_cancel=_cancel_poller(cancel_poll_seconds), forward_signals=True)
         return _train_ref(run, reporter, result)
@@ -157,7 +150,6 @@ def train_task(
         resume_checkpoint=resume,
         should_cancel=_cancel_poller(cancel_poll_seconds),
         on_progress=lambda step, total, loss: reporter.update(step, total, loss),
-        fail_at_step=fail_at_step,
         handle_signals=True,
     )
     return _train_ref(run, reporter, result)
@@ -187,24 +179,20 @@ def _train_ref(run, reporter: ProgressReporter, result) -> TrainRef:
 
 def finished_run(run, adapter: str) -> TrainRef | None:
     """A run whose adapter and successful receipt are already committed is not trained again."""
-    import json
+    from kiln_core.training.receipt import read_receipt, receipt_status
 
     receipt = run.child("train_receipt.json")
     adapter_dir = run.child("adapter")
-    if not (receipt.exists() and adapter_dir.child("adapter_config.json").exists()):
+    if not adapter_dir.child("adapter_config.json").exists() or receipt_status(run) != "success":
         return None
-    record = json.loads(receipt.read_bytes())
-    if record.get("status") != "success":
-        return None
-    opd = record.get("opd") or {}
-    history = record.get("loss_history") or []
+    record = read_receipt(receipt)
     return TrainRef(
         run_uri=run.uri,
         status="success",
         adapter_uri=adapter_dir.uri,
         receipt_uri=receipt.uri,
         latest_checkpoint=None,
-        final_loss=opd.get("final_opd_loss"),
-        steps=int((record.get("data") or {}).get("examples_trained") or len(history)),
-        loss_history=[float(x) for x in history],
+        final_loss=record.opd.final_opd_loss,
+        steps=record.data.examples_trained,
+        loss_history=list(record.loss_history),
     )

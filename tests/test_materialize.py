@@ -60,6 +60,9 @@ def admit(path, student, tiny_student, **kwargs):
 def assert_tables_equal(a: CorpusTables, b: CorpusTables) -> None:
     for name in TABLE_FIELDS:
         x, y = getattr(a, name), getattr(b, name)
+        if not isinstance(x, np.ndarray):  # kiln_prompts_sha256
+            assert x == y, name
+            continue
         assert x.dtype == y.dtype, name
         assert x.shape == y.shape, name
         np.testing.assert_array_equal(x, y, err_msg=name)

@@ -16,6 +16,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import textwrap
 import time
 from pathlib import Path
@@ -31,8 +32,9 @@ EPOCHS = 2
 STEPS = EXAMPLES * EPOCHS  # one candidate per step (off-policy, samples_per_prompt default → 1)
 INTERVAL = 2
 SEED = 7
-PYTHON = "/work/main/.venv/bin/python"
-KILN_FLOWS = "/work/main/.venv/bin/kiln-flows"
+# The interpreter running the tests (not a fixed checkout's), so the worker runs the code under test.
+PYTHON = sys.executable
+KILN_FLOWS = str(Path(sys.executable).with_name("kiln-flows"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -277,17 +279,25 @@ def test_unchanged_corpus_is_never_admitted_twice(world, reference, monkeypatch)
 
 @pytest.mark.parametrize(("seed", "fail_at"), [(SEED, 3), (None, 4)], ids=["explicit-seed", "derived-seed"])
 def test_retry_resumes_from_checkpoint_byte_identical(world, reference, monkeypatch, seed, fail_at):
+    import kiln_core.training.trainer as trainer
     from kiln_core.training.checkpoint import checkpoint_basename
+    from test_trainer import crash_after
 
     label = "explicit" if seed is not None else "derived"
     if seed is None:
-        monkeypatch.delenv("KILN_FLOWS_FAIL_AT_STEP", raising=False)
         _, uninterrupted = run_pipeline(spec_dict(world, world.base / f"plain-{label}", seed=None))
     else:
         uninterrupted = reference.summary
 
-    monkeypatch.setenv("KILN_FLOWS_FAIL_AT_STEP", str(fail_at))
+    real_train_opd, calls = trainer.train_opd, []
+
+    def first_attempt_crashes(**kwargs):  # the train task's first attempt dies right after step `fail_at`
+        calls.append(kwargs.get("resume_checkpoint"))
+        return real_train_opd(**kwargs, on_step_committed=crash_after(fail_at) if len(calls) == 1 else None)
+
+    monkeypatch.setattr(trainer, "train_opd", first_attempt_crashes)
     state, summary = run_pipeline(spec_dict(world, world.base / f"retry-{label}", seed=seed, train_retries=1))
+    assert calls == [None, checkpoint_basename(ADAPTER, fail_at - fail_at % INTERVAL)]
 
     runs = task_runs(state.state_details.flow_run_id, ("train",))
     assert runs["train"].run_count == 2, f"train ran {runs['train'].run_count} time(s)"
@@ -368,7 +378,6 @@ def test_crashed_worker_resumes_from_checkpoint(world, reference, tmp_path):
         "PYTHONPATH": str(hook_dir),
         "KILN_TEST_HANG_AFTER_CHECKPOINT": "600",
     })
-    env.pop("KILN_FLOWS_FAIL_AT_STEP", None)
     log_path = tmp_path / "worker.log"
     first = checkpoint_basename(ADAPTER, INTERVAL)
     with open(log_path, "wb") as log:

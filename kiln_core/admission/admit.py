@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -27,6 +28,7 @@ from kiln_core.contracts.identity import (
 )
 from kiln_core.corpus import CorpusTables
 from kiln_core.errors import AdmissionError
+from kiln_core.kiln_prompts import kiln_prompts_sha256
 from kiln_core.tokenization import (
     EncodedConversation,
     StudentTokenizer,
@@ -180,6 +182,7 @@ def admit_corpus(
     tables = check_examples(
         parsed, encoded, tokenization_errors, top_k=effective_top_k, vocab_size=student.vocab_size
     )
+    tables = dataclasses.replace(tables, kiln_prompts_sha256=kiln_prompts_sha256(corpus.data))
     manifest_line = parsed.manifest_records[0][1] if manifest else None
     result = AdmissionResult(
         dataset_sha256=corpus.dataset_sha256,

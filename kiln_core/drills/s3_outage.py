@@ -295,6 +295,7 @@ def run(*, workdir: Path, trials: int = 8, seed: int = 0, **_: Any) -> dict[str,
     from kiln_core.canonical import sha256_hex
     from kiln_core.storage import resolve
     from kiln_core.tokenization import load_student_tokenizer
+    from kiln_core.training.receipt import read_receipt
     from kiln_core.training.run_request import run_directory, run_train_request
 
     report = DrillReport("s3-outage", seed=seed, method="moto server frozen with SIGSTOP, thawed with SIGCONT")
@@ -380,9 +381,9 @@ def run(*, workdir: Path, trials: int = 8, seed: int = 0, **_: Any) -> dict[str,
                         report.bump("retry_resumed_from", retry["resumed_from"] or "fresh start")
                         if adapter_bytes(run_directory(root, adapter)) != reference_bytes:
                             problems.append("the retried run's adapter differs from the uninterrupted local run")
-                        receipt = json.loads(resolve(run_directory(root, adapter)).child("train_receipt.json").read_bytes())
-                        if receipt.get("status") != "success":
-                            problems.append(f"receipt after the retry says {receipt.get('status')}")
+                        receipt = read_receipt(resolve(run_directory(root, adapter)))
+                        if receipt.status != "success":
+                            problems.append(f"receipt after the retry says {receipt.status}")
                 store_problems, _ = verify_store(server, prefix, adapter)
                 problems += [f"after the retry: {p}" for p in store_problems]
                 if problems:
@@ -404,13 +405,12 @@ def _retry_like_the_pipeline(inputs, adapter: str, root: str) -> dict[str, Any]:
     from kiln_core.contracts.opd_config import ConfigError
     from kiln_core.storage import resolve
     from kiln_core.training.checkpoint import CheckpointError, latest_checkpoint
+    from kiln_core.training.receipt import receipt_status
     from kiln_core.training.run_request import run_directory, run_train_request
 
     run = resolve(run_directory(root, adapter))
-    receipt = run.child("train_receipt.json")
-    if receipt.exists() and run.child("adapter", "adapter_config.json").exists():
-        if json.loads(receipt.read_bytes()).get("status") == "success":
-            return {"status": "success", "resumed_from": "finished before the outage", "message": ""}
+    if run.child("adapter", "adapter_config.json").exists() and receipt_status(run) == "success":
+        return {"status": "success", "resumed_from": "finished before the outage", "message": ""}
     latest = latest_checkpoint(run, adapter)
     try:
         with one_torch_thread():

@@ -112,7 +112,7 @@ class PreparedRequest:
                     teacher_alias=self.request.teacher, resume_checkpoint=self.resume_checkpoint)
 
     def job(self, *, world_size: int, device: str | None = None, precision: str | None = None,
-            gradient_checkpointing: bool = False, backend: str = "auto", fail_at_step: int | None = None):
+            gradient_checkpointing: bool = False, backend: str = "auto"):
         """The ``DistributedJob`` the ranks of a ``world_size``-process run execute.
 
         Raises:
@@ -120,7 +120,8 @@ class PreparedRequest:
                 resume checkpoint was written by another world size (checked here, before any launch).
         """
         from kiln_core.training.checkpoint import check_world_size, load_checkpoint
-        from kiln_core.training.distributed import DistributedJob, check_shared_storage
+        from kiln_core.training.distributed.launcher import DistributedJob
+        from kiln_core.training.distributed.world import check_shared_storage
 
         admission = self.admission
         check_shared_storage(self.run_root, admission.materialized or "")
@@ -131,7 +132,7 @@ class PreparedRequest:
             dataset_path=self.request.dataset_path or "", student_dir=self.student_dir,
             adapter_name=self.adapter, config=self.config.model_dump(mode="json", by_alias=True), run_root=self.run_root,
             manifest_line=admission.manifest_line, teacher_alias=self.request.teacher,
-            resume_checkpoint=self.resume_checkpoint, fail_at_step=fail_at_step, device=device, precision=precision,
+            resume_checkpoint=self.resume_checkpoint, device=device, precision=precision,
             gradient_checkpointing=gradient_checkpointing, backend=backend)
 
 
@@ -221,7 +222,7 @@ def run_train_request(
     if nproc < 1:
         raise ConfigError(f"nproc must be at least 1; got {nproc}", "nproc")
     if nproc > 1:
-        from kiln_core.training.distributed import check_shared_storage, check_strategy, resolve_backend
+        from kiln_core.training.distributed.world import check_shared_storage, check_strategy, resolve_backend
         from kiln_core.training.student import resolve_device
 
         check_strategy(strategy)  # all three are refused before any admission work
@@ -230,7 +231,7 @@ def run_train_request(
     prepared = prepare_train_request(request_path, adapter=adapter, student_dir=student_dir, out_root=out_root,
                                      resume_checkpoint=resume_checkpoint, on_warning=on_warning)
     if nproc > 1:
-        from kiln_core.training.distributed import launch
+        from kiln_core.training.distributed.launcher import launch
 
         job = prepared.job(world_size=nproc, device=device, precision=precision,
                            gradient_checkpointing=gradient_checkpointing, backend=backend)

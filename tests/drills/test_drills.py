@@ -98,9 +98,10 @@ def test_the_pipeline_train_task_refuses_a_corrupted_latest_checkpoint(tmp_path,
     from kiln_core.drills import prepare_training_inputs
     from kiln_core.storage import list_children, resolve
     from kiln_core.training.checkpoint import ADAPTER_FILE, CheckpointError, latest_checkpoint
-    from kiln_core.training.trainer import SimulatedCrash
+    import kiln_core.training.trainer as trainer
     from tasks.refs import CorpusRef, ManifestRef
-    from tasks.train import FAIL_AT_STEP_ENV, _no_retry_for_rejections, train_task
+    from tasks.train import _no_retry_for_rejections, train_task
+    from test_trainer import Crash, crash_after
 
     torch.set_num_threads(1)
     inputs = prepare_training_inputs(tmp_path / "fixture")
@@ -118,10 +119,11 @@ def test_the_pipeline_train_task_refuses_a_corrupted_latest_checkpoint(tmp_path,
     run_uri = str(tmp_path / "root" / "runs" / "pipeline" / "run")
     arguments = (corpus, manifest, str(inputs.student), "pipeline", config, run_uri)
 
-    monkeypatch.setenv(FAIL_AT_STEP_ENV, "5")
-    with pytest.raises(SimulatedCrash):
+    real_train_opd = trainer.train_opd
+    monkeypatch.setattr(trainer, "train_opd", lambda **kwargs: real_train_opd(**kwargs, on_step_committed=crash_after(5)))
+    with pytest.raises(Crash):
         train_task.fn(*arguments)
-    monkeypatch.delenv(FAIL_AT_STEP_ENV)
+    monkeypatch.setattr(trainer, "train_opd", real_train_opd)
     latest = latest_checkpoint(run_uri, "pipeline")
     assert latest == "pipeline-checkpoint-step-00000004.kiln-checkpoint"
     damaged = tmp_path / "root" / "runs" / "pipeline" / "run" / latest / ADAPTER_FILE
