@@ -201,3 +201,16 @@ def test_bad_manifest_is_reported_before_a_later_bad_line(tmp_path, base_lines, 
     assert verdicts(tmp_path, lines, student, tiny_student)[1:3] == ("manifest_invalid", 1)
     assert verdicts(tmp_path, [" " + base_lines[0]] + base_lines[1:] + ["[1]"], student, tiny_student)[1:3] == (
         "manifest_not_canonical", 1)
+
+
+def test_the_documented_record_model_agrees(base_lines):
+    """``kiln_core.contracts.example.OpdExample`` documents the record: it refuses and accepts the same shapes."""
+    import pydantic
+
+    from kiln_core.contracts.example import OpdExample
+
+    for case, (number, change, _) in REFUSED.items():
+        with pytest.raises(pydantic.ValidationError):
+            OpdExample.model_validate_json(edited(base_lines, number, change)[number - 1])
+    for case, (number, change) in ACCEPTED.items():
+        OpdExample.model_validate_json(edited(base_lines, number, change)[number - 1])

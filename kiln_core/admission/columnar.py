@@ -107,9 +107,8 @@ def parse_columnar(data: bytes, lines: LineIndex) -> ParsedCorpus | None:
     if examples.column("teacher_tokens").null_count:
         return None  # `null` vs missing matters to the exact parser
     trajectories = examples.column("trajectory")
-    if trajectories.null_count and b'"trajectory"' in data:
-        if data.count(b'"trajectory"') != len(trajectories) - trajectories.null_count:
-            return None  # a `"trajectory": null` (refused) may hide among the rows without one (allowed)
+    if trajectories.null_count and data.count(b'"trajectory"') != len(trajectories) - trajectories.null_count:
+        return None  # a `"trajectory": null` (refused) may hide among the rows without one (allowed)
 
     conversations = _fast_conversations(examples)
     if conversations is None:
