@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from student_variants import ASSISTANT_FIRST, LAST_MESSAGE_ONLY, student_variant
 
 from kiln_core.admission import admit_corpus
 from kiln_core.admission import columnar
@@ -582,30 +583,14 @@ def _rejection_cases(lines: list[str]) -> dict[str, tuple[object, dict]]:
     }
 
 
-# Rules that need another student: (template or None, config vocab_size or None, corpus builder).
-_LAST_MESSAGE_ONLY = "{{ messages[-1]['content'] }}"
-_ASSISTANT_FIRST = (
-    "{% for m in messages %}{% if m['role'] == 'assistant' %}"
-    "{% generation %}{{ m['content'] }}{% endgeneration %}{% endif %}{% endfor %}"
-)
-
-
 def _custom_student_case(code: str, lines: list[str], directory: Path, tiny_student: Path) -> tuple[list[str], Path]:
     """A corpus and a student directory that together break ``code`` (see test_admission_rules.py)."""
     template, vocab_size = {
-        "overlapping_masks": (_LAST_MESSAGE_ONLY, None),
-        "target_at_position_zero": (_ASSISTANT_FIRST, None),
+        "overlapping_masks": (LAST_MESSAGE_ONLY, None),
+        "target_at_position_zero": (ASSISTANT_FIRST, None),
         "input_token_out_of_range": (None, 300),
     }[code]
-    directory.mkdir(parents=True, exist_ok=True)
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (tiny_student / name).exists():
-            shutil.copy(tiny_student / name, directory / name)
-    if template is not None:
-        (directory / "chat_template.jinja").write_text(template, encoding="utf-8")
-    if vocab_size is not None:
-        config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
-        (directory / "config.json").write_text(json.dumps({**config, "vocab_size": vocab_size}), encoding="utf-8")
+    student_variant(tiny_student, directory, template=template, vocab_size=vocab_size)
     if code == "overlapping_masks":
         record = {"messages": [{"role": "user", "content": "x"}], "teacher_response": "unused", "trajectory": [
             {"role": "assistant", "content": "the quick brown fox jumps", "kind": "action"},

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import pytest
+from student_variants import ASSISTANT_FIRST, LAST_MESSAGE_ONLY, student_variant
 
 from kiln_core.admission import admit_corpus
 from kiln_core.contracts.identity import TeacherIdentity, build_manifest_line
@@ -427,21 +427,6 @@ def test_exact_duplicate_rows_are_harmless(tmp_path, tiny_student, base_lines):
 # --- mask rules and the student's vocabulary -----------------------------------------------------
 
 
-def student_with(tiny_student: Path, directory: Path, *, template: str | None = None, vocab_size: int | None = None) -> Path:
-    """The tiny student's tokenizer with another chat template and/or ``config.json`` vocab size."""
-    directory.mkdir(parents=True)
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (tiny_student / name).exists():
-            shutil.copy(tiny_student / name, directory / name)
-    if template is not None:
-        (directory / "chat_template.jinja").write_text(template, encoding="utf-8")
-    if vocab_size is not None:
-        config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
-        config["vocab_size"] = vocab_size
-        (directory / "config.json").write_text(json.dumps(config), encoding="utf-8")
-    return directory
-
-
 def test_overlapping_masks(tmp_path, tiny_student):
     """Prefix renders that shrink make two supervised segments claim the same tokens: Kiln refuses it.
 
@@ -449,7 +434,7 @@ def test_overlapping_masks(tmp_path, tiny_student):
     fallback gives the action tokens [len(render(prompt)), len(render(+action))) and the observation
     tokens [len(render(+context)), len(render(all))) — the same positions.
     """
-    student = student_with(tiny_student, tmp_path / "last-only", template="{{ messages[-1]['content'] }}")
+    student = student_variant(tiny_student, tmp_path / "last-only", template=LAST_MESSAGE_ONLY)
     record = {
         "messages": [{"role": "user", "content": "x"}],
         "teacher_response": "unused",
@@ -466,11 +451,7 @@ def test_overlapping_masks(tmp_path, tiny_student):
 
 def test_target_at_position_zero(tmp_path, tiny_student):
     """A template that starts the text with the assistant's content makes position 0 a target."""
-    template = (
-        "{% for m in messages %}{% if m['role'] == 'assistant' %}"
-        "{% generation %}{{ m['content'] }}{% endgeneration %}{% endif %}{% endfor %}"
-    )
-    student = student_with(tiny_student, tmp_path / "assistant-first", template=template)
+    student = student_variant(tiny_student, tmp_path / "assistant-first", template=ASSISTANT_FIRST)
     record = {"messages": [{"role": "user", "content": "hi"}], "teacher_response": "hello world again"}
     error = rejection(tmp_path, [compact(record)], student)
     assert (error.code, error.line) == ("target_at_position_zero", 1)
@@ -481,7 +462,7 @@ def test_input_token_out_of_range(tmp_path, tiny_student, base_lines):
     from kiln_core.tokenization import encode_conversations, load_student_tokenizer
     from kiln_core.admission.records import parse_corpus
 
-    student_dir = student_with(tiny_student, tmp_path / "narrow", vocab_size=300)
+    student_dir = student_variant(tiny_student, tmp_path / "narrow", vocab_size=300)
     student = load_student_tokenizer(student_dir)
     manifest = json.loads(base_lines[0])
     manifest["teacher_identity"]["vocab_size"] = 300

@@ -7,6 +7,7 @@ import shutil
 
 import numpy as np
 import pytest
+from student_variants import ASSISTANT_FIRST, student_variant
 
 from kiln_core.admission import admit_corpus
 from kiln_core.scoring import ScoringError, score_examples
@@ -299,15 +300,6 @@ def test_cli_end_to_end(tmp_path, capsys, examples_file, tiny_teacher, tiny_stud
     assert code == 2 and "no-such-alias" in captured.err and captured.err.count("\n") == 1
 
 
-def _student_with_template(tiny_student, directory, template):
-    """The tiny student's tokenizer (same vocabulary, so the tiny teacher still binds) with another template."""
-    directory.mkdir(parents=True)
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tiny_student / name, directory / name)
-    (directory / "chat_template.jinja").write_text(template, encoding="utf-8")
-    return directory
-
-
 CHATML_TOOL = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -319,7 +311,7 @@ def test_score_sizes_trajectories_by_kilns_builder(tmp_path, tiny_teacher, tiny_
     scorer picks the same targets, so the corpus admits with exactly those counts."""
     from kiln_core.tokenization import Conversation, Segment, encode_conversations, load_student_tokenizer
 
-    student_dir = _student_with_template(tiny_student, tmp_path / "chatml-tool", CHATML_TOOL)
+    student_dir = student_variant(tiny_student, tmp_path / "chatml-tool", template=CHATML_TOOL)
     student = load_student_tokenizer(student_dir)
     record = EXAMPLES[2]
     examples = write_jsonl(tmp_path / "examples.jsonl", [record])
@@ -338,9 +330,7 @@ def test_score_sizes_trajectories_by_kilns_builder(tmp_path, tiny_teacher, tiny_
 
 
 def test_score_refuses_what_admission_would_refuse_at_its_line(tmp_path, tiny_teacher, tiny_student):
-    template = ("{% for m in messages %}{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}"
-                "{% endgeneration %}{% endif %}{% endfor %}")
-    student_dir = _student_with_template(tiny_student, tmp_path / "assistant-first", template)
+    student_dir = student_variant(tiny_student, tmp_path / "assistant-first", template=ASSISTANT_FIRST)
     examples = write_jsonl(tmp_path / "examples.jsonl", [EXAMPLES[0]], blank_lines=True)
     out = tmp_path / "corpus.jsonl"
     with pytest.raises(ScoringError) as caught:

@@ -15,7 +15,6 @@ A file that is already a scored corpus may be re-scored: a leading manifest reco
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
