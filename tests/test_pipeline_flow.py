@@ -16,6 +16,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import textwrap
 import time
 from pathlib import Path
@@ -31,8 +32,9 @@ EPOCHS = 2
 STEPS = EXAMPLES * EPOCHS  # one candidate per step (off-policy, samples_per_prompt default → 1)
 INTERVAL = 2
 SEED = 7
-PYTHON = "/work/main/.venv/bin/python"
-KILN_FLOWS = "/work/main/.venv/bin/kiln-flows"
+# The tree under test: this interpreter and the kiln-flows script installed next to it.
+PYTHON = sys.executable
+KILN_FLOWS = str(Path(sys.executable).parent / "kiln-flows")
 
 
 # ---------------------------------------------------------------------------------------------

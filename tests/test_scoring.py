@@ -338,3 +338,13 @@ def test_score_refuses_what_admission_would_refuse_at_its_line(tmp_path, tiny_te
                        out_uri=str(out), device="cpu")
     assert (caught.value.code, caught.value.line) == ("target_at_position_zero", 1)
     assert not out.exists()
+
+
+def test_deeply_nested_example_line_is_refused_before_loading(tmp_path, tiny_teacher, tiny_student, no_weight_loading):
+    deep = dict(EXAMPLES[0], metadata="@@")
+    path = tmp_path / "examples.jsonl"
+    path.write_text(json.dumps(EXAMPLES[0]) + "\n" + json.dumps(deep).replace('"@@"', "[" * 200 + "]" * 200) + "\n")
+    with pytest.raises(ScoringError) as caught:
+        score_examples(str(path), teacher_dir=str(tiny_teacher), student_dir=str(tiny_student), top_k=TOP_K,
+                       out_uri=str(tmp_path / "corpus.jsonl"), device="cpu")
+    assert (caught.value.code, caught.value.line) == ("nesting_too_deep", 2)
