@@ -26,6 +26,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from kiln_core.canonical import sha256_hex
+from kiln_core.strict_json import NestingTooDeep, loads_nesting_limited
 
 _GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _BYTE_FALLBACK_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
@@ -213,8 +214,34 @@ def render_training(
 
 
 def training_message(message: dict[str, Any]) -> dict[str, Any]:
-    """The fields of a message Kiln hands the training template (unknown fields never reach it)."""
-    return {key: message[key] for key in TRAINING_MESSAGE_FIELDS if message.get(key) is not None}
+    """The fields of a message Kiln hands the training template (unknown fields never reach it).
+
+    Like Kiln's renderer (kiln-core tokenizer.rs ``deserialize_arguments_in_place``), a tool call's
+    ``arguments`` given as a JSON string reaches the template parsed, in both the OpenAI
+    ``{function: {name, arguments}}`` envelope and the flat ``{name, arguments}`` one.
+    """
+    kept = {key: message[key] for key in TRAINING_MESSAGE_FIELDS if message.get(key) is not None}
+    if isinstance(kept.get("tool_calls"), list):
+        kept["tool_calls"] = [_with_parsed_arguments(call, nested=True) for call in kept["tool_calls"]]
+    return kept
+
+
+def _not_json(literal: str) -> Any:
+    raise ValueError(f"{literal} is not JSON")  # serde_json refuses NaN and Infinity
+
+
+def _with_parsed_arguments(call: Any, *, nested: bool) -> Any:
+    if not isinstance(call, dict):
+        return call
+    call = dict(call)
+    if isinstance(call.get("arguments"), str):
+        try:
+            call["arguments"] = loads_nesting_limited(call["arguments"], parse_constant=_not_json)
+        except (ValueError, NestingTooDeep):
+            pass  # not JSON serde_json would read: left as text for the template to decide
+    if nested and isinstance(call.get("function"), dict):
+        call["function"] = _with_parsed_arguments(call["function"], nested=False)
+    return call
 
 
 # --- encoding --------------------------------------------------------------------------------------

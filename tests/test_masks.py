@@ -597,3 +597,26 @@ def test_masks_are_disjoint_over_a_trajectory_corpus(tiny_student, gen, tmp_path
     assert tables.env_positions.size > 0 and tables.action_positions.size > 0
     for example in tables:
         assert np.intersect1d(example.action_positions, example.env_positions).size == 0
+
+
+def test_tool_call_arguments_given_as_json_text_reach_the_template_parsed(tiny_student, tmp_path):
+    """Kiln's renderer parses ``arguments`` strings (both tool-call envelopes) before the template runs,
+    so a template that walks ``arguments|items`` renders; text that is not JSON stays text."""
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+        "{% for call in m.get('tool_calls', []) %}{% set args = call.function.arguments if call.function is defined "
+        "else call.arguments %}{% if args is mapping %}{% for k, v in args|items %}[{{ k }}={{ v }}]{% endfor %}"
+        "{% else %}[raw {{ args }}]{% endif %}{% endfor %}<|im_end|>\n{% endfor %}"
+    )
+    student = load_student_tokenizer(_student_copy(tiny_student, tmp_path / "tool-args", template))
+    calls = [
+        {"id": "1", "type": "function", "function": {"name": "read_file", "arguments": '{"path": "src"}'}},
+        {"name": "list", "arguments": '{"recursive": true}'},
+        {"name": "broken", "arguments": "not json"},
+        {"name": "nan", "arguments": "NaN"},
+    ]
+    messages = [{"role": "user", "content": "go"}, {"role": "assistant", "content": "ok", "tool_calls": calls},
+                {"role": "user", "content": "and?"}]
+    encoded = encode_one(student, Conversation(messages, "done"))
+    text = student.tokenizer.decode(encoded.input_ids.tolist())
+    assert "[path=src][recursive=True][raw not json][raw NaN]" in text
