@@ -18,7 +18,7 @@ from tasks.cache import DigestCachePolicy
 from tasks.refs import CorpusRef, InputsRef
 
 ADMIT_CACHE = DigestCachePolicy(
-    version="kiln-flows-admit-v1",
+    version="kiln-flows-admit-v2",  # v2: admission format kiln-flows.admission.v2 (Kiln's masks)
     inputs=("dataset_sha256", "student_digest", "effective_top_k", "pinned_revision", "storage_root"),
 )
 

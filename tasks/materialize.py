@@ -30,7 +30,7 @@ def verify(corpus: CorpusRef, storage_options: dict | None = None) -> CorpusRef:
 @task(
     name="materialize",
     task_run_name="materialize-{corpus.dataset_sha256}",
-    cache_policy=DigestCachePolicy(version="kiln-flows-materialize-v1", inputs=("corpus",)),
+    cache_policy=DigestCachePolicy(version="kiln-flows-materialize-v2", inputs=("corpus",)),
     persist_result=True,
     result_serializer="json",
 )

@@ -18,7 +18,8 @@ from kiln_core.synthetic import synthesize_corpus
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = REPO / ".venv" / "bin"
-ADMITTED_KEYS = {"status", "dataset_sha256", "examples", "action_tokens", "env_tokens", "effective_top_k", "materialized"}
+ADMITTED_KEYS = {"status", "dataset_sha256", "examples", "action_tokens", "env_tokens", "observation_tokens",
+                 "effective_top_k", "materialized"}
 
 
 @pytest.fixture(scope="module")

@@ -32,9 +32,9 @@ EPOCHS = 2
 STEPS = EXAMPLES * EPOCHS  # one candidate per step (off-policy, samples_per_prompt default → 1)
 INTERVAL = 2
 SEED = 7
-# The interpreter running the tests (not a fixed checkout's), so the worker runs the code under test.
+# The tree under test: this interpreter and the kiln-flows script installed next to it.
 PYTHON = sys.executable
-KILN_FLOWS = str(Path(sys.executable).with_name("kiln-flows"))
+KILN_FLOWS = str(Path(sys.executable).parent / "kiln-flows")
 
 
 # ---------------------------------------------------------------------------------------------
