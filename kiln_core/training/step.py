@@ -42,24 +42,28 @@ def sequence_loss(student: Student, batch: dict[str, torch.Tensor], loss_fn: Cal
     rows = batch["action_positions"] - 1  # target q is scored from row q-1
     kl = loss_fn(hidden.index_select(0, rows), student.head_weight, batch["teacher_ids"], batch["teacher_logprobs"],
                  head_bias=student.head_bias)
-    env_positions = batch["env_positions"]  # [E]
-    observed = int(env_positions.shape[0])  # |O|, counted before the warning filter
+    env_positions = batch["env_positions"]  # [E], the observation tokens with a causal row
+    observed = int(batch.get("observation_tokens", env_positions.shape[0]))  # |O|, before the warning filter
+    # O': Kiln trims the warning prefix with warning_filter on and env_mask_mode env_only, which are
+    # also its defaults when `echo` is null (opd.rs prepares the env mask with MaskConfig::default()).
     echo = config.echo
-    keep = env_positions
-    if echo is not None and echo.warning_filter and echo.env_mask_mode == "env_only":
-        keep = env_positions[~batch["env_in_warning_prefix"]]  # O'
+    trims = echo is None or (echo.warning_filter and echo.env_mask_mode == "env_only")
+    keep = env_positions[~batch["env_in_warning_prefix"]] if trims else env_positions
+    kept = int(keep.shape[0])
     env_ce, lam = None, 0.0
-    if echo is not None and echo.lambda_ != 0.0 and observed > 0:
+    if echo is not None and echo.lambda_ != 0.0 and kept > 0:  # Kiln: no env CE rows, no ECHO term
         lam = echo.lambda_
         env_ce = echo_env_cross_entropy(hidden.index_select(0, keep - 1), student.head_weight, ids.index_select(0, keep),
                                         observed, head_bias=student.head_bias)
     loss, fired = compose_step_loss(kl, env_ce, lam, observed)
-    kept = int(keep.shape[0])
+    # Kiln's TokenCountReceipt::observe_completion (train_receipt.rs): env_tokens is the active env-CE
+    # count after the warning filter; context is what is neither action nor active env.
+    before = max(observed, kept)
     counts = {
-        "action_tokens": int(rows.shape[0]), "env_tokens": observed,
-        "env_tokens_before_warning_filter": observed, "env_tokens_after_warning_filter": kept,
-        "warning_tokens_filtered": observed - kept,
-        "context_tokens": int(ids.shape[0]) - int(rows.shape[0]) - observed,
+        "action_tokens": int(rows.shape[0]), "env_tokens": kept,
+        "env_tokens_before_warning_filter": before, "env_tokens_after_warning_filter": kept,
+        "warning_tokens_filtered": before - kept,
+        "context_tokens": int(ids.shape[0]) - int(rows.shape[0]) - kept,
     }
     return loss, (float(env_ce.detach()) if fired else None), counts
 
