@@ -322,9 +322,9 @@ def test_gradient_checkpointing_gives_the_same_adapter(tiny_student, tmp_path):
 
 
 def test_non_finite_parameters_after_a_step_fail_with_nan_loss(tiny_student, tmp_path, monkeypatch):
-    import kiln_core.training.trainer as trainer
+    import kiln_core.training.lifecycle as lifecycle  # where both loops build their optimizer
 
-    real_build = trainer.build_optimizer
+    real_build = lifecycle.build_optimizer
 
     def poisoned_optimizer(spec, params, lr):
         optimizer = real_build(spec, params, lr)
@@ -338,7 +338,7 @@ def test_non_finite_parameters_after_a_step_fail_with_nan_loss(tiny_student, tmp
         optimizer.step = step
         return optimizer
 
-    monkeypatch.setattr(trainer, "build_optimizer", poisoned_optimizer)
+    monkeypatch.setattr(lifecycle, "build_optimizer", poisoned_optimizer)
     result = run(tiny_student, tmp_path, make_config(checkpoint_interval=None), tables=synthetic_tables(n=2))
     assert (result.status, result.failure_reason) == ("failed", "nan_loss")
     assert result.failure_message == "OPD LoRA parameters became non-finite after step 1"

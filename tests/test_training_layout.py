@@ -32,7 +32,7 @@ TIERS: list[tuple[str, set[str]]] = [
         "kiln_core.training.distributed", "kiln_core.training.distributed.world",
     }),
     ("loop pieces", {"kiln_core.training.plan", "kiln_core.training.progress", "kiln_core.training.step",
-                     "kiln_core.training.finish"}),
+                     "kiln_core.training.finish", "kiln_core.training.lifecycle"}),
     ("loop", {"kiln_core.training.trainer"}),
     ("launcher", {"kiln_core.training.distributed.launcher"}),
     ("entries", {"kiln_core.training.run_request", "kiln_core.training.distributed.worker"}),

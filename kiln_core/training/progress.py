@@ -27,13 +27,23 @@ class LoopProgress:
     token_counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TOKEN_COUNT_KEYS, 0))
     grad_norms: LoraGradNorms = field(default_factory=LoraGradNorms)
     last_env_ce: float | None = None
+    consumed: int | None = None
+    """Candidates consumed, counted on its own when steps do not determine it (on-policy: an empty
+    rollout or a skipped prompt consumes a candidate without a step); None derives it from the step."""
 
-    def loop_state(self, schedule: Schedule, examples_read: int) -> OpdLoopState:
-        epoch, cursor = schedule.cursor_after(self.global_step)
+    def position(self, schedule: Schedule) -> tuple[int, int]:
+        """(epoch_index, cursor_in_epoch) of the next candidate."""
+        if self.consumed is None:
+            return schedule.cursor_after(self.global_step)
+        return divmod(self.consumed, schedule.candidates_per_epoch)
+
+    def loop_state(self, schedule: Schedule, examples_read: int, examples_filtered: int = 0) -> OpdLoopState:
+        epoch, cursor = self.position(schedule)
         return OpdLoopState(
             global_step=self.global_step, epoch_index=epoch, cursor_in_epoch=cursor, loss_history=list(self.loss_history),
             last_loss=self.loss_history[-1] if self.loss_history else None,
-            data_stats=DataStats(examples_read=examples_read, examples_filtered=0, examples_trained=self.global_step),
+            data_stats=DataStats(examples_read=examples_read, examples_filtered=examples_filtered,
+                                 examples_trained=self.global_step),
             token_counts=TokenCounts(**self.token_counts), run_env_ce=self.last_env_ce, lora_grad_norms=self.grad_norms)
 
     def record_candidate(self, counts: dict[str, int], env_ce: float | None) -> None:
@@ -47,10 +57,13 @@ class LoopProgress:
         self.grad_norms = self.grad_norms.observe(module_norms)
 
     @classmethod
-    def from_loop_state(cls, state: OpdLoopState) -> "LoopProgress":
+    def from_loop_state(cls, state: OpdLoopState, candidates_per_epoch: int | None = None) -> "LoopProgress":
+        """The progress a checkpoint recorded; pass ``candidates_per_epoch`` to restore the candidate
+        cursor as its own counter (on-policy)."""
+        consumed = None if candidates_per_epoch is None else state.epoch_index * candidates_per_epoch + state.cursor_in_epoch
         return cls(global_step=state.global_step, loss_history=list(state.loss_history),
                    token_counts=state.token_counts.model_dump(), grad_norms=state.lora_grad_norms,
-                   last_env_ce=state.run_env_ce)
+                   last_env_ce=state.run_env_ce, consumed=consumed)
 
 
 class Clock:
