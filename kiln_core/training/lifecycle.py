@@ -6,6 +6,7 @@ inside the loop; everything before the first step and after the last is here, on
 
 * ``start_student`` — the seeded student and optimizer; on resume the checkpoint's LoRA weights,
   optimizer state, generator states and loop counters replace the fresh ones;
+* ``outcome_recorded`` — how the loop ended: an expected stop, or an error after its failed receipt;
 * ``CheckpointPublisher`` — publishes the state at the current step (never twice for one step);
 * ``deterministic`` / ``stop_signals`` — deterministic CPU kernels, SIGTERM/SIGINT as a cooperative stop;
 * ``TrainResult`` — what a run returns (receipts hold the full record).
@@ -17,7 +18,7 @@ import contextlib
 import random
 import signal
 import threading
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -26,14 +27,16 @@ from safetensors.torch import save as save_safetensors
 
 from kiln_core.training import checkpoint as ckpt
 from kiln_core.training.checkpoint.format import KilnFlowsState, RankRngState
+from kiln_core.training.finish import finish_run
 from kiln_core.training.optim import build_optimizer, load_optimizer_state, optimizer_state_tensors
 from kiln_core.training.plan import RunPlan
 from kiln_core.training.progress import Clock, LoopProgress
 from kiln_core.training.receipt import RunOutcome
+from kiln_core.training.step import StopTraining
 from kiln_core.training.student import Student, load_student
 
-__all__ = ["CANCEL_MESSAGE", "TrainResult", "CheckpointPublisher", "start_student", "write_checkpoint",
-           "failure_reason", "run_status", "deterministic", "stop_signals"]
+__all__ = ["CANCEL_MESSAGE", "TrainResult", "CheckpointPublisher", "new_progress", "start_student", "outcome_recorded",
+           "write_checkpoint", "run_status", "result_fields", "deterministic", "stop_signals"]
 
 CANCEL_MESSAGE = "training cancelled by user (stop requested at OPD step boundary)"
 
@@ -57,11 +60,15 @@ class TrainResult(BaseModel):
     world_size: int = 1
 
 
-def start_student(plan: RunPlan, student_dir: str, *, gradient_checkpointing: bool,
-                  clock: Clock) -> tuple[Student, torch.optim.Optimizer, LoopProgress]:
-    """Load the student with its seeded LoRA and build the optimizer; on resume, restore every state.
+def new_progress(plan: RunPlan) -> LoopProgress:
+    """Progress before the first step; on-policy runs count consumed candidates apart from steps."""
+    return LoopProgress(consumed=0 if plan.contract.on_policy else None)
 
-    On-policy plans (``plan.contract.on_policy``) count consumed candidates apart from steps.
+
+def start_student(plan: RunPlan, student_dir: str, progress: LoopProgress, *, gradient_checkpointing: bool,
+                  clock: Clock) -> tuple[Student, torch.optim.Optimizer]:
+    """Load the student with its seeded LoRA and build the optimizer; on resume, restore every state
+    (``progress`` takes the checkpoint's loop counters in place).
 
     Raises:
         ResumeError: the checkpoint's tensors do not fit this student.
@@ -73,17 +80,29 @@ def start_student(plan: RunPlan, student_dir: str, *, gradient_checkpointing: bo
                                gradient_checkpointing=gradient_checkpointing)
         optimizer = build_optimizer(config.optimizer, student.lora_parameters, plan.learning_rate)
         _seed_everything(plan.seed)
-        separate_cursor = plan.contract.on_policy
-        progress = LoopProgress(consumed=0 if separate_cursor else None)
         loaded = plan.loaded
         if loaded is not None:
             student.load_adapter_tensors(loaded.adapter_tensors)
             load_optimizer_state(optimizer, student.checkpoint_keys(), loaded.optimizer_tensors,
                                  loaded.loop_state.global_step)
             ckpt.restore_rng_state(loaded.extension.rank_rng[plan.world.rank])
-            progress = LoopProgress.from_loop_state(
-                loaded.loop_state, plan.schedule.candidates_per_epoch if separate_cursor else None)
-    return student, optimizer, progress
+            progress.restore(loaded.loop_state, plan.schedule.candidates_per_epoch)
+    return student, optimizer
+
+
+@contextlib.contextmanager
+def outcome_recorded(plan: RunPlan, outcome: RunOutcome, progress: LoopProgress, clock: Clock):
+    """How the loop ended, into ``outcome``: a ``StopTraining`` (cancel, non-finite loss) is an expected
+    end and is not raised further; any other error writes the failed receipt, then propagates."""
+    try:
+        yield
+    except StopTraining as stop:
+        outcome.failure_reason, outcome.failure_message = stop.reason, stop.message
+    except BaseException as error:
+        outcome.failure_reason = "oom" if isinstance(error, torch.OutOfMemoryError) else "training_error"
+        outcome.failure_message = f"{type(error).__name__}: {error}"
+        finish_run(plan, outcome, progress, clock)
+        raise
 
 
 class CheckpointPublisher:
@@ -135,16 +154,23 @@ def write_checkpoint(plan: RunPlan, student: Student, optimizer: torch.optim.Opt
     return ckpt.checkpoint_basename(plan.adapter_name, progress.global_step)
 
 
-def failure_reason(error: BaseException) -> str:
-    """Kiln's ``failure_reason`` for an unexpected error."""
-    return "oom" if isinstance(error, torch.OutOfMemoryError) else "training_error"
-
-
 def run_status(outcome: RunOutcome) -> Literal["success", "failed", "cancelled"]:
     """``TrainResult.status``: a cancelled run is ``failed`` + ``cancelled`` in the receipt, as in Kiln."""
     if outcome.status == "success":
         return "success"
     return "cancelled" if outcome.failure_reason == "cancelled" else "failed"
+
+
+def result_fields(plan: RunPlan, outcome: RunOutcome, progress: LoopProgress, clock: Clock,
+                  receipt_uri: str) -> dict[str, Any]:
+    """``TrainResult``'s fields once the receipt is written."""
+    return dict(
+        status=run_status(outcome), failure_reason=outcome.failure_reason, failure_message=outcome.failure_message,
+        adapter=outcome.adapter_uri, receipt=receipt_uri,
+        latest_checkpoint=ckpt.latest_checkpoint(plan.run_dir, plan.adapter_name), resumed_from=outcome.resumed_from,
+        final_loss=progress.loss_history[-1] if progress.loss_history else None, loss_history=list(progress.loss_history),
+        steps=progress.global_step, total_steps=plan.schedule.total_steps, effective_seed=plan.seed,
+        phase_timings_ms=dict(clock.totals_ms), world_size=plan.world.size)
 
 
 def _seed_everything(seed: int) -> None:

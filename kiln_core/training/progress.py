@@ -1,7 +1,7 @@
 """The loop's own state between steps (``LoopProgress``) and its phase clock (``Clock``).
 
 ``LoopProgress.loop_state()`` is exactly what a checkpoint stores as ``opd_loop_state.json``;
-``from_loop_state`` is what a resume restores.
+``restore`` is what a resume takes back.
 """
 
 from __future__ import annotations
@@ -56,14 +56,16 @@ class LoopProgress:
         self.loss_history.append(loss)
         self.grad_norms = self.grad_norms.observe(module_norms)
 
-    @classmethod
-    def from_loop_state(cls, state: OpdLoopState, candidates_per_epoch: int | None = None) -> "LoopProgress":
-        """The progress a checkpoint recorded; pass ``candidates_per_epoch`` to restore the candidate
-        cursor as its own counter (on-policy)."""
-        consumed = None if candidates_per_epoch is None else state.epoch_index * candidates_per_epoch + state.cursor_in_epoch
-        return cls(global_step=state.global_step, loss_history=list(state.loss_history),
-                   token_counts=state.token_counts.model_dump(), grad_norms=state.lora_grad_norms,
-                   last_env_ce=state.run_env_ce, consumed=consumed)
+    def restore(self, state: OpdLoopState, candidates_per_epoch: int) -> None:
+        """Take over the progress a checkpoint recorded (in place); the candidate cursor is restored as
+        its own counter when this progress keeps one (on-policy)."""
+        self.global_step = state.global_step
+        self.loss_history = list(state.loss_history)
+        self.token_counts = state.token_counts.model_dump()
+        self.grad_norms = state.lora_grad_norms
+        self.last_env_ce = state.run_env_ce
+        if self.consumed is not None:
+            self.consumed = state.epoch_index * candidates_per_epoch + state.cursor_in_epoch
 
 
 class Clock:

@@ -28,16 +28,16 @@ from typing import Any, Callable
 
 from kiln_core.contracts.opd_config import OpdConfig
 from kiln_core.corpus import CorpusTables
-from kiln_core.training import checkpoint as ckpt
 from kiln_core.training.distributed.world import World
-from kiln_core.training.finish import finish_run, publish_adapter, record_adapter
+from kiln_core.training.finish import finish_run, publish_final_adapter
 from kiln_core.training.lifecycle import (
     CANCEL_MESSAGE,
     CheckpointPublisher,
     TrainResult,
     deterministic,
-    failure_reason,
-    run_status,
+    new_progress,
+    outcome_recorded,
+    result_fields,
     start_student,
     stop_signals,
 )
@@ -119,52 +119,38 @@ def train_opd(
                     precision=precision, gradient_checkpointing=gradient_checkpointing, world=world)
     schedule, loaded = plan.schedule, plan.loaded
     outcome = RunOutcome(resumed_from=loaded.basename if loaded else None)
-    progress = LoopProgress()
+    progress = new_progress(plan)
 
-    with deterministic(plan.device), stop_signals(handle_signals) as signalled:
-        try:
-            # ---- 2. setup: fresh seeded student and optimizer; a resume then overwrites every state
-            student, optimizer, progress = start_student(plan, student_dir, gradient_checkpointing=gradient_checkpointing,
-                                                         clock=clock)
-            checkpoints = CheckpointPublisher(plan, student, optimizer, progress, clock)
+    with (deterministic(plan.device), stop_signals(handle_signals) as signalled,
+          outcome_recorded(plan, outcome, progress, clock)):
+        # ---- 2. setup: fresh seeded student and optimizer; a resume then overwrites every state
+        student, optimizer = start_student(plan, student_dir, progress, gradient_checkpointing=gradient_checkpointing,
+                                           clock=clock)
+        checkpoints = CheckpointPublisher(plan, student, optimizer, progress, clock)
 
-            # ---- 3. the loop: one optimizer step per group of `sequences_per_step` (× world size) candidates
-            step_fn = train_step if world.size == 1 else train_step_distributed
-            loop_started = time.perf_counter()
-            while progress.global_step < schedule.total_steps:
-                stop = signalled.is_set() or (should_cancel is not None and should_cancel())
-                if world.size > 1:  # every rank stops at the same step boundary when any rank was asked to
-                    stop = world.any_rank(stop)
-                if stop:
-                    if progress.global_step > 0:  # nothing to save before the first step
-                        checkpoints.publish()
-                    raise StopTraining("cancelled", CANCEL_MESSAGE)
-                loss = step_fn(student, optimizer, tables, plan, progress, clock)
-                if on_progress is not None:
-                    on_progress(progress.global_step, schedule.total_steps, loss)
-                interval = config.checkpoint_interval
-                if interval and progress.global_step % interval == 0 and progress.global_step < schedule.total_steps:
+        # ---- 3. the loop: one optimizer step per group of `sequences_per_step` (× world size) candidates
+        step_fn = train_step if world.size == 1 else train_step_distributed
+        loop_started = time.perf_counter()
+        while progress.global_step < schedule.total_steps:
+            stop = signalled.is_set() or (should_cancel is not None and should_cancel())
+            if world.size > 1:  # every rank stops at the same step boundary when any rank was asked to
+                stop = world.any_rank(stop)
+            if stop:
+                if progress.global_step > 0:  # nothing to save before the first step
                     checkpoints.publish()
-                if on_step_committed is not None:
-                    on_step_committed(progress.global_step)
-            clock.totals_ms["train_loop"] = (time.perf_counter() - loop_started) * 1e3
+                raise StopTraining("cancelled", CANCEL_MESSAGE)
+            loss = step_fn(student, optimizer, tables, plan, progress, clock)
+            if on_progress is not None:
+                on_progress(progress.global_step, schedule.total_steps, loss)
+            interval = config.checkpoint_interval
+            if interval and progress.global_step % interval == 0 and progress.global_step < schedule.total_steps:
+                checkpoints.publish()
+            if on_step_committed is not None:
+                on_step_committed(progress.global_step)
+        clock.totals_ms["train_loop"] = (time.perf_counter() - loop_started) * 1e3
 
-            # ---- 4. publish the PEFT adapter (rank 0 only; the receipt follows in finish_run)
-            with clock.phase("publish"):
-                files = world.publish_on_main(lambda: publish_adapter(student, plan.run_dir))
-            record_adapter(outcome, plan, student, files)
-        except StopTraining as stop:
-            outcome.failure_reason, outcome.failure_message = stop.reason, stop.message
-        except BaseException as error:  # write the failed receipt, then let the caller see the error
-            outcome.failure_reason = failure_reason(error)
-            outcome.failure_message = f"{type(error).__name__}: {error}"
-            finish_run(plan, outcome, progress, clock)
-            raise
+        # ---- 4. publish the PEFT adapter (rank 0 only; the receipt follows in finish_run)
+        publish_final_adapter(plan, outcome, student, clock)
     receipt_uri = finish_run(plan, outcome, progress, clock)
     world.barrier()  # the other ranks return once rank 0's receipt is written
-    return TrainResult(
-        status=run_status(outcome), failure_reason=outcome.failure_reason, failure_message=outcome.failure_message,
-        adapter=outcome.adapter_uri, receipt=receipt_uri, latest_checkpoint=ckpt.latest_checkpoint(plan.run_dir, adapter_name),
-        resumed_from=outcome.resumed_from, final_loss=progress.loss_history[-1] if progress.loss_history else None,
-        loss_history=list(progress.loss_history), steps=progress.global_step, total_steps=schedule.total_steps,
-        effective_seed=plan.seed, phase_timings_ms=dict(clock.totals_ms), world_size=world.size)
+    return TrainResult(**result_fields(plan, outcome, progress, clock, receipt_uri))
