@@ -10,11 +10,6 @@ and rollouts committed before the interruption are read back, never sampled agai
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -26,22 +21,13 @@ from kiln_core.on_policy.store import RolloutStore
 from kiln_core.on_policy.teacher import LiveLocalTeacher, TeacherSource
 from kiln_core.training.checkpoint import latest_checkpoint
 from kiln_core.training.on_policy_trainer import train_on_policy
+from kill_support import sigkill_when
 from on_policy_support import CountingRollouts
 from test_on_policy_trainer import ADAPTER, ALIAS, PROMPTS
+from test_trainer import Crash, crash_after
 
 EOS_FIRST_MODULUS = 3  # about a third of the rollouts are empty: steps and candidates part ways
 CANDIDATES = 12  # 3 kept prompts × 2 samples × 2 epochs, none skipped
-
-
-class Crash(RuntimeError):
-    """The test's stand-in for a process dying after a step."""
-
-
-def crash_after(step: int):
-    def hook(committed: int) -> None:
-        if committed == step:
-            raise Crash(f"simulated crash after step {step}")
-    return hook
 
 
 @pytest.fixture(autouse=True)
@@ -178,22 +164,14 @@ def test_sigkill_mid_run_then_resume_is_bit_exact_and_reuses_committed_rollouts(
         f"    rollout_backend=CountingRollouts({EOS_FIRST_MODULUS}).factory,\n"
         "    on_progress=lambda event: time.sleep(0.4))\n"
     )
-    proc = subprocess.Popen([sys.executable, "-c", driver], cwd=Path(__file__).parents[1],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     run_key = reference["result"].rollout_run_key
     checkpoint = killed / f"{ADAPTER}-checkpoint-step-00000004.kiln-checkpoint"
-    deadline = time.monotonic() + 120
-    try:  # kill once a rollout newer than the step-4 checkpoint is committed
-        while not ((checkpoint / "checkpoint_manifest.json").exists()
-                   and len(list((killed / "rollouts" / run_key).glob("[!.]*/rollout.json")))  # not staging
-                   > position(killed, checkpoint.name)):
-            assert proc.poll() is None, proc.stderr.read().decode()
-            assert time.monotonic() < deadline, "no checkpoint and later rollout published in time"
-            time.sleep(0.02)
-    finally:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
-    assert proc.returncode == -signal.SIGKILL
+
+    def a_rollout_after_the_checkpoint_is_committed() -> bool:
+        return (checkpoint / "checkpoint_manifest.json").exists() and len(list(
+            (killed / "rollouts" / run_key).glob("[!.]*/rollout.json"))) > position(killed, checkpoint.name)  # not staging
+
+    sigkill_when(driver, a_rollout_after_the_checkpoint_is_committed, what="a checkpoint and a later rollout")
     assert not (killed / "adapter").exists() and not (killed / "train_receipt.json").exists()
     before = committed(killed, run_key)
     latest = latest_checkpoint(str(killed), ADAPTER)

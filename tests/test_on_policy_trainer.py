@@ -22,7 +22,7 @@ from kiln_core.errors import Rejection
 from kiln_core.on_policy.sampler import SamplingParams, sample_rollout
 from kiln_core.on_policy.store import RolloutStore
 from kiln_core.on_policy.teacher import LiveLocalTeacher, TeacherSource
-from kiln_core.training.checkpoint import CheckpointError, latest_checkpoint
+from kiln_core.training.checkpoint import CheckpointError
 from kiln_core.training.on_policy_trainer import train_on_policy
 from naive_losses import normalize
 from on_policy_support import CountingRollouts, chat, request
