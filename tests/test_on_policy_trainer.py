@@ -337,3 +337,32 @@ def test_a_run_on_an_object_store_cancels_and_resumes(tiny_student, teacher):
                   resume_checkpoint=cancelled.latest_checkpoint)
     assert resumed.status == "success" and resumed.steps == 6 and resumed.rollouts_sampled == 4
     assert resolve(root).child("adapter", "adapter_model.safetensors").exists()
+
+
+def test_activation_checkpointing_samples_and_trains_the_same(tiny_student, teacher, tmp_path):
+    # the sampler's KV cache must survive activation checkpointing (transformers turns the cache off
+    # for a checkpointed model that is training with gradients on)
+    plain = run(tiny_student, teacher, tmp_path / "plain", make_request(checkpoint_interval=None))
+    recompute = run(tiny_student, teacher, tmp_path / "recompute", make_request(checkpoint_interval=None),
+                    gradient_checkpointing=True)
+    assert [r.sampled_ids.tolist() for r in stored(recompute)] == [r.sampled_ids.tolist() for r in stored(plain)]
+    assert (tmp_path / "recompute/adapter/adapter_model.safetensors").read_bytes() == \
+        (tmp_path / "plain/adapter/adapter_model.safetensors").read_bytes()
+
+
+def test_sigterm_stops_at_the_next_step_boundary_but_not_after_the_last_candidate(tiny_student, teacher, tmp_path):
+    import os
+    import signal
+
+    def terminate_at_step_2(event):
+        if event.step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    before = signal.getsignal(signal.SIGTERM)
+    stopped = run(tiny_student, teacher, tmp_path / "stopped", on_progress=terminate_at_step_2, handle_signals=True)
+    assert (stopped.status, stopped.steps) == ("cancelled", 2) and signal.getsignal(signal.SIGTERM) is before
+    # a stop asked for once every candidate is consumed changes nothing (Kiln: only while candidates remain)
+    reports = []
+    finished = run(tiny_student, teacher, tmp_path / "finished", make_request([chat("What is two plus two?")]),
+                   on_progress=reports.append, should_cancel=lambda: reports[-1].consumed_candidates == 2)
+    assert (finished.status, finished.steps, finished.latest_checkpoint) == ("success", 2, None)
