@@ -8,6 +8,9 @@ that make a resumed run sample what an uninterrupted one would.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -110,6 +113,41 @@ def test_a_first_action_at_position_zero_keeps_the_prompt_but_skips_its_candidat
     prepared = prepare_prompts(request([chat("q"), chat("r")]).prompts, student)
     assert prepared.source_indices == [0, 1] and all(p.skipped for p in prepared.prompts)
     assert [c.skipped for c in iter_candidates(prepared, 2, 1)] == [True] * 4
+
+
+def test_refusals_the_mask_builder_reports_drop_the_prompt_except_an_action_at_position_zero(student, monkeypatch):
+    """A Kiln-exact builder reports what Kiln refuses on the result (``problem``) instead of raising."""
+    import kiln_core.on_policy.prepare as prepare
+
+    @dataclass(frozen=True)
+    class Reported:
+        input_ids: np.ndarray
+        action_positions: np.ndarray
+        env_positions: np.ndarray
+        env_in_warning_prefix: np.ndarray
+        problem: object = None
+
+    problems = {"q": None, "r": ("overlapping_masks", "masks overlap at token index 3"),
+                "s": ("target_at_position_zero", "the action mask holds token position 0")}
+
+    def reporting(_student, conversations):
+        results = []
+        for conversation in conversations:
+            problem = problems[conversation.messages[-1]["content"]]
+            first = 0 if problem and problem[0] == "target_at_position_zero" else 2
+            results.append(Reported(np.array([7, 8, 9, 10], np.int32), np.array([first, 3], np.int32),
+                                    np.zeros(0, np.int32), np.zeros(0, bool),
+                                    SimpleNamespace(code=problem[0], message=problem[1]) if problem else None))
+        return results
+
+    monkeypatch.setattr(prepare, "encode_conversations", reporting)
+    prepared = prepare_prompts(request([chat("q"), chat("r"), chat("s")]).prompts, student)
+    assert prepared.source_indices == [0, 2]
+    assert prepared.dropped[0].source_index == 1 and "overlapping_masks" in prepared.dropped[0].reason
+    kept, at_zero = prepared.prompts
+    assert kept.rollout_prefix.tolist() == [7, 8] and not kept.skipped
+    assert at_zero.skipped  # kept in the schedule; its candidates are consumed without updates
+    assert [c.skipped for c in iter_candidates(prepared, 2, 1)] == [False, False, True, True]
 
 
 def test_teacher_prompt_merges_the_extra_contents_into_the_system_turn(student):

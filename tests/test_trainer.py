@@ -5,11 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
-import time
 import uuid
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,6 +17,7 @@ from kiln_core.corpus import CorpusTables, TrainingExample
 from kiln_core.storage import resolve
 from kiln_core.training.checkpoint import CheckpointError, ResumeError, latest_checkpoint
 from kiln_core.training.trainer import CANCEL_MESSAGE, train_opd
+from kill_support import sigkill_when
 
 DATASET_SHA = "sha256:" + "ab" * 32
 ADAPTER = "demo"
@@ -158,19 +155,8 @@ def test_sigkill_after_a_checkpoint_then_resume_is_bit_exact(tiny_student, tmp_p
         f"    adapter_name={ADAPTER!r}, config=config, run_root={str(killed)!r}, teacher_identity=None,\n"
         "    teacher_alias='tiny-teacher', on_progress=lambda step, total, loss: time.sleep(0.4))\n"
     )
-    proc = subprocess.Popen([sys.executable, "-c", driver], cwd=Path(__file__).parents[1],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     manifest = killed / "demo-checkpoint-step-00000004.kiln-checkpoint" / "checkpoint_manifest.json"
-    deadline = time.monotonic() + 120
-    try:
-        while not manifest.exists():
-            assert proc.poll() is None, proc.stderr.read().decode()
-            assert time.monotonic() < deadline, "no checkpoint published in time"
-            time.sleep(0.05)
-    finally:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
-    assert proc.returncode == -signal.SIGKILL
+    sigkill_when(driver, manifest.exists, what="a checkpoint at step 4")
     assert not (killed / "adapter").exists() and not (killed / "train_receipt.json").exists()
     final = resume_from_latest(tiny_student, killed, config)
     assert final.status == "success" and final.resumed_from is not None
@@ -324,9 +310,9 @@ def test_gradient_checkpointing_gives_the_same_adapter(tiny_student, tmp_path):
 
 
 def test_non_finite_parameters_after_a_step_fail_with_nan_loss(tiny_student, tmp_path, monkeypatch):
-    import kiln_core.training.trainer as trainer
+    import kiln_core.training.lifecycle as lifecycle  # where both loops build their optimizer
 
-    real_build = trainer.build_optimizer
+    real_build = lifecycle.build_optimizer
 
     def poisoned_optimizer(spec, params, lr):
         optimizer = real_build(spec, params, lr)
@@ -340,7 +326,7 @@ def test_non_finite_parameters_after_a_step_fail_with_nan_loss(tiny_student, tmp
         optimizer.step = step
         return optimizer
 
-    monkeypatch.setattr(trainer, "build_optimizer", poisoned_optimizer)
+    monkeypatch.setattr(lifecycle, "build_optimizer", poisoned_optimizer)
     result = run(tiny_student, tmp_path, make_config(checkpoint_interval=None), tables=synthetic_tables(n=2))
     assert (result.status, result.failure_reason) == ("failed", "nan_loss")
     assert result.failure_message == "OPD LoRA parameters became non-finite after step 1"

@@ -32,8 +32,8 @@ TIERS: list[tuple[str, set[str]]] = [
         "kiln_core.training.distributed", "kiln_core.training.distributed.world",
     }),
     ("loop pieces", {"kiln_core.training.plan", "kiln_core.training.progress", "kiln_core.training.step",
-                     "kiln_core.training.finish"}),
-    ("loop", {"kiln_core.training.trainer"}),
+                     "kiln_core.training.finish", "kiln_core.training.lifecycle", "kiln_core.training.on_policy_plan"}),
+    ("loop", {"kiln_core.training.trainer", "kiln_core.training.on_policy_trainer"}),
     ("launcher", {"kiln_core.training.distributed.launcher"}),
     ("entries", {"kiln_core.training.run_request", "kiln_core.training.distributed.worker"}),
 ]
@@ -153,7 +153,8 @@ def test_the_training_package_has_no_test_hooks():
     assert [name for name in loss_functions if "naive" in name or "reference" in name] == []
 
 
-@pytest.mark.parametrize("layer", ["admission", "contracts", "identity", "scoring", "teachers", "oracle", "schemas"])
+@pytest.mark.parametrize("layer", ["admission", "contracts", "identity", "scoring", "teachers", "oracle", "schemas",
+                                   "on_policy"])
 def test_packages_below_training_do_not_import_it(layer):
     files = {module_name(p) for p in TRAINING.rglob("*.py")}
     offenders = {module_name(p): sorted(imported_modules(p, files))

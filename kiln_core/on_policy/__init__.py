@@ -10,7 +10,10 @@ in the order a run uses them:
 * ``schedule`` — candidate order, rollout seeds and the ``rollout-sampling`` RNG stream;
 * ``sampler`` — Kiln's sampling rule with a documented seeded draw and a KV-cached decode;
 * ``teacher`` — a local teacher with Kiln's ``LiveLocalTeacher`` semantics;
-* ``store`` — content-addressed Parquet storage of every rollout and its teacher scores.
+* ``store`` — content-addressed Parquet storage of every rollout and its teacher scores;
+* ``collect`` — one candidate's rollout: read back from the store, or sampled, scored and committed.
+
+The loop that trains on them is ``kiln_core.training.on_policy_trainer.train_on_policy``.
 
 The contract types live in ``kiln_core.contracts`` (``OpdPrompt`` and the prompt-list digest in
 ``opd_prompt``). Nothing here imports torch at import time.

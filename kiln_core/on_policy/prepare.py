@@ -25,9 +25,11 @@ prompt ending with assistant turns is passed as its earlier messages plus that f
 response, which renders the same text unless that last turn carries ``tool_calls`` or a ``name``
 (the builder's response slot holds text only). Where messages continue after the last assistant
 turn, only the part up to that turn is rendered: the rollout prefix ends at the *first* action, so
-the tokens after the last assistant turn are never used on-policy. A builder refusal (for example
-a target at position 0, once the builder refuses those) drops the prompt, as Kiln drops a prompt
-whose tokenization fails.
+the tokens after the last assistant turn are never used on-policy. A builder refusal — raised, or
+reported on the result as ``problem`` (overlapping masks, ...) — drops the prompt, as Kiln drops a
+prompt whose tokenization fails; the one exception is an action at position 0, which keeps the
+prompt and skips its candidates (Kiln's "no prompt/assistant split"), whether the builder keeps
+position 0 among the action positions or reports it as ``target_at_position_zero``.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ __all__ = ["CandidateSequences", "DroppedPrompt", "PreparedPrompt", "PreparedPro
 
 LOG = logging.getLogger(__name__)
 RENDERINGS = ("legacy_action_boundary", "chat_template")
+POSITION_ZERO_CODE = "target_at_position_zero"  # the mask builder's name for an action at token 0
 
 
 @dataclass(frozen=True)
@@ -141,6 +144,9 @@ def prepare_prompts(prompts: Sequence[OpdPrompt], student: StudentTokenizer, *,
         if isinstance(result, Exception):
             LOG.warning("skipping OPD prompt %d: %s", index, result)
             dropped.append(DroppedPrompt(index, f"tokenization failed: {result}"))
+        elif (problem := _refusal(result)) is not None:
+            LOG.warning("skipping OPD prompt %d: %s", index, problem)
+            dropped.append(DroppedPrompt(index, problem))
         elif result is None or result.action_positions.size == 0:
             LOG.warning("skipping OPD prompt %d with no action tokens", index)
             dropped.append(DroppedPrompt(index, "no action tokens"))
@@ -169,6 +175,18 @@ def prepare_prompts(prompts: Sequence[OpdPrompt], student: StudentTokenizer, *,
             teacher_prefix=teacher_prefixes[index],
         ))
     return PreparedPrompts(tuple(prepared), tuple(dropped), len(prompts), rendering)
+
+
+def _refusal(result: Any) -> str | None:
+    """Why the mask builder refuses a prompt's tokenization, if it reports one (``problem``); None otherwise.
+
+    A first action at position 0 is not a refusal here: on-policy that prompt is kept, and its
+    candidates are consumed without updates (no prompt/assistant split).
+    """
+    problem = getattr(result, "problem", None)
+    if problem is None or problem.code == POSITION_ZERO_CODE:
+        return None
+    return f"{problem.code}: {problem.message}"
 
 
 def _training_conversation(value: dict[str, Any]) -> Conversation | None:

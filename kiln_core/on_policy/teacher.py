@@ -19,7 +19,7 @@ reference B.3, B.6):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Protocol
 
 import numpy as np
 
@@ -27,7 +27,7 @@ from kiln_core.contracts.identity import TeacherIdentity
 from kiln_core.errors import Rejection
 from kiln_core.on_policy.prepare import CandidateSequences, check_target_pairs
 
-__all__ = ["LiveLocalTeacher", "TeacherRows", "check_teacher_rows"]
+__all__ = ["LiveLocalTeacher", "RolloutScorer", "TeacherRows", "TeacherSource", "check_teacher_rows"]
 
 MASS_TOLERANCE = 32.0 * float(np.finfo(np.float32).eps)
 LOG_SOFTMAX_CHUNK_ROWS = 256  # bounds the [rows, vocab] fp32 temporaries
@@ -44,6 +44,52 @@ class TeacherRows:
 
     ids: np.ndarray
     logprobs: np.ndarray
+
+
+class RolloutScorer(Protocol):
+    """What the trainer asks of a teacher: top-K rows at the targets of a sequence (``LiveLocalTeacher``)."""
+
+    def score(self, tokens: Any, target_positions: Any, top_k: int | None = None) -> TeacherRows:
+        ...
+
+
+@dataclass(frozen=True)
+class TeacherSource:
+    """A pinned teacher the trainer loads once every refusal has passed.
+
+    Attributes:
+        alias: The request's ``teacher`` (Kiln's ``teacher_id`` in capabilities and receipts).
+        identity: Its pinned ``kiln.teacher-identity.v1``: the plan needs only this.
+        load: Called once with the effective top-K; returns the scorer.
+
+    Example:
+        >>> source = TeacherSource.local("tiny-teacher", identity, "./teacher")  # doctest: +SKIP
+        >>> source.load(32).score(tokens, targets).ids.shape  # doctest: +SKIP
+        (5, 32)
+    """
+
+    alias: str
+    identity: TeacherIdentity
+    load: Callable[[int], RolloutScorer]
+
+    @classmethod
+    def local(cls, alias: str, identity: TeacherIdentity, teacher_dir: str, *, device: str | None = None,
+              dtype: str | None = None) -> "TeacherSource":
+        """A registered local teacher model, loaded with ``LiveLocalTeacher.load`` when training starts."""
+        return cls(alias, identity, lambda top_k: LiveLocalTeacher.load(
+            teacher_dir, identity=identity, top_k=top_k, teacher_id=alias, device=device, dtype=dtype))
+
+    @classmethod
+    def loaded(cls, teacher: "LiveLocalTeacher", alias: str | None = None) -> "TeacherSource":
+        """An already loaded teacher (self-distillation, tests); its identity must allow the run's top-K."""
+
+        def use(top_k: int) -> LiveLocalTeacher:
+            if teacher.identity.max_top_k < top_k:
+                raise Rejection("top_k_exceeds_identity", f"live local teacher top_k {top_k} exceeds identity "
+                                f"max_top_k {teacher.identity.max_top_k}", field="config.top_k")
+            return teacher
+
+        return cls(alias or teacher.teacher_id, teacher.identity, use)
 
 
 class LiveLocalTeacher:

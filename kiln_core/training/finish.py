@@ -18,7 +18,7 @@ from kiln_core.training.receipt import RECEIPT_FILE, RunOutcome, build_receipt, 
 from kiln_core.training.step import lora_delta_norms
 from kiln_core.training.student import Student
 
-__all__ = ["publish_adapter", "record_adapter", "finish_run"]
+__all__ = ["publish_adapter", "record_adapter", "publish_final_adapter", "finish_run"]
 
 
 def publish_adapter(student: Student, run_dir: Location) -> dict[str, bytes]:
@@ -39,6 +39,13 @@ def record_adapter(outcome: RunOutcome, plan: RunPlan, student: Student, files: 
         outcome.adapter_bytes = len(files["adapter_model.safetensors"])
     config = plan.config
     outcome.lora_delta_norms = lora_delta_norms(student, float(config.lora_alpha) / config.lora_rank)
+
+
+def publish_final_adapter(plan: RunPlan, outcome: RunOutcome, student: Student, clock: Clock) -> None:
+    """After the last step: publish the PEFT adapter (rank 0 only) and note it in the outcome."""
+    with clock.phase("publish"):
+        files = plan.world.publish_on_main(lambda: publish_adapter(student, plan.run_dir))
+    record_adapter(outcome, plan, student, files)
 
 
 def finish_run(plan: RunPlan, outcome: RunOutcome, progress: LoopProgress, clock: Clock) -> str:

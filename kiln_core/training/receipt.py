@@ -48,8 +48,8 @@ from kiln_core.training.receipt_model import (
     TrainReceipt,
 )
 
-__all__ = ["RECEIPT_FILE", "TrainReceipt", "RunFacts", "RunOutcome", "ReceiptError", "build_receipt", "write_receipt",
-           "read_receipt", "receipt_status", "library_versions"]
+__all__ = ["RECEIPT_FILE", "TRAINING_DATA_SOURCE", "TrainReceipt", "RunFacts", "RunOutcome", "ReceiptError",
+           "build_receipt", "write_receipt", "read_receipt", "receipt_status", "library_versions"]
 
 TRAINING_DATA_SOURCE = "jsonl_off_policy_opd_teacher"
 LOSS_GRANULARITY = "teacher_top_k"
@@ -69,8 +69,10 @@ class RunFacts:
     shard_manifest: dict[str, Any]
     execution_provenance: dict[str, Any]
     precision_policy: dict[str, Any]
-    dataset_path: str
+    dataset_path: str | None
+    """The corpus path as given; None for inline on-policy prompts."""
     dataset_sha256: str
+    """``sha256:`` of the corpus bytes, or of the prompt list (on-policy)."""
     config: dict[str, Any]
     """The request's ``OpdConfig`` as JSON (our extensions included)."""
     effective_config: dict[str, Any]
@@ -90,6 +92,10 @@ class RunFacts:
     device: str
     library_versions: dict[str, str]
     distributed: DistributedReceipt | None = None
+    training_data_source: str = TRAINING_DATA_SOURCE
+    """The receipt's ``training_data.source``: a JSONL corpus, or ``inline_opd_prompts`` (on-policy)."""
+    examples_filtered: int = 0
+    """Prompts dropped at tokenization (on-policy)."""
 
 
 @dataclass
@@ -148,7 +154,8 @@ def build_receipt(facts: RunFacts, outcome: RunOutcome) -> TrainReceipt:
                                    chat_template_hash=template_hash, vocab_hash=_prefixed(identity.get("tokenizer_vocab_sha256"))),
         adapters=AdapterReceiptSet(output=AdapterFileReceipt(path=outcome.adapter_uri, adapter_model_sha256=outcome.adapter_sha256,
                                                              adapter_model_bytes=outcome.adapter_bytes)),
-        training_data=TrainingDataReceipt(source=TRAINING_DATA_SOURCE, path=facts.dataset_path, sha256=facts.dataset_sha256),
+        training_data=TrainingDataReceipt(source=facts.training_data_source, path=facts.dataset_path,
+                                          sha256=facts.dataset_sha256),
         hyperparameters=HyperparameterReceipt(
             rank=config["lora_rank"], alpha=float(config["lora_alpha"]), alpha_over_rank=config["lora_alpha"] / config["lora_rank"],
             learning_rate=facts.learning_rate, epochs=config["epochs"], seed=facts.seed,
@@ -162,7 +169,8 @@ def build_receipt(facts: RunFacts, outcome: RunOutcome) -> TrainReceipt:
             final_opd_loss=outcome.loss_history[-1] if outcome.loss_history else None, loss=config["loss"],
             teacher_identity_revision=facts.teacher_identity_revision),
         echo=_echo_receipt(echo, outcome),
-        data=DataReceipt(examples_read=facts.examples_read, examples_trained=outcome.global_step,
+        data=DataReceipt(examples_read=facts.examples_read, examples_filtered=facts.examples_filtered,
+                         examples_trained=outcome.global_step,
                          candidates_per_epoch=facts.candidates_per_epoch, total_steps=facts.total_steps,
                          resumed_from_checkpoint=outcome.resumed_from),
         token_counts=outcome.token_counts,

@@ -133,7 +133,8 @@ class DataReceipt(_Receipt):
     candidates_per_epoch: int | None = None
     """Ours."""
     total_steps: int | None = None
-    """Ours: optimizer steps of the whole run."""
+    """Ours: optimizer steps of the whole run (on-policy: its candidates, an upper bound, since an
+    empty rollout consumes a candidate without a step)."""
     resumed_from_checkpoint: str | None = None
     """Ours: the checkpoint this process resumed from."""
 

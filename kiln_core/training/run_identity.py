@@ -250,17 +250,18 @@ def checkpoint_planning(*, device: Any, gradient_checkpointing: bool, num_layers
 
 
 def auxiliary_state(*, identity: dict[str, str], shard_manifest: dict[str, Any], provenance: dict[str, Any],
-                    device_type: str, kiln_flows_version: str, examples: int, capabilities: dict[str, Any],
-                    teacher_identity: dict[str, Any] | None, teacher_content_revision: str, precision: str,
-                    chat_template_rollouts: bool, planning: dict[str, Any]) -> dict[str, Any]:
+                    device_type: str, kiln_flows_version: str, prepared_source_indices: list[int],
+                    capabilities: dict[str, Any], teacher_identity: dict[str, Any] | None,
+                    teacher_content_revision: str, precision: str, chat_template_rollouts: bool,
+                    planning: dict[str, Any]) -> dict[str, Any]:
     """``opd_checkpoint_auxiliary_state``: every key Kiln writes, none of ours.
 
-    Every admitted example has at least one action token (admission refuses the others), so the
-    prepared source indices are ``0..examples``.
+    ``prepared_source_indices`` are the request indices of the examples (off-policy: all of them,
+    admission refuses the others) or prompts (on-policy: those with an action token) that train.
     """
     from kiln_core.training.data_identity import prepared_source_order_sha256
 
-    indices = list(range(examples))
+    indices = [int(index) for index in prepared_source_indices]
     return {
         "loop_state_type": LOOP_STATE_TYPE,
         "model_config_sha256": _prefixed(identity["model_config_sha256"]),

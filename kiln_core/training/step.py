@@ -10,18 +10,19 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
 from kiln_core.contracts.opd_config import OpdConfig
-from kiln_core.corpus import CorpusTables
+from kiln_core.corpus import CorpusTables, TrainingExample
 from kiln_core.training.loss import compose_step_loss, echo_env_cross_entropy
 from kiln_core.training.plan import RunPlan
 from kiln_core.training.progress import TOKEN_COUNT_KEYS, Clock, LoopProgress
 from kiln_core.training.student import Student, lora_module
 
-__all__ = ["StopTraining", "sequence_loss", "train_step", "train_step_distributed", "module_grad_norms", "lora_delta_norms"]
+__all__ = ["StopTraining", "sequence_loss", "train_step", "train_examples", "train_step_distributed", "module_grad_norms",
+           "lora_delta_norms"]
 
 
 class StopTraining(Exception):
@@ -73,9 +74,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _forward(student: Student, tables: CorpusTables, plan: RunPlan, candidate: int, clock: Clock):
+def _forward(student: Student, load: Callable[[], TrainingExample], plan: RunPlan, clock: Clock):
     with clock.phase("data"):
-        batch = tables.example(plan.schedule.example_of(candidate)).to_torch(student.device)
+        batch = load().to_torch(student.device)
     with clock.phase("forward"):
         loss, env_ce, counts = sequence_loss(student, batch, plan.loss_fn, plan.config)
         _sync(student.device)
@@ -89,18 +90,35 @@ def _backward(loss: torch.Tensor, scale: int, config: OpdConfig, clock: Clock, d
         _sync(device)
 
 
+def _example_loader(tables: CorpusTables, plan: RunPlan, candidate: int) -> Callable[[], TrainingExample]:
+    return lambda: tables.example(plan.schedule.example_of(candidate))
+
+
 def train_step(student: Student, optimizer: torch.optim.Optimizer, tables: CorpusTables, plan: RunPlan,
                progress: LoopProgress, clock: Clock) -> float:
     """One optimizer step over the next group of candidates; returns the step loss (mean over them)."""
     candidates = plan.schedule.candidates_of_step(progress.global_step)
+    return train_examples(student, optimizer, [(c, _example_loader(tables, plan, c)) for c in candidates], plan,
+                          progress, clock)
+
+
+def train_examples(student: Student, optimizer: torch.optim.Optimizer,
+                   examples: Sequence[tuple[int, Callable[[], TrainingExample]]], plan: RunPlan,
+                   progress: LoopProgress, clock: Clock) -> float:
+    """One optimizer step over ``examples`` — ``(label, load)`` pairs, ``label`` naming the candidate in
+    a non-finite-loss message — committed into ``progress``; returns the step loss (their mean).
+
+    Off-policy examples come from the corpus tables, on-policy ones from the rollout store
+    (``Rollout.training_example``): the same loss trains both.
+    """
     optimizer.zero_grad(set_to_none=True)
     losses = []
-    for candidate in candidates:
-        loss, env_ce, counts = _forward(student, tables, plan, candidate, clock)
+    for label, load in examples:
+        loss, env_ce, counts = _forward(student, load, plan, clock)
         value = float(loss.detach())
         if not math.isfinite(value):
-            raise StopTraining("nan_loss", f"OPD loss became non-finite at candidate {candidate}")
-        _backward(loss, len(candidates), plan.config, clock, student.device)
+            raise StopTraining("nan_loss", f"OPD loss became non-finite at candidate {label}")
+        _backward(loss, len(examples), plan.config, clock, student.device)
         losses.append(value)
         progress.record_candidate(counts, env_ce)
     return _apply_update(student, optimizer, progress, losses, clock)
@@ -124,7 +142,7 @@ def train_step_distributed(student: Student, optimizer: torch.optim.Optimizer, t
     optimizer.zero_grad(set_to_none=True)
     rows = torch.zeros(per_rank, _STAT_COLUMNS, dtype=torch.float64)
     for slot, candidate in enumerate(world.shard(group, per_rank)):
-        loss, env_ce, counts = _forward(student, tables, plan, candidate, clock)
+        loss, env_ce, counts = _forward(student, _example_loader(tables, plan, candidate), plan, clock)
         value = float(loss.detach())
         if math.isfinite(value):  # a non-finite loss is reported below, on every rank alike
             _backward(loss, len(group), plan.config, clock, student.device)

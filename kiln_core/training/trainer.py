@@ -5,8 +5,9 @@ Read ``train_opd`` top to bottom; it runs in the order the work happens:
 1. plan (``plan.plan_run``): the schedule, the seed, the identities a checkpoint binds, and every
    refusal — a bad resume basename, a checkpoint that does not match, an adapter already published —
    before any model loads;
-2. setup: the student with a seeded LoRA, the optimizer, the RNG streams; on resume, the checkpoint's
-   LoRA weights, optimizer state, generator states and loop counters replace the fresh ones;
+2. setup (``lifecycle.start_student``): the student with a seeded LoRA, the optimizer, the RNG
+   streams; on resume, the checkpoint's LoRA weights, optimizer state, generator states and loop
+   counters replace the fresh ones;
 3. the loop (``step``): forward → loss → finite check → backward → optimizer step → finite check →
    checkpoint when due → ``on_step_committed`` → cancellation check at the step boundary;
 4. finish (``finish``): the PEFT adapter directory, then ``train_receipt.json`` (also written on failure).
@@ -22,53 +23,30 @@ run is the single-process run with ``sequences_per_step × W``. Rank 0 alone pub
 
 from __future__ import annotations
 
-import contextlib
-import random
-import signal
-import threading
 import time
-from typing import Any, Callable, Literal
-
-import numpy as np
-import torch
-from pydantic import BaseModel
-from safetensors.torch import save as save_safetensors
+from typing import Any, Callable
 
 from kiln_core.contracts.opd_config import OpdConfig
 from kiln_core.corpus import CorpusTables
-from kiln_core.training import checkpoint as ckpt
-from kiln_core.training.checkpoint.format import KilnFlowsState, RankRngState
 from kiln_core.training.distributed.world import World
-from kiln_core.training.finish import finish_run, publish_adapter, record_adapter
-from kiln_core.training.optim import build_optimizer, load_optimizer_state, optimizer_state_tensors
-from kiln_core.training.plan import RunPlan, Schedule, plan_run
+from kiln_core.training.finish import finish_run, publish_final_adapter
+from kiln_core.training.lifecycle import (
+    CANCEL_MESSAGE,
+    CheckpointPublisher,
+    TrainResult,
+    deterministic,
+    new_progress,
+    outcome_recorded,
+    result_fields,
+    start_student,
+    stop_signals,
+)
+from kiln_core.training.plan import Schedule, plan_run
 from kiln_core.training.progress import Clock, LoopProgress
 from kiln_core.training.receipt import RunOutcome
 from kiln_core.training.step import StopTraining, train_step, train_step_distributed
-from kiln_core.training.student import Student, load_student
 
 __all__ = ["TrainResult", "Schedule", "LoopProgress", "Clock", "train_opd", "CANCEL_MESSAGE"]
-
-CANCEL_MESSAGE = "training cancelled by user (stop requested at OPD step boundary)"
-
-
-class TrainResult(BaseModel):
-    """What ``train_opd`` returns (receipts hold the full record)."""
-
-    status: Literal["success", "failed", "cancelled"]
-    failure_reason: str | None = None
-    failure_message: str | None = None
-    adapter: str | None = None
-    receipt: str
-    latest_checkpoint: str | None = None
-    resumed_from: str | None = None
-    final_loss: float | None = None
-    loss_history: list[float]
-    steps: int
-    total_steps: int
-    effective_seed: int
-    phase_timings_ms: dict[str, float]
-    world_size: int = 1
 
 
 def train_opd(
@@ -141,131 +119,38 @@ def train_opd(
                     precision=precision, gradient_checkpointing=gradient_checkpointing, world=world)
     schedule, loaded = plan.schedule, plan.loaded
     outcome = RunOutcome(resumed_from=loaded.basename if loaded else None)
-    progress = LoopProgress()
+    progress = new_progress(plan)
 
-    with _deterministic(plan.device), _stop_signals(handle_signals) as signalled:
-        try:
-            # ---- 2. setup: fresh seeded student and optimizer; a resume then overwrites every state
-            with clock.phase("setup"):
-                student = load_student(student_dir, rank=config.lora_rank, alpha=config.lora_alpha, seed=plan.seed,
-                                       device=plan.device.type, precision=plan.precision,
-                                       gradient_checkpointing=gradient_checkpointing)
-                optimizer = build_optimizer(config.optimizer, student.lora_parameters, plan.learning_rate)
-                _seed_everything(plan.seed)
-                if loaded is not None:
-                    student.load_adapter_tensors(loaded.adapter_tensors)
-                    load_optimizer_state(optimizer, student.checkpoint_keys(), loaded.optimizer_tensors,
-                                         loaded.loop_state.global_step)
-                    ckpt.restore_rng_state(loaded.extension.rank_rng[world.rank])
-                    progress = LoopProgress.from_loop_state(loaded.loop_state)
-            published = loaded.basename if loaded else None
+    with (deterministic(plan.device), stop_signals(handle_signals) as signalled,
+          outcome_recorded(plan, outcome, progress, clock)):
+        # ---- 2. setup: fresh seeded student and optimizer; a resume then overwrites every state
+        student, optimizer = start_student(plan, student_dir, progress, gradient_checkpointing=gradient_checkpointing,
+                                           clock=clock)
+        checkpoints = CheckpointPublisher(plan, student, optimizer, progress, clock)
 
-            def checkpoint_now() -> str:
-                nonlocal published
-                if published != ckpt.checkpoint_basename(adapter_name, progress.global_step):  # never twice
-                    with clock.phase("checkpoint"):
-                        published = _write_checkpoint(plan, student, optimizer, progress)
-                return published
+        # ---- 3. the loop: one optimizer step per group of `sequences_per_step` (× world size) candidates
+        step_fn = train_step if world.size == 1 else train_step_distributed
+        loop_started = time.perf_counter()
+        while progress.global_step < schedule.total_steps:
+            stop = signalled.is_set() or (should_cancel is not None and should_cancel())
+            if world.size > 1:  # every rank stops at the same step boundary when any rank was asked to
+                stop = world.any_rank(stop)
+            if stop:
+                if progress.global_step > 0:  # nothing to save before the first step
+                    checkpoints.publish()
+                raise StopTraining("cancelled", CANCEL_MESSAGE)
+            loss = step_fn(student, optimizer, tables, plan, progress, clock)
+            if on_progress is not None:
+                on_progress(progress.global_step, schedule.total_steps, loss)
+            interval = config.checkpoint_interval
+            if interval and progress.global_step % interval == 0 and progress.global_step < schedule.total_steps:
+                checkpoints.publish()
+            if on_step_committed is not None:
+                on_step_committed(progress.global_step)
+        clock.totals_ms["train_loop"] = (time.perf_counter() - loop_started) * 1e3
 
-            # ---- 3. the loop: one optimizer step per group of `sequences_per_step` (× world size) candidates
-            step_fn = train_step if world.size == 1 else train_step_distributed
-            loop_started = time.perf_counter()
-            while progress.global_step < schedule.total_steps:
-                stop = signalled.is_set() or (should_cancel is not None and should_cancel())
-                if world.size > 1:  # every rank stops at the same step boundary when any rank was asked to
-                    stop = world.any_rank(stop)
-                if stop:
-                    if progress.global_step > 0:  # nothing to save before the first step
-                        checkpoint_now()
-                    raise StopTraining("cancelled", CANCEL_MESSAGE)
-                loss = step_fn(student, optimizer, tables, plan, progress, clock)
-                if on_progress is not None:
-                    on_progress(progress.global_step, schedule.total_steps, loss)
-                interval = config.checkpoint_interval
-                if interval and progress.global_step % interval == 0 and progress.global_step < schedule.total_steps:
-                    checkpoint_now()
-                if on_step_committed is not None:
-                    on_step_committed(progress.global_step)
-            clock.totals_ms["train_loop"] = (time.perf_counter() - loop_started) * 1e3
-
-            # ---- 4. publish the PEFT adapter (rank 0 only; the receipt follows in finish_run)
-            with clock.phase("publish"):
-                files = world.publish_on_main(lambda: publish_adapter(student, plan.run_dir))
-            record_adapter(outcome, plan, student, files)
-        except StopTraining as stop:
-            outcome.failure_reason, outcome.failure_message = stop.reason, stop.message
-        except BaseException as error:  # write the failed receipt, then let the caller see the error
-            outcome.failure_reason = "oom" if isinstance(error, torch.OutOfMemoryError) else "training_error"
-            outcome.failure_message = f"{type(error).__name__}: {error}"
-            finish_run(plan, outcome, progress, clock)
-            raise
+        # ---- 4. publish the PEFT adapter (rank 0 only; the receipt follows in finish_run)
+        publish_final_adapter(plan, outcome, student, clock)
     receipt_uri = finish_run(plan, outcome, progress, clock)
     world.barrier()  # the other ranks return once rank 0's receipt is written
-    status = "success" if outcome.status == "success" else "cancelled" if outcome.failure_reason == "cancelled" else "failed"
-    return TrainResult(
-        status=status, failure_reason=outcome.failure_reason, failure_message=outcome.failure_message,
-        adapter=outcome.adapter_uri, receipt=receipt_uri, latest_checkpoint=ckpt.latest_checkpoint(plan.run_dir, adapter_name),
-        resumed_from=outcome.resumed_from, final_loss=progress.loss_history[-1] if progress.loss_history else None,
-        loss_history=list(progress.loss_history), steps=progress.global_step, total_steps=schedule.total_steps,
-        effective_seed=plan.seed, phase_timings_ms=dict(clock.totals_ms), world_size=world.size)
-
-
-def _write_checkpoint(plan: RunPlan, student: Student, optimizer: torch.optim.Optimizer, progress: LoopProgress) -> str:
-    """Publish the state after ``progress.global_step`` committed steps; returns the basename.
-
-    Every rank calls this: their generator states are gathered, rank 0 writes the checkpoint and the
-    others wait until it is committed.
-    """
-    world, contract = plan.world, plan.contract
-    states = world.gather_bytes(ckpt.capture_rng_state().model_dump_json().encode("utf-8"))
-
-    def write() -> str:
-        from kiln_core import __version__
-
-        extension = KilnFlowsState(
-            kiln_flows_version=__version__, world_size=world.size, backend=world.backend,
-            sequences_per_step=contract.sequences_per_step, optimizer_steps_total=contract.optimizer_steps_total,
-            loss=contract.loss, rank_rng=[RankRngState.model_validate_json(state) for state in states])
-        keys = student.checkpoint_keys()
-        optimizer_bytes = save_safetensors(optimizer_state_tensors(optimizer, keys)) if contract.stateful_optimizer else None
-        return ckpt.write_checkpoint(plan.run_dir, contract, progress.loop_state(plan.schedule, contract.examples_read),
-                                     adapter_bytes=save_safetensors(student.adapter_tensors()),
-                                     optimizer_bytes=optimizer_bytes, extension=extension)
-
-    world.publish_on_main(write)
-    return ckpt.checkpoint_basename(plan.adapter_name, progress.global_step)
-
-
-def _seed_everything(seed: int) -> None:
-    torch.manual_seed(seed)
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    if torch.cuda.is_available():
-        torch.cuda.manual_seed_all(seed)  # also initializes CUDA, so its generator states are captured
-
-
-@contextlib.contextmanager
-def _deterministic(device: torch.device):
-    """Deterministic kernels on CPU for the duration of the run (restored afterwards)."""
-    previous = torch.are_deterministic_algorithms_enabled()
-    if device.type == "cpu":
-        torch.use_deterministic_algorithms(True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(previous)
-
-
-@contextlib.contextmanager
-def _stop_signals(enabled: bool):
-    """SIGTERM/SIGINT → a flag the loop polls at step boundaries (only from the main thread)."""
-    flag = threading.Event()
-    if not enabled or threading.current_thread() is not threading.main_thread():
-        yield flag
-        return
-    previous = {sig: signal.signal(sig, lambda *_: flag.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield flag
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    return TrainResult(**result_fields(plan, outcome, progress, clock, receipt_uri))
