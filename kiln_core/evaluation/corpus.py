@@ -44,21 +44,32 @@ def admit_eval_corpus(corpus_uri: str, student_dir: str, *, top_k: int = 32, tea
     from kiln_core.tokenization import load_student_tokenizer
 
     student = load_student_tokenizer(student_dir)
+    _check_vocabulary(corpus_uri, student)  # before admission: its token rules would fail less clearly
     admission = admit_corpus(corpus_uri, student_dir, top_k=top_k, pinned_manifest=teacher_manifest, student=student)
-    identity = admission.teacher_identity
-    if identity is not None:
-        from kiln_core.identity.hashing import tokenizer_vocab_sha256
-
-        student_vocab = tokenizer_vocab_sha256(student.tokenizer)
-        if identity.tokenizer_vocab_sha256 != student_vocab:
-            raise EvalInputError(
-                "vocabulary_mismatch",
-                f"the corpus was scored with tokenizer_vocab_sha256 {identity.tokenizer_vocab_sha256}, the student "
-                f"{student_dir} has {student_vocab}: its token ids would not mean the teacher's tokens",
-                file=corpus_uri)
     if train_corpus_uri is not None:
         check_no_overlap(corpus_uri, train_corpus_uri)
     return admission
+
+
+def _check_vocabulary(corpus_uri: str, student: Any) -> None:
+    """The manifest's tokenizer must be the student's (a corpus without a usable manifest is left to admission)."""
+    from kiln_core.admission.source import read_corpus
+    from kiln_core.contracts.identity import ManifestError, parse_manifest_line
+    from kiln_core.identity.hashing import tokenizer_vocab_sha256
+
+    data = read_corpus(corpus_uri).data
+    first = next((line for line in data.split(b"\n") if line.strip()), b"")
+    try:
+        identity = parse_manifest_line(first.decode("utf-8").strip()).teacher_identity
+    except (ManifestError, UnicodeDecodeError, ValueError):
+        return
+    student_vocab = tokenizer_vocab_sha256(student.tokenizer)
+    if identity.tokenizer_vocab_sha256 != student_vocab:
+        raise EvalInputError(
+            "vocabulary_mismatch",
+            f"the corpus was scored with tokenizer_vocab_sha256 {identity.tokenizer_vocab_sha256}, the student "
+            f"{student.model_dir} has {student_vocab}: its token ids would not mean the teacher's tokens",
+            file=corpus_uri)
 
 
 def prompt_key(messages: list[dict[str, Any]]) -> str:
