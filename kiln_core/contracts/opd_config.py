@@ -167,8 +167,12 @@ class OpdConfig(BaseModel):
 
     training_mode: Literal["on_policy", "off_policy"] = "on_policy"
     objective: Literal["reverse_kl", "cross_entropy"] = "reverse_kl"
-    loss: Literal["sampled_token", "teacher_top_k", "full_vocab", "teacher_top_k_tail"] = "teacher_top_k"
-    """``teacher_top_k_tail`` is our opt-in extension (DESIGN.md decision 4)."""
+    loss: Literal["sampled_token", "teacher_top_k", "full_vocab", "teacher_top_k_tail", "teacher_token_ce",
+                  "teacher_top_k_forward", "teacher_top_k_tail_forward"] = "teacher_top_k"
+    """Kiln's values, plus our opt-in extensions (never the default): ``teacher_top_k_tail`` (DESIGN.md
+    decision 4), ``teacher_token_ce`` (SFT on the corpus tokens), ``teacher_top_k_forward`` (forward KL
+    from the teacher's top-K to the full student softmax), ``teacher_top_k_tail_forward`` (the sum of
+    the two KLs). See ``kiln_core.training.loss.STEP_LOSSES``."""
     top_k: int = Field(default=32, ge=0)
     samples_per_prompt: int = Field(default=DEFAULT_SAMPLES_PER_PROMPT, ge=0)
     temperature: float = 1.0

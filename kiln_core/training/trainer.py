@@ -53,7 +53,7 @@ from kiln_core.corpus import CorpusTables
 from kiln_core.storage import StagedDirectory, move_aside, remove_tree, resolve
 from kiln_core.training import checkpoint as ckpt
 from kiln_core.training.distributed import World
-from kiln_core.training.loss import compose_step_loss, echo_env_cross_entropy, topk_reverse_kl, topk_tail_reverse_kl
+from kiln_core.training.loss import compose_step_loss, echo_env_cross_entropy, step_loss
 from kiln_core.training.optim import build_optimizer, load_optimizer_state, optimizer_hyperparameters, optimizer_state_tensors
 from kiln_core.training.receipt import (
     RECEIPT_FILE,
@@ -439,7 +439,7 @@ class _Plan:
 
     @property
     def loss_fn(self) -> Callable:
-        return topk_tail_reverse_kl if self.config.loss == "teacher_top_k_tail" else topk_reverse_kl
+        return step_loss(self.config.loss)
 
 
 def _plan_run(*, tables, dataset_sha256, dataset_path, student_dir, adapter_name, config, run_root, teacher_identity,
@@ -550,7 +550,7 @@ def _sequence_loss(student: Student, batch: dict[str, torch.Tensor], loss_fn: Ca
     hidden = student.hidden_states(ids)  # [L, H], post final norm
     rows = batch["action_positions"] - 1  # target q is scored from row q-1
     kl = loss_fn(hidden.index_select(0, rows), student.head_weight, batch["teacher_ids"], batch["teacher_logprobs"],
-                 head_bias=student.head_bias)
+                 head_bias=student.head_bias, target_ids=ids.index_select(0, batch["action_positions"]))
     env_positions = batch["env_positions"]  # [E]
     observed = int(env_positions.shape[0])  # |O|, counted before the warning filter
     echo = config.echo
