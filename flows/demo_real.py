@@ -92,7 +92,7 @@ def post_eval_gate(summary: dict[str, Any], metrics: dict[str, dict[str, Any]]) 
 
 @flow(name="kiln-flows-demo-real", flow_run_name="demo-real")
 def demo_real(workdir: str = "./kiln-data", train_examples: int = 96, heldout_examples: int = 24, epochs: int = 2,
-              max_new_tokens: int = 48) -> dict[str, Any]:
+              max_new_tokens: int = 32) -> dict[str, Any]:
     """Run the real-model demo under ``workdir``; returns the pipeline summary plus held-out metrics."""
     from kiln_core.data import load_prompts
     from kiln_core.evaluation import admit_eval_corpus, evaluate_tables, generate_answers, load_eval_model

@@ -225,3 +225,46 @@ def test_half_depth_smollm2_student_loads_and_shares_the_vocabulary(smollm2_dir,
     model = AutoModelForCausalLM.from_pretrained(str(student), dtype=torch.float32, local_files_only=True)
     assert model.config.num_hidden_layers == 15
     check_same_vocabulary(smollm2_dir, student)
+
+
+# ---------------------------------------------------------------------------------------------
+# The cached preparation steps shared by demo --real and bench/distill_quality.py (tiny models)
+
+
+def test_teacher_answers_resume_after_an_interruption_and_are_cached(tmp_path, tiny_teacher, tiny_student, monkeypatch):
+    from kiln_core import evaluation
+    from kiln_core.models import prepare
+
+    prompts = [{"id": f"p{i}", "prompt": f"What is {i} plus {i}?"} for i in range(5)]
+    real_generate = evaluation.generate_answers
+    calls = []
+
+    def generate(model, messages, **kwargs):
+        calls.append(len(messages))
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # the user stops the run during the second batch
+        return real_generate(model, messages, **kwargs)
+
+    monkeypatch.setattr(evaluation, "generate_answers", generate)
+    with pytest.raises(KeyboardInterrupt):
+        prepare.teacher_examples(tiny_teacher, prompts, tmp_path, max_new_tokens=3, batch_size=2)
+    # Only the partial file exists: no finished entry a later run could mistake for complete.
+    assert [p.name.endswith(".partial.jsonl") for p in (tmp_path / "examples").iterdir()] == [True]
+    path = prepare.teacher_examples(tiny_teacher, prompts, tmp_path, max_new_tokens=3, batch_size=2)
+    assert calls == [2, 2, 2, 1]  # the first batch was not answered again
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["id"] for r in records] == [p["id"] for p in prompts]
+    assert all(r["messages"] == [{"role": "user", "content": p["prompt"]}] and r["teacher_response"]
+               for r, p in zip(records, prompts))
+    assert [p.name for p in (tmp_path / "examples").iterdir()] == [path.name]
+    assert prepare.teacher_examples(tiny_teacher, prompts, tmp_path, max_new_tokens=3, batch_size=2) == path
+    assert calls == [2, 2, 2, 1]  # cached: nothing generated
+    other = prepare.teacher_examples(tiny_teacher, prompts, tmp_path, max_new_tokens=4, batch_size=2)
+    assert other != path  # another setting is another entry, never a stale reuse
+
+    corpus = prepare.scored_corpus(path, tiny_teacher, tiny_student, tmp_path, top_k=16)
+    from kiln_core.admission import admit_corpus
+
+    assert admit_corpus(str(corpus), str(tiny_student), top_k=16).examples == len(prompts)
+    monkeypatch.setattr("kiln_core.scoring.score_examples", lambda *a, **k: pytest.fail("scored twice"))
+    assert prepare.scored_corpus(path, tiny_teacher, tiny_student, tmp_path, top_k=16) == corpus

@@ -54,7 +54,7 @@ def prepare_models(cache_dir: str | os.PathLike[str], keep_layers: str = "every:
 
 
 def teacher_examples(teacher_dir: str | os.PathLike[str], prompts: Sequence[dict[str, Any]], cache_dir: str | os.PathLike[str], *,
-                     max_new_tokens: int = 64, batch_size: int = 16,
+                     max_new_tokens: int = 32, batch_size: int = 32,
                      on_progress: Callable[[int, int], None] | None = None) -> Path:
     """Examples (``id``, ``messages``, ``teacher_response``) with the teacher's greedy answers, cached.
 
@@ -78,18 +78,37 @@ def teacher_examples(teacher_dir: str | os.PathLike[str], prompts: Sequence[dict
     path = Path(cache_dir, "examples", _key(settings) + ".jsonl")
     if path.is_file():
         return path
-    model = load_eval_model(teacher_dir, device="cpu")
-    records = []
-    for start in range(0, len(prompts), batch_size):
-        chunk = prompts[start : start + batch_size]
-        messages = [[{"role": "user", "content": row["prompt"]}] for row in chunk]
-        for row, prompt, answer in zip(chunk, messages, generate_answers(model, messages, max_new_tokens=max_new_tokens,
-                                                                         batch_size=batch_size)):
-            records.append({"id": row["id"], "messages": prompt, "teacher_response": answer or "."})
-        if on_progress:
-            on_progress(min(start + batch_size, len(prompts)), len(prompts))
-    _write_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8"))
+    # Answers are appended batch by batch to a partial file under the same key, so an interrupted run
+    # resumes where it stopped instead of answering everything again; the finished file is published
+    # atomically and never regenerated.
+    partial = path.with_suffix(".partial.jsonl")
+    done = {json.loads(line)["id"]: line for line in _complete_lines(partial)}
+    todo = [row for row in prompts if row["id"] not in done]
+    model = load_eval_model(teacher_dir, device="cpu") if todo else None
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    with open(partial, "a", encoding="utf-8") as sink:
+        for start in range(0, len(todo), batch_size):
+            chunk = todo[start : start + batch_size]
+            messages = [[{"role": "user", "content": row["prompt"]}] for row in chunk]
+            answers = generate_answers(model, messages, max_new_tokens=max_new_tokens, batch_size=batch_size)
+            for row, prompt, answer in zip(chunk, messages, answers):
+                line = json.dumps({"id": row["id"], "messages": prompt, "teacher_response": answer or "."},
+                                  ensure_ascii=False) + "\n"
+                sink.write(line)
+                done[row["id"]] = line
+            sink.flush()
+            if on_progress:
+                on_progress(len(prompts) - len(todo) + min(start + batch_size, len(todo)), len(prompts))
+    _write_atomic(path, "".join(done[row["id"]] for row in prompts).encode("utf-8"))
+    partial.unlink()
     return path
+
+
+def _complete_lines(path: Path) -> list[str]:
+    """The newline-terminated lines of a partial file (a line cut by a crash is dropped)."""
+    if not path.is_file():
+        return []
+    return [line + "\n" for line in path.read_text(encoding="utf-8").split("\n")[:-1] if line.strip()]
 
 
 def scored_corpus(examples: str | os.PathLike[str], teacher_dir: str | os.PathLike[str],
