@@ -65,6 +65,7 @@ def main() -> None:
     parser.add_argument("--cache-dir", default="./kiln-data/distill-quality")
     parser.add_argument("--recipes", default=DEFAULT_RECIPES, help=f"comma-separated, from: {', '.join(RECIPES)}")
     parser.add_argument("--epochs", type=int, default=1, help="epochs over the 226 training prompts per recipe")
+    parser.add_argument("--max-steps", type=int, help="stop each recipe after this many steps (default: all epochs)")
     parser.add_argument("--eval-every", type=int, default=57, help="steps between held-out evaluations")
     parser.add_argument("--final", metavar="PRESET", help="train only this preset (kiln_core PRESETS) for --final-minutes")
     parser.add_argument("--final-minutes", type=float, default=15.0)
@@ -84,7 +85,8 @@ def main() -> None:
         runs = {f"preset {args.final}": train_and_track(setup, cache, dict(PRESETS[args.final], epochs=50),
                                                         args.eval_every, budget_s=args.final_minutes * 60)}
     else:
-        runs = {name: train_and_track(setup, cache, dict(RECIPES[name], epochs=args.epochs), args.eval_every)
+        runs = {name: train_and_track(setup, cache, dict(RECIPES[name], epochs=args.epochs), args.eval_every,
+                                      max_steps=args.max_steps)
                 for name in args.recipes.split(",")}
     report = {"setup": {k: str(v) for k, v in setup.items() if k not in ("train_tables", "heldout_tables")},
               "baselines": baselines, "runs": runs, "threads": args.threads}
@@ -126,7 +128,7 @@ def evaluate_dir(setup: dict[str, Any], model_dir: Path, adapter: Path | None = 
 
 
 def train_and_track(setup: dict[str, Any], cache: Path, overrides: dict[str, Any], eval_every: int,
-                    budget_s: float | None = None) -> dict[str, Any]:
+                    budget_s: float | None = None, max_steps: int | None = None) -> dict[str, Any]:
     """Train one recipe with a checkpoint every ``eval_every`` steps, then evaluate every checkpoint."""
     from kiln_core.contracts.opd_config import OpdConfig
     from kiln_core.training.trainer import train_opd
@@ -145,7 +147,9 @@ def train_and_track(setup: dict[str, Any], cache: Path, overrides: dict[str, Any
             log(f"  {config.loss} lr={config.learning_rate:g}: step {step}/{total} loss {loss:.4f} "
                 f"({step_seconds[step]:.0f} s)")
 
-    def out_of_time() -> bool:
+    def out_of_time() -> bool:  # polled at each step boundary; a stop publishes a checkpoint first
+        if max_steps is not None and len(step_seconds) >= max_steps:
+            return True
         return budget_s is not None and time.perf_counter() - started > budget_s
 
     log(f"training {config.loss} lr={config.learning_rate:g} for {config.epochs} epoch(s)"
@@ -194,19 +198,19 @@ def print_table(baselines: dict[str, dict], runs: dict[str, dict]) -> None:
                 f"{metrics['top1_agreement']:>11.1%} | {metrics['teacher_token_nll']:>6.3f} | "
                 f"{metrics['teacher_token_nll'] / teacher_nll:>10.2f}x | {load:>8} |")
 
-    for title, pick in (("equal optimizer steps (each recipe's end)", lambda curve: curve[-1]),
-                        (f"equal wall time ({equal_time:.0f} s of training)",
-                         lambda curve: [p for p in curve if p["seconds"] is not None and p["seconds"] <= equal_time + 1e-6][-1])):
+    for title, equal_time_only in (("equal optimizer steps (each recipe's end)", False),
+                                   (f"equal wall time ({equal_time:.0f} s of training)", True)):
         print(f"\n{title}\n\n{header}\n{rule}")
         for name, metrics in baselines.items():
             print(row(name, "-", "-", 0, "-", metrics, "-"))
         for name, run in runs.items():
-            if not run["curve"]:
+            points = [p for p in run["curve"] if p["seconds"] is not None
+                      and (not equal_time_only or p["seconds"] <= equal_time + 1e-6)]
+            if not points:
                 continue
-            point = pick(run["curve"])
             load = "%.1f/%.1f" % (run["load_average_before"][0], run["load_average_after"][0])
-            print(row(name, run["config"]["loss"], f"{run['config']['learning_rate']:g}", point["step"],
-                      f"{point['seconds']:.0f}", point, load))
+            print(row(name, run["config"]["loss"], f"{run['config']['learning_rate']:g}", points[-1]["step"],
+                      f"{points[-1]['seconds']:.0f}", points[-1], load))
 
 
 def log(message: str) -> None:
