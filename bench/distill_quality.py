@@ -69,6 +69,7 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=57, help="steps between held-out evaluations")
     parser.add_argument("--final", metavar="PRESET", help="train only this preset (kiln_core PRESETS) for --final-minutes")
     parser.add_argument("--final-minutes", type=float, default=15.0)
+    parser.add_argument("--heldout-limit", type=int, help="evaluate on the first N held-out examples only")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
 
@@ -76,8 +77,8 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     cache = Path(args.cache_dir).resolve()
-    setup = prepare(cache)
-    baselines = {name: evaluate_dir(setup, model_dir) for name, model_dir in
+    setup = prepare(cache, args.heldout_limit)
+    baselines = {name: cached_baseline(setup, cache, name, model_dir) for name, model_dir in
                  (("teacher", setup["teacher"]), ("base student", setup["student"]))}
     if args.final:
         from kiln_core.contracts.opd_config import PRESETS
@@ -89,6 +90,7 @@ def main() -> None:
                                       max_steps=args.max_steps)
                 for name in args.recipes.split(",")}
     report = {"setup": {k: str(v) for k, v in setup.items() if k not in ("train_tables", "heldout_tables")},
+              "argv": sys.argv[1:],
               "baselines": baselines, "runs": runs, "threads": args.threads}
     out = cache / f"results-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
@@ -96,7 +98,7 @@ def main() -> None:
     print(f"\nall figures: {out}")
 
 
-def prepare(cache: Path) -> dict[str, Any]:
+def prepare(cache: Path, heldout_limit: int | None = None) -> dict[str, Any]:
     """Models, teacher answers, scored corpora (all cached), and the admitted train/held-out tables."""
     from kiln_core.admission import admit_corpus
     from kiln_core.data import load_prompts
@@ -114,11 +116,37 @@ def prepare(cache: Path) -> dict[str, Any]:
     train = admit_corpus(str(corpora["train"]), str(student), top_k=32)
     heldout = admit_eval_corpus(str(corpora["heldout"]), str(student), top_k=32, teacher_manifest=manifest,
                                 train_corpus_uri=str(corpora["train"]))
+    heldout_tables = heldout.tables
+    if heldout_limit is not None:
+        from kiln_core.corpus import CorpusTables
+
+        heldout_tables = CorpusTables.from_examples([heldout_tables.example(i) for i in range(heldout_limit)],
+                                                    heldout_tables.top_k)
     log(f"prepared in {time.perf_counter() - started:.0f} s: {train.examples} train examples "
-        f"({train.action_tokens} tokens), {heldout.examples} held-out ({heldout.action_tokens} tokens)")
+        f"({train.action_tokens} tokens), {heldout_tables.num_examples} held-out "
+        f"({int(heldout_tables.action_positions.shape[0])} tokens)")
     return {"teacher": teacher, "student": student, "train_corpus": corpora["train"], "heldout_corpus": corpora["heldout"],
-            "train_sha256": train.dataset_sha256, "train_tables": train.tables, "heldout_tables": heldout.tables,
-            "teacher_identity": train.teacher_identity}
+            "train_sha256": train.dataset_sha256, "train_tables": train.tables, "heldout_tables": heldout_tables,
+            "heldout_examples": heldout_tables.num_examples, "teacher_identity": train.teacher_identity}
+
+
+def cached_baseline(setup: dict[str, Any], cache: Path, name: str, model_dir: Path) -> dict[str, Any]:
+    """A model's held-out metrics, computed once per (model weights, held-out corpus, slice)."""
+    import hashlib
+
+    from kiln_core.identity.hashing import base_model_sha256
+
+    key = hashlib.sha256(json.dumps([base_model_sha256(model_dir), Path(setup["heldout_corpus"]).name,
+                                     setup["heldout_examples"]]).encode()).hexdigest()[:24]
+    path = cache / "baselines" / f"{key}.json"
+    if path.is_file():
+        metrics = json.loads(path.read_text(encoding="utf-8"))
+    else:
+        metrics = evaluate_dir(setup, model_dir)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(metrics) + "\n", encoding="utf-8")
+    log(f"{name}: {metrics}")
+    return metrics
 
 
 def evaluate_dir(setup: dict[str, Any], model_dir: Path, adapter: Path | None = None) -> dict[str, Any]:
