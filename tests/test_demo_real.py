@@ -24,7 +24,9 @@ def test_real_demo_distills_smollm2_and_evaluates_held_out(prefect_harness, tmp_
     summary = json.loads(output.strip().splitlines()[-1])
     assert summary["status"] == "success" and len(summary["loss_history"]) == 32
     receipt = json.loads(Path(summary["receipt"]).read_text())
-    assert receipt["status"] == "success" and receipt["opd"]["loss"] == "teacher_top_k_tail_forward"  # the preset
+    from kiln_core.contracts.opd_config import PRESETS
+
+    assert receipt["status"] == "success" and receipt["opd"]["loss"] == PRESETS["quality"]["loss"]  # the preset
     metrics = summary["metrics"]
     assert set(metrics) == {"teacher", "base student", "distilled student"}
     # The teacher scored this corpus: against itself it has no divergence and always agrees.

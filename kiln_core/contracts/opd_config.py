@@ -159,11 +159,11 @@ class EchoConfig(_Strict):
 # a config leaves unset; fields given explicitly win. No preset is ever applied by default, so a Kiln
 # request keeps Kiln's loss and defaults.
 PRESETS: dict[str, dict[str, Any]] = {
-    # The best held-out top-1 agreement and teacher-token NLL per minute of CPU training on SmolLM2-135M's
-    # half-depth student (bench/distill_quality.py; figures in its docstring and the README).
+    # Best on all three held-out metrics, per step and per second, of Kiln's loss, tail, SFT, forward
+    # and tail+forward on SmolLM2-135M's half-depth student (bench/distill_quality.py; README figures).
     "quality": {
         "training_mode": "off_policy",
-        "loss": "teacher_top_k_tail_forward",
+        "loss": "teacher_top_k_forward",
         "optimizer": {"kind": "adam_w"},
         "learning_rate": 1e-3,
         "lora_rank": 16,
