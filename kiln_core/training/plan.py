@@ -23,7 +23,7 @@ from kiln_core.training import checkpoint as ckpt
 from kiln_core.training import run_identity
 from kiln_core.training.data_identity import fixture_content_revision, teacher_capabilities
 from kiln_core.training.distributed.world import World
-from kiln_core.training.loss import topk_reverse_kl, topk_tail_reverse_kl
+from kiln_core.training.loss import step_loss
 from kiln_core.training.receipt import TRAINING_DATA_SOURCE, RunFacts, library_versions, receipt_status
 from kiln_core.training.receipt_model import DistributedReceipt
 from kiln_core.training.student import resolve_device, resolve_precision, student_identity
@@ -87,7 +87,7 @@ class RunPlan:
 
     @property
     def loss_fn(self) -> Callable:
-        return topk_tail_reverse_kl if self.config.loss == "teacher_top_k_tail" else topk_reverse_kl
+        return step_loss(self.config.loss)
 
 
 @dataclass(frozen=True)

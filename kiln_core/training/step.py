@@ -42,7 +42,7 @@ def sequence_loss(student: Student, batch: dict[str, torch.Tensor], loss_fn: Cal
     hidden = student.hidden_states(ids)  # [L, H], post final norm
     rows = batch["action_positions"] - 1  # target q is scored from row q-1
     kl = loss_fn(hidden.index_select(0, rows), student.head_weight, batch["teacher_ids"], batch["teacher_logprobs"],
-                 head_bias=student.head_bias)
+                 head_bias=student.head_bias, target_ids=ids.index_select(0, batch["action_positions"]))
     env_positions = batch["env_positions"]  # [E], the observation tokens with a causal row
     observed = int(batch.get("observation_tokens", env_positions.shape[0]))  # |O|, before the warning filter
     # O': Kiln trims the warning prefix with warning_filter on and env_mask_mode env_only, which are
