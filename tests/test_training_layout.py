@@ -22,7 +22,7 @@ MAX_LINES = 400
 # placed here before it can be imported by anything.
 TIERS: list[tuple[str, set[str]]] = [
     ("parts", {
-        "kiln_core.training", "kiln_core.training.loss", "kiln_core.training.student",
+        "kiln_core.training", "kiln_core.training.loss", "kiln_core.training.objectives", "kiln_core.training.student",
         "kiln_core.training.optim", "kiln_core.training.data_identity", "kiln_core.training.run_identity",
         "kiln_core.training.receipt_model", "kiln_core.training.receipt",
         "kiln_core.training.checkpoint", "kiln_core.training.checkpoint.format",

@@ -23,7 +23,7 @@ from kiln_core.training import checkpoint as ckpt
 from kiln_core.training import run_identity
 from kiln_core.training.data_identity import fixture_content_revision, teacher_capabilities
 from kiln_core.training.distributed.world import World
-from kiln_core.training.loss import step_loss
+from kiln_core.training.objectives import step_loss
 from kiln_core.training.receipt import TRAINING_DATA_SOURCE, RunFacts, library_versions, receipt_status
 from kiln_core.training.receipt_model import DistributedReceipt
 from kiln_core.training.student import resolve_device, resolve_precision, student_identity
