@@ -49,7 +49,7 @@ def per_record_baseline(path: Path, student) -> int:
             [p.model_dump() for p in m.content] if isinstance(m.content, list) else m.content)} for m in example.messages]
         segments = None
         if example.trajectory:
-            segments = [Segment(s.role, s.content, s.kind or "context", s.tool_call_id, s.warning_prefix_len or 0)
+            segments = [Segment(s.role, s.content, s.kind, s.tool_call_id, s.warning_prefix_len or 0)
                         for s in example.trajectory]
         encoded = encode_conversations(student, [Conversation(messages, example.teacher_response, segments)])[0]
         targets = encoded.input_ids[encoded.action_positions].tolist()

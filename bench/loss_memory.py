@@ -3,7 +3,7 @@
 Both sides compute the same top-K reverse KL (reference/kiln-opd-spec.md §4) forward + backward:
 
 * kiln-flows: `kiln_core.training.loss.topk_reverse_kl` (student logits at the K ids only, chunked).
-* naive: `naive_topk_reverse_kl`: ``hidden @ W.T`` gives real ``[T, V]`` logits in autograd, then the
+* naive: `naive_topk_reverse_kl` (below): ``hidden @ W.T`` gives real ``[T, V]`` logits in autograd, then the
   K columns are gathered (its backward builds a ``[T, V]`` gradient too).
 
 Memory is the peak EXTRA over a baseline taken right before each call, with the inputs already
@@ -37,9 +37,19 @@ import psutil
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-from kiln_core.training.loss import naive_topk_reverse_kl, topk_reverse_kl  # noqa: E402
+from kiln_core.training.loss import topk_reverse_kl  # noqa: E402
 
 MIB = 2**20
+
+
+def naive_topk_reverse_kl(hidden, head_weight, teacher_ids, teacher_logprobs, *, head_bias=None):
+    """The baseline a plain implementation writes: full ``[T, V]`` logits, then the K columns."""
+    logits = hidden @ head_weight.T
+    if head_bias is not None:
+        logits = logits + head_bias
+    log_p = torch.log_softmax(logits.float().gather(1, teacher_ids.long()), dim=-1)
+    log_q = torch.log_softmax(teacher_logprobs.float(), dim=-1)
+    return (log_p.exp() * (log_p - log_q)).sum(-1).mean()
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 

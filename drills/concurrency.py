@@ -52,7 +52,8 @@ try:
     tables = result.tables
     digest = hashlib.sha256()
     for name in sorted(tables.__dataclass_fields__):
-        digest.update(name.encode()); digest.update(getattr(tables, name).tobytes())
+        value = getattr(tables, name)  # arrays, and the prompt-list digest (a str or None)
+        digest.update(name.encode()); digest.update(value.tobytes() if hasattr(value, "tobytes") else repr(value).encode())
     print("RESULT " + json.dumps({"uri": result.materialized, "reused": result.reused, "tables": digest.hexdigest(),
                                   "record": result.record.model_dump(mode="json") if result.record else None}), flush=True)
 except BaseException as error:
@@ -67,7 +68,8 @@ def tables_digest(tables) -> str:
     digest = hashlib.sha256()
     for name in sorted(tables.__dataclass_fields__):
         digest.update(name.encode())
-        digest.update(getattr(tables, name).tobytes())
+        value = getattr(tables, name)  # arrays, and the prompt-list digest (a str or None)
+        digest.update(value.tobytes() if hasattr(value, "tobytes") else repr(value).encode())
     return digest.hexdigest()
 
 

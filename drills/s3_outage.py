@@ -16,9 +16,9 @@ its state in memory, which a restart would lose) and the drill checks, reading t
 * uncommitted prefixes are ignored: ``latest_checkpoint`` never names one, ``load_checkpoint`` refuses
   them, ``find_materialization`` and ``read_materialization`` do not open a corpus without
   ``admission.json``;
-* a retry completes: what ``tasks/train.py`` does on a retry (a run with a committed adapter and a
-  successful receipt is finished; otherwise resume from ``latest_checkpoint``) ends in ``success`` with
-  the same adapter bytes as an uninterrupted local run.
+* a retry completes: what every pipeline attempt does (``kiln_core.engine``: a run with a committed
+  adapter and a successful receipt is finished; otherwise resume from the newest committed
+  checkpoint) ends in ``success`` with the same adapter bytes as an uninterrupted local run.
 """
 
 from __future__ import annotations
@@ -211,14 +211,16 @@ def verify_store(server: MotoServer, root_prefix: str, adapter: str) -> tuple[li
         elif prefix.endswith("/adapter"):
             if "adapter_config.json" in files and not objects.get(base + "adapter_model.safetensors"):
                 problems.append(f"committed {prefix} has no adapter_model.safetensors")
-    receipt_key = f"{root_prefix}/runs/{adapter}/train_receipt.json"
-    if receipt_key in objects:
+    runs = f"{root_prefix}/runs/{adapter}/"
+    receipt_keys = [key for key in objects if key.startswith(runs) and key.count("/", len(runs)) == 1
+                    and key.endswith("/train_receipt.json")]  # runs/<adapter>/<run key>/train_receipt.json
+    for receipt_key in receipt_keys:
         try:
             receipt = json.loads(server.get(BUCKET, receipt_key))
         except ValueError:
-            problems.append("train_receipt.json is not whole JSON")
+            problems.append(f"{receipt_key} is not whole JSON")
         else:
-            adapter_key = f"{root_prefix}/runs/{adapter}/adapter/adapter_model.safetensors"
+            adapter_key = receipt_key.rsplit("/", 1)[0] + "/adapter/adapter_model.safetensors"
             if receipt.get("status") == "success" and adapter_key in objects:
                 expected = ((receipt.get("adapters") or {}).get("output") or {}).get("adapter_model_sha256")
                 if expected and expected != "sha256:" + digest(adapter_key):
@@ -297,6 +299,7 @@ def run(*, workdir: Path, trials: int = 8, seed: int = 0, **_: Any) -> dict[str,
     from kiln_core.engine.request import train_request
     from kiln_core.storage import resolve
     from kiln_core.tokenization import load_student_tokenizer
+    from kiln_core.training.receipt import read_receipt
 
     report = DrillReport("s3-outage", seed=seed, method="moto server frozen with SIGSTOP, thawed with SIGCONT")
     inputs = prepare_training_inputs(workdir / "fixture")
@@ -381,9 +384,9 @@ def run(*, workdir: Path, trials: int = 8, seed: int = 0, **_: Any) -> dict[str,
                         report.bump("retry_resumed_from", retry["resumed_from"] or "fresh start")
                         if adapter_bytes(run_directory(root, adapter)) != reference_bytes:
                             problems.append("the retried run's adapter differs from the uninterrupted local run")
-                        receipt = json.loads(resolve(run_directory(root, adapter)).child("train_receipt.json").read_bytes())
-                        if receipt.get("status") != "success":
-                            problems.append(f"receipt after the retry says {receipt.get('status')}")
+                        receipt = read_receipt(resolve(run_directory(root, adapter)))
+                        if receipt.status != "success":
+                            problems.append(f"receipt after the retry says {receipt.status}")
                 store_problems, _ = verify_store(server, prefix, adapter)
                 problems += [f"after the retry: {p}" for p in store_problems]
                 if problems:

@@ -27,6 +27,8 @@ COMMAND_MODULES = [
     "flows.commands.teachers",
     "flows.commands.score",
     "flows.commands.train",
+    "flows.commands.eval",
+    "flows.commands.models",
     "flows.commands.oracle",
     "flows.commands.serve",
     "flows.commands.drill",

@@ -64,7 +64,9 @@ def hf_next_token_oracle(
         model_dir: Local model directory the requests name.
         out_root: Root URI; each result goes to ``<root>/oracle/<request id>/``.
         dtype: ``bf16`` (Kiln's) or ``fp32``.
-        receipts_root: Repository root of the source receipts; ``None`` skips those checks.
+        receipts_root: Repository root of the source receipts; ``None`` means the current directory.
+            Every request's receipts are checked; a request whose receipts are missing is rejected
+            (``receipt_missing``) and the batch continues.
 
     Returns:
         One ``OracleRef`` per request, in order.

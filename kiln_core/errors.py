@@ -168,6 +168,10 @@ ADMISSION_CODES = (
     "not_non_increasing",
     "mass_exceeds_one",
     "conflicting_duplicate_row",
+    "nesting_too_deep",
+    "overlapping_masks",
+    "target_at_position_zero",
+    "input_token_out_of_range",
 )
 
 

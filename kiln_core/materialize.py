@@ -3,15 +3,16 @@
 Layout under a storage root (DESIGN.md decision 7)::
 
     corpora/<sha256 hex of the exact JSONL bytes>/
-        examples.parquet   one row per example: line, input_ids, action/env positions
+        examples.parquet   one row per example: line, input_ids, action/env positions, ECHO's |O|
         targets.parquet    one row per action target: example, position, teacher ids (int32 × K)
                            and logprobs (float32 × K)
         admission.json     written last: the commit
 
-A corpus admitted for a second student (or another top-K) lands in
-``corpora/<hex>/variants/<variant key>/``: the tokenization differs, the source bytes do not.
-Readers treat a directory without ``admission.json`` as absent, and verify every file's size and
-SHA-256 against it before use.
+A corpus admitted for a second student (or another top-K, or by a kiln-flows whose masks differ:
+the format version is part of the key) lands in ``corpora/<hex>/variants/<variant key>/``: the
+tokenization differs, the source bytes do not. Readers treat a directory without ``admission.json``
+as absent, never reuse one of another format version, and verify every file's size and SHA-256
+against it before use.
 """
 
 from __future__ import annotations
@@ -29,10 +30,12 @@ from pydantic import BaseModel, ConfigDict
 from kiln_core import __version__
 from kiln_core.canonical import kiln_compact_json, sha256_hex
 from kiln_core.contracts.identity import TeacherIdentity
-from kiln_core.corpus import CorpusTables
+from kiln_core.corpus import AdmissionResult, CorpusTables
 from kiln_core.storage import Location, StagedDirectory, resolve
 
-FORMAT_VERSION = "kiln-flows.admission.v1"
+# v2: Kiln's trajectory masks (byte search / prefix re-tokenization), |O| per example, env_tokens
+# after the warning filter. A v1 materialization holds other masks and is never reused.
+FORMAT_VERSION = "kiln-flows.admission.v2"
 COMMIT_FILE = "admission.json"
 EXAMPLES_FILE = "examples.parquet"
 TARGETS_FILE = "targets.parquet"
@@ -49,7 +52,7 @@ class AdmissionRecord(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    format_version: Literal["kiln-flows.admission.v1"] = FORMAT_VERSION
+    format_version: Literal["kiln-flows.admission.v2"] = FORMAT_VERSION
     dataset_sha256: str
     """``sha256:`` digest of the exact JSONL bytes."""
     source_uri: str
@@ -61,13 +64,20 @@ class AdmissionRecord(BaseModel):
     examples: int
     action_tokens: int
     env_tokens: int
+    """ECHO env targets after Kiln's default warning filter (Kiln's ``env_tokens`` with ``echo`` null)."""
     env_tokens_in_warning_prefix: int
+    """Observation tokens the default warning filter leaves out."""
+    observation_tokens: int
+    """ECHO's |O|: observation span widths before warning trimming, summed over examples."""
     context_tokens: int
+    """Tokens that are neither action nor active env targets (Kiln: seq_len − action − env)."""
     manifest_line_number: int | None
     manifest_line: str | None
     teacher_identity_revision: str | None
     pinned_identity_revision: str | None
     files: dict[str, FileDigest]
+    kiln_prompts_sha256: str | None = None
+    """Kiln's ``data.content_sha256`` of the corpus (raw hex); absent in materializations written before it."""
     created_at: str
     kiln_flows_version: str
 
@@ -95,7 +105,9 @@ class Materialization:
 
 def variant_key(student_identity: dict[str, Any], effective_top_k: int) -> str:
     """A short digest of what, besides the bytes, decides the materialized tables."""
-    payload = kiln_compact_json({"student": dict(sorted(student_identity.items())), "top_k": effective_top_k})
+    payload = kiln_compact_json(
+        {"format": FORMAT_VERSION, "student": dict(sorted(student_identity.items())), "top_k": effective_top_k}
+    )
     return sha256_hex(payload.encode("utf-8"))[:16]
 
 
@@ -127,25 +139,57 @@ def read_materialization(uri: str, storage_options: dict | None = None) -> Mater
     """Open a committed materialization directory.
 
     Raises:
-        FileNotFoundError: The directory has no ``admission.json`` (absent or uncommitted).
+        FileNotFoundError: The directory has no ``admission.json`` (absent or uncommitted), or one
+            written by a kiln-flows of another format version (re-admit the corpus).
     """
-    materialization = read_materialization_at(resolve(uri, storage_options))
+    location = resolve(uri, storage_options)
+    materialization = read_materialization_at(location)
     if materialization is None:
+        if location.child(COMMIT_FILE).exists():
+            raise FileNotFoundError(
+                f"{uri} was materialized by a kiln-flows with another format than {FORMAT_VERSION}; "
+                f"admit the corpus again to materialize it for this version"
+            )
         raise FileNotFoundError(f"{uri} is not a committed corpus materialization (no {COMMIT_FILE})")
     return materialization
 
 
 def read_materialization_at(location: Location) -> Materialization | None:
+    """The committed materialization at ``location``; None when absent or of another format version."""
     commit = location.child(COMMIT_FILE)
     if not commit.exists():
         return None
-    record = AdmissionRecord.model_validate_json(commit.read_bytes())
+    data = commit.read_bytes()
+    if json.loads(data).get("format_version") != FORMAT_VERSION:
+        return None  # written by another kiln-flows: its masks are not this version's
+    record = AdmissionRecord.model_validate_json(data)
     return Materialization(location=location, record=record)
+
+
+def result_from_existing(materialization: Materialization):
+    """An ``AdmissionResult`` for a materialization that already exists (no parsing, no tokenizing)."""
+    record = materialization.record
+    return AdmissionResult(
+        dataset_sha256=record.dataset_sha256,
+        source_uri=record.source_uri,
+        examples=record.examples,
+        action_tokens=record.action_tokens,
+        env_tokens=record.env_tokens,
+        observation_tokens=record.observation_tokens,
+        effective_top_k=record.effective_top_k,
+        teacher_identity=materialization.teacher_identity(),
+        manifest_line=record.manifest_line,
+        materialized=materialization.uri,
+        reused=True,
+        tables_loader=lambda: materialization.tables,
+        record=record,
+        parser="reused",
+    )
 
 
 def write_materialization(
     root: str,
-    result,
+    result: AdmissionResult,
     tables: CorpusTables,
     *,
     student,
@@ -161,11 +205,11 @@ def write_materialization(
     variant = primary.child("variants", variant_key(identity, result.effective_top_k))
     location = None
     for candidate in (primary, variant):
-        existing = read_materialization_at(candidate)
-        if existing is None:
+        if not candidate.child(COMMIT_FILE).exists():
             location = candidate
             break
-        if _same_variant(existing, identity, result.effective_top_k):
+        existing = read_materialization_at(candidate)  # None: another format version holds the slot
+        if existing is not None and _same_variant(existing, identity, result.effective_top_k):
             return _adopt(result, existing)  # a concurrent writer committed this variant first
     if location is None:
         raise FileExistsError(f"{variant.uri} holds a different materialization under this variant key")
@@ -181,12 +225,14 @@ def write_materialization(
         action_tokens=result.action_tokens,
         env_tokens=result.env_tokens,
         env_tokens_in_warning_prefix=int(tables.env_in_warning_prefix.sum()),
-        context_tokens=int(tables.input_ids.shape[0] - tables.action_positions.shape[0] - tables.env_positions.shape[0]),
+        observation_tokens=result.observation_tokens,
+        context_tokens=int(tables.input_ids.shape[0] - tables.action_positions.shape[0] - result.env_tokens),
         manifest_line_number=manifest_line_number,
         manifest_line=result.manifest_line,
         teacher_identity_revision=result.teacher_identity.identity_revision() if result.teacher_identity else None,
         pinned_identity_revision=pinned_identity.identity_revision() if pinned_identity else None,
         files={name: FileDigest(bytes=len(data), sha256=sha256_hex(data)) for name, data in payloads.items()},
+        kiln_prompts_sha256=tables.kiln_prompts_sha256,
         created_at=_dt.datetime.now(_dt.timezone.utc).isoformat().replace("+00:00", "Z"),
         kiln_flows_version=__version__,
     )
@@ -213,7 +259,7 @@ def _same_variant(materialization: Materialization, student_identity: dict[str, 
     return materialization.record.student == student_identity and materialization.record.effective_top_k == top_k
 
 
-def _adopt(result, materialization: Materialization) -> Materialization:
+def _adopt(result: AdmissionResult, materialization: Materialization) -> Materialization:
     result.materialized, result.record = materialization.uri, materialization.record
     return materialization
 
@@ -231,6 +277,7 @@ def _examples_parquet(tables: CorpusTables) -> bytes:
             "action_positions": lists(tables.action_positions, tables.action_offsets, pa.int32()),
             "env_positions": lists(tables.env_positions, tables.env_offsets, pa.int32()),
             "env_in_warning_prefix": lists(tables.env_in_warning_prefix, tables.env_offsets, pa.bool_()),
+            "observation_tokens": pa.array(tables.observation_tokens, type=pa.int64()),
         }
     )
     return _parquet_bytes(table)
@@ -299,4 +346,6 @@ def _read_tables(location: Location, record: AdmissionRecord) -> CorpusTables:
         env_offsets=env_offsets,
         teacher_ids=teacher_ids,
         teacher_logprobs=teacher_logprobs,
+        kiln_prompts_sha256=record.kiln_prompts_sha256,
+        observation_tokens=examples.column("observation_tokens").to_numpy().astype(np.int64),
     )

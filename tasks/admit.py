@@ -17,7 +17,9 @@ from kiln_core.engine.refs import CorpusRef, InputsRef, ManifestRef
 from tasks.cache import DigestCachePolicy
 
 ADMIT_CACHE = DigestCachePolicy(
-    version="kiln-flows-admit-v2",
+    # v3: results are engine refs (kiln_core.engine.refs) pointing at admission format v2 (Kiln's
+    # masks); a v2 result of either older line is a ref of another module or a v1 materialization.
+    version="kiln-flows-admit-v3",
     inputs=("dataset_sha256", "student_digest", "effective_top_k", "pinned_revision", "storage_root"),
 )
 

@@ -17,7 +17,8 @@ from tasks.cache import DigestCachePolicy
 @task(
     name="materialize",
     task_run_name="materialize-{corpus.dataset_sha256}",
-    cache_policy=DigestCachePolicy(version="kiln-flows-materialize-v2", inputs=("corpus",)),
+    # v3: see ADMIT_CACHE (engine refs, admission format v2)
+    cache_policy=DigestCachePolicy(version="kiln-flows-materialize-v3", inputs=("corpus",)),
     persist_result=True,
     result_serializer="json",
 )

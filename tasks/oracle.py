@@ -70,7 +70,8 @@ def run_oracle_request(
         model_dir: Local model directory named by the request.
         out_root: Root URI of the results (``<root>/oracle/<id>/``).
         dtype: ``bf16`` or ``fp32``.
-        receipts_root: Repository root of the source receipts; ``None`` skips them (logged).
+        receipts_root: Repository root of the source receipts; ``None`` means the worker's current
+            directory. They are always checked; missing ones reject the request (``receipt_missing``).
 
     Returns:
         ``OracleRef`` with ``status`` ``ok`` or ``rejected``.

@@ -24,10 +24,11 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from student_variants import ASSISTANT_FIRST, LAST_MESSAGE_ONLY, student_variant
 
 from kiln_core.admission import admit_corpus
 from kiln_core.admission import columnar
-from kiln_core.admission.parse import parse_corpus
+from kiln_core.admission.records import parse_corpus
 from kiln_core.contracts.identity import TeacherIdentity, build_manifest_line
 from kiln_core.corpus import CorpusTables
 from kiln_core.errors import ADMISSION_CODES, AdmissionError
@@ -117,6 +118,9 @@ def assert_tables_equal(a: CorpusTables, b: CorpusTables, *, skip=()) -> None:
         if name in skip:
             continue
         x, y = getattr(a, name), getattr(b, name)
+        if not isinstance(x, np.ndarray):  # kiln_prompts_sha256
+            assert x == y, name
+            continue
         assert x.dtype == y.dtype, name
         np.testing.assert_array_equal(x, y, err_msg=name)
 
@@ -207,7 +211,11 @@ def test_exact_only_records_admit_like_their_plain_equivalents(base_lines, stude
     natural = admit(write_corpus(tmp_path, joined(changed)), student, tiny_student)
     assert natural.parser == "exact"
     assert natural.dataset_sha256 != plain.dataset_sha256
-    assert_same_admission(natural, plain)
+    if change is _tool_calls:  # Kiln's ChatMessage keeps tool_calls, so its prompt-list digest sees them
+        assert natural.tables.kiln_prompts_sha256 != plain.tables.kiln_prompts_sha256
+        assert_same_admission(natural, plain, skip=("kiln_prompts_sha256",))
+    else:
+        assert_same_admission(natural, plain)
 
 
 def _with_whitespace_around_records(lines: list[str], before: str, after: str) -> list[str]:
@@ -580,7 +588,38 @@ def _rejection_cases(lines: list[str]) -> dict[str, tuple[object, dict]]:
         "not_non_increasing": (candidates(lambda c: c[5].__setitem__("logprob", c[4]["logprob"] + 0.25)), {}),
         "mass_exceeds_one": (candidates(heavy), {}),
         "conflicting_duplicate_row": (lines + [compact(conflicting)], {}),
+        "nesting_too_deep": ([line.replace('"@@"', "[" * 200 + "]" * 200) for line in edit(lines, 2, lambda r: r.__setitem__("metadata", "@@"))], {}),
     }
+
+
+def _custom_student_case(code: str, lines: list[str], directory: Path, tiny_student: Path) -> tuple[list[str], Path]:
+    """A corpus and a student directory that together break ``code`` (see test_admission_rules.py)."""
+    template, vocab_size = {
+        "overlapping_masks": (LAST_MESSAGE_ONLY, None),
+        "target_at_position_zero": (ASSISTANT_FIRST, None),
+        "input_token_out_of_range": (None, 300),
+    }[code]
+    student_variant(tiny_student, directory, template=template, vocab_size=vocab_size)
+    if code == "overlapping_masks":
+        record = {"messages": [{"role": "user", "content": "x"}], "teacher_response": "unused", "trajectory": [
+            {"role": "assistant", "content": "the quick brown fox jumps", "kind": "action"},
+            {"role": "user", "content": "y", "kind": "context"},
+            {"role": "tool", "content": "over the lazy dog again", "kind": "observation"}]}
+        return [compact(record)], directory
+    if code == "target_at_position_zero":
+        return [compact({"messages": [{"role": "user", "content": "hi"}], "teacher_response": "hello world again"})], directory
+    manifest = json.loads(lines[0])
+    manifest["teacher_identity"]["vocab_size"] = vocab_size
+
+    def narrow_candidates(record):
+        for token in record["teacher_tokens"]:
+            for rank, candidate in enumerate(token["top_logprobs"]):
+                candidate["token_id"] = 200 + rank
+
+    return [compact(manifest)] + [compact(json.loads(edit(lines, i, narrow_candidates)[i])) for i in range(1, len(lines))], directory
+
+
+CUSTOM_STUDENT_CODES = ("overlapping_masks", "target_at_position_zero", "input_token_out_of_range")
 
 
 REJECTION_KINDS = [
@@ -588,18 +627,24 @@ REJECTION_KINDS = [
     "manifest_invalid", "manifest_missing", "identity_mismatch", "vocab_size_mismatch", "top_k_exceeds_identity",
     "top_k_unsupported", "no_examples", "empty_messages", "empty_response", "no_action_tokens", "token_count_mismatch",
     "token_id_mismatch", "too_few_candidates", "token_id_out_of_range", "non_finite_logprob", "positive_logprob",
-    "duplicate_candidate", "not_non_increasing", "mass_exceeds_one", "conflicting_duplicate_row",
+    "duplicate_candidate", "not_non_increasing", "mass_exceeds_one", "conflicting_duplicate_row", "nesting_too_deep",
+    *CUSTOM_STUDENT_CODES,
 ]
 
 
 @pytest.mark.parametrize("code", REJECTION_KINDS)
 def test_rejection_leaves_nothing_behind(base_lines, student, tiny_student, tmp_path, code):
-    corpus, kwargs = _rejection_cases(base_lines)[code]
+    if code in CUSTOM_STUDENT_CODES:
+        corpus, student_dir = _custom_student_case(code, base_lines, tmp_path / "student", tiny_student)
+        failing_student, kwargs = load_student_tokenizer(student_dir), {}
+    else:
+        corpus, kwargs = _rejection_cases(base_lines)[code]
+        failing_student, student_dir = student, tiny_student
     data = corpus if isinstance(corpus, bytes) else joined(corpus)
     path = write_corpus(tmp_path, data)
     root = tmp_path / "root"
     with pytest.raises(AdmissionError) as caught:
-        admit(path, student, tiny_student, out_root=str(root), **kwargs)
+        admit(path, failing_student, student_dir, out_root=str(root), **kwargs)
     assert caught.value.code == code
     assert visible_under(root) == []
     # a root that already holds a committed corpus gains nothing either
@@ -607,7 +652,7 @@ def test_rejection_leaves_nothing_behind(base_lines, student, tiny_student, tmp_
     before = visible_under(root)
     assert len(before) == 4  # <hex>/, and its three files
     with pytest.raises(AdmissionError):
-        admit(path, student, tiny_student, out_root=str(root), **kwargs)
+        admit(path, failing_student, student_dir, out_root=str(root), **kwargs)
     assert visible_under(root) == before
 
 

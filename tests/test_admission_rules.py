@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 import pytest
+from student_variants import ASSISTANT_FIRST, LAST_MESSAGE_ONLY, student_variant
 
 from kiln_core.admission import admit_corpus
 from kiln_core.contracts.identity import TeacherIdentity, build_manifest_line
@@ -136,7 +137,7 @@ def test_not_an_object(tmp_path, tiny_student, base_lines):
         (lambda r: r["teacher_tokens"][0]["top_logprobs"][0].__setitem__("token_id", -1), "token_id"),
         (lambda r: r["teacher_tokens"][0]["top_logprobs"][0].__setitem__("token_id", 1.5), "token_id"),
         (lambda r: r["teacher_tokens"][0]["top_logprobs"][0].__setitem__("logprob", "low"), "logprob"),
-        (lambda r: r["teacher_tokens"][0].pop("top_logprobs"), "top_logprobs"),
+        (lambda r: r["teacher_tokens"][0].__setitem__("top_logprobs", None), "top_logprobs"),
         (lambda r: r["messages"][0].__setitem__("role", None), "role"),
         (lambda r: r.__setitem__("trajectory", [{"role": "assistant", "content": "x", "kind": "reward"}]), "kind"),
         (lambda r: r.__setitem__("id", 7), "id"),
@@ -146,6 +147,21 @@ def test_invalid_record_names_the_field(tmp_path, tiny_student, base_lines, chan
     error = rejection(tmp_path, edit_example(base_lines, 3, change), tiny_student)
     assert (error.code, error.line) == ("invalid_record", 3)
     assert field in error.message
+
+
+@pytest.mark.parametrize("depth, verdict", [(127, "admitted"), (128, "nesting_too_deep")])
+def test_nesting_limit_is_serde_jsons(tmp_path, tiny_student, base_lines, depth, verdict):
+    """serde_json refuses the 128th nested container, even inside a field Kiln ignores (the line is
+    decoded to a Value first); the record itself counts as one level."""
+    lines = edit_example(base_lines, 3, lambda r: r.__setitem__("metadata", "@@"))
+    lines[2] = lines[2].replace('"@@"', "[" * (depth - 1) + "]" * (depth - 1))
+    path = write(tmp_path, lines)
+    if verdict == "admitted":
+        assert admit_corpus(str(path), str(tiny_student), top_k=16).examples == 4
+    else:
+        error = rejection(tmp_path, path, tiny_student)
+        assert (error.code, error.line) == ("nesting_too_deep", 3)
+        assert "128" in error.message
 
 
 def test_unknown_example_fields_are_ignored(tmp_path, tiny_student, base_lines):
@@ -303,6 +319,13 @@ def test_token_id_mismatch(tmp_path, tiny_student, base_lines):
     assert "token 2" in error.message
 
 
+def test_missing_top_logprobs_is_an_empty_row(tmp_path, tiny_student, base_lines):
+    """serde's ``#[serde(default)]``: a token without ``top_logprobs`` has none, so too few for K."""
+    error = rejection(tmp_path, edit_example(base_lines, 3, lambda r: r["teacher_tokens"][1].pop("top_logprobs")), tiny_student)
+    assert (error.code, error.line) == ("too_few_candidates", 3)
+    assert "token 1 " in error.message and "has 0 top_logprobs" in error.message
+
+
 def test_absent_token_id_is_not_checked(tmp_path, tiny_student, base_lines):
     lines = edit_example(base_lines, 3, lambda r: [t.pop("token_id") for t in r["teacher_tokens"]])
     assert admit_corpus(str(write(tmp_path, lines)), str(tiny_student), top_k=16).examples == 4
@@ -417,6 +440,66 @@ def test_conflicting_duplicate_row(tmp_path, tiny_student, base_lines):
 def test_exact_duplicate_rows_are_harmless(tmp_path, tiny_student, base_lines):
     result = admit_corpus(str(write(tmp_path, base_lines + base_lines[1:2])), str(tiny_student), top_k=16)
     assert result.examples == 5
+
+
+# --- mask rules and the student's vocabulary -----------------------------------------------------
+
+
+def test_overlapping_masks(tmp_path, tiny_student):
+    """Prefix renders that shrink make two supervised segments claim the same tokens: Kiln refuses it.
+
+    The template renders only the last message, so the byte search finds no marker and the prefix
+    fallback gives the action tokens [len(render(prompt)), len(render(+action))) and the observation
+    tokens [len(render(+context)), len(render(all))) — the same positions.
+    """
+    student = student_variant(tiny_student, tmp_path / "last-only", template=LAST_MESSAGE_ONLY)
+    record = {
+        "messages": [{"role": "user", "content": "x"}],
+        "teacher_response": "unused",
+        "trajectory": [
+            {"role": "assistant", "content": "the quick brown fox jumps", "kind": "action"},
+            {"role": "user", "content": "y", "kind": "context"},
+            {"role": "tool", "content": "over the lazy dog again", "kind": "observation"},
+        ],
+    }
+    error = rejection(tmp_path, [compact(record)], student)
+    assert (error.code, error.line) == ("overlapping_masks", 1)
+    assert "overlap at token index 1" in error.message
+
+
+def test_target_at_position_zero(tmp_path, tiny_student):
+    """A template that starts the text with the assistant's content makes position 0 a target."""
+    student = student_variant(tiny_student, tmp_path / "assistant-first", template=ASSISTANT_FIRST)
+    record = {"messages": [{"role": "user", "content": "hi"}], "teacher_response": "hello world again"}
+    error = rejection(tmp_path, [compact(record)], student)
+    assert (error.code, error.line) == ("target_at_position_zero", 1)
+
+
+def test_input_token_out_of_range(tmp_path, tiny_student, base_lines):
+    """Kiln's fixture insert refuses input ids ≥ the model's vocab_size, after row 0 is validated."""
+    from kiln_core.tokenization import encode_conversations, load_student_tokenizer
+    from kiln_core.admission.records import parse_corpus
+
+    student_dir = student_variant(tiny_student, tmp_path / "narrow", vocab_size=300)
+    student = load_student_tokenizer(student_dir)
+    manifest = json.loads(base_lines[0])
+    manifest["teacher_identity"]["vocab_size"] = 300
+    lines = [compact(manifest)] + base_lines[1:]
+    (encoded,) = encode_conversations(student, parse_corpus((lines[2] + "\n").encode()).conversations)
+    assert encoded.input_ids.max() >= 300  # the example does use an id the narrow model has no logit for
+
+    def candidates_below_300(record):
+        for token in record["teacher_tokens"]:
+            for rank, candidate in enumerate(token["top_logprobs"]):
+                candidate["token_id"] = 200 + rank  # a valid row: unique ids < 300, logprobs untouched
+
+    lines = [lines[0]] + [edit_example(lines, n, candidates_below_300)[n - 1] for n in range(2, len(lines) + 1)]
+    error = rejection(tmp_path, lines, student_dir)
+    assert error.code == "input_token_out_of_range"
+    assert "outside the student's vocab_size 300" in error.message
+    # a bad row 0 is reported first: Kiln validates the row before it inserts the sequence
+    first = edit_example(lines, error.line, candidate_case(0, lambda c: c.pop()))
+    assert rejection(tmp_path, first, student_dir).code == "too_few_candidates"
 
 
 # --- ordering: the first failure in file order wins ---------------------------------------------

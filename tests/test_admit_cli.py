@@ -19,7 +19,8 @@ from kiln_core.synthetic import synthesize_corpus
 REPO = Path(__file__).resolve().parents[1]
 # The console script installed next to the interpreter running the tests (any venv, any checkout).
 KILN_FLOWS = Path(sys.executable).with_name("kiln-flows")
-ADMITTED_KEYS = {"status", "dataset_sha256", "examples", "action_tokens", "env_tokens", "effective_top_k", "materialized"}
+ADMITTED_KEYS = {"status", "dataset_sha256", "examples", "action_tokens", "env_tokens", "observation_tokens",
+                 "effective_top_k", "materialized"}
 
 
 @pytest.fixture(scope="module")

@@ -26,8 +26,8 @@ from safetensors.torch import load_file
 
 from kiln_core.storage import resolve
 from kiln_core.training.checkpoint import ResumeError, latest_checkpoint
-from kiln_core.training.trainer import SimulatedCrash, train_opd
-from test_trainer import ADAPTER, DATASET_SHA, make_config, synthetic_tables
+from kiln_core.training.trainer import train_opd
+from test_trainer import ADAPTER, DATASET_SHA, Crash, crash_after, make_config, synthetic_tables, table_arrays
 
 LAUNCH_TIMEOUT = 300
 # 5 examples × 3 epochs = 15 candidates, 2 per step → 8 steps: groups that span an epoch boundary and a last
@@ -47,10 +47,17 @@ torch.set_num_threads(1)
 from kiln_core.contracts.opd_config import OpdConfig
 from kiln_core.corpus import CorpusTables
 from kiln_core.training.checkpoint import ResumeError
-from kiln_core.training.distributed import init_world, shutdown_world
+from kiln_core.training.distributed.world import init_world, shutdown_world
 from kiln_core.training.trainer import train_opd
 
 args = json.loads(sys.argv[1])
+
+
+def crash(step):
+    if step == args.get("fail_at_step"):
+        raise RuntimeError(f"simulated crash after step {step}")
+
+
 world = init_world("gloo", "cpu")
 data = np.load(args["tables"])
 try:
@@ -58,7 +65,7 @@ try:
         tables=CorpusTables(**{k: data[k] for k in data.files}), dataset_sha256=args["sha"], dataset_path="corpus.jsonl",
         student_dir=args["student"], adapter_name=args["adapter"], config=OpdConfig.model_validate_json(args["config"]),
         run_root=args["root"], teacher_identity=None, teacher_alias="tiny-teacher", resume_checkpoint=args.get("resume"),
-        fail_at_step=args.get("fail_at_step"), world=world)
+        on_step_committed=crash, world=world)
 except ResumeError as error:
     print("REJECTED", json.dumps(error.to_json()), flush=True)
     sys.exit(2)
@@ -83,7 +90,7 @@ def workdir(tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("distributed")
     (directory / "driver.py").write_text(DRIVER)
     corpus = tables()
-    np.savez(directory / "tables.npz", **{name: getattr(corpus, name) for name in corpus.__dataclass_fields__})
+    np.savez(directory / "tables.npz", **table_arrays(corpus))
     return directory
 
 
@@ -138,17 +145,22 @@ def test_two_ranks_match_one_process_with_two_sequences_per_step(two_rank_run, t
         torch.testing.assert_close(distributed[name], tensor, atol=1e-6, rtol=0)
     r2, r1 = receipt(root), receipt(tmp_path)
     assert r2["token_counts"] == r1["token_counts"]  # every candidate counted once, across both ranks
-    np.testing.assert_allclose(r2["lora_grad_norms"], r1["lora_grad_norms"], rtol=1e-5)
+    assert [row["module"] for row in r2["lora_grad_norms"]] == [row["module"] for row in r1["lora_grad_norms"]]
+    for a, b in zip(r2["lora_grad_norms"], r1["lora_grad_norms"]):
+        assert a["sample_count"] == b["sample_count"] == 8
+        np.testing.assert_allclose([a["min"], a["mean"], a["max"]], [b["min"], b["mean"], b["max"]], rtol=1e-5)
     assert r2["distributed"] == {"world_size": 2, "backend": "gloo", "strategy": "ddp", "sequences_per_step_per_rank": 1,
                                  "sequences_per_optimizer_step": 2}
     assert "distributed" not in r1  # a one-process receipt is unchanged
-    manifest = json.loads((root / f"{ADAPTER}-checkpoint-step-00000002.kiln-checkpoint" / "checkpoint_manifest.json").read_text())
-    block = manifest["distributed"]
-    assert (block["world_size"], block["backend"], len(block["rank_rng_states"])) == (2, "gloo", 2)
-    assert block["rank_rng_states"][0] == manifest["rng_states"]
+    directory = root / f"{ADAPTER}-checkpoint-step-00000002.kiln-checkpoint"
+    manifest = json.loads((directory / "checkpoint_manifest.json").read_text())
+    assert "distributed" not in manifest  # Kiln's manifest has no such field: the world lives in our extension file
+    extension = json.loads((directory / "kiln_flows_state.json").read_text())
+    assert (extension["world_size"], extension["backend"], len(extension["rank_rng"])) == (2, "gloo", 2)
     assert (manifest["progress"]["epoch_index"], manifest["progress"]["cursor_in_epoch"]) == (0, 4)
-    single_manifest = json.loads((tmp_path / f"{ADAPTER}-checkpoint-step-00000002.kiln-checkpoint" / "checkpoint_manifest.json").read_text())
-    assert "distributed" not in single_manifest
+    assert manifest["progress"]["total_steps"] == 15  # Kiln counts candidates, not optimizer steps
+    single = json.loads((tmp_path / f"{ADAPTER}-checkpoint-step-00000002.kiln-checkpoint" / "kiln_flows_state.json").read_text())
+    assert (single["world_size"], single["sequences_per_step"]) == (1, 2)
 
 
 def test_interrupted_two_rank_run_resumes_bit_exactly(two_rank_run, workdir, tiny_student):
@@ -182,10 +194,10 @@ def test_a_different_world_size_is_refused_before_training(two_rank_run, workdir
 
     # a one-process checkpoint resumed by 2 ranks: every rank refuses in planning, before the model loads
     single = tmp_path / "single"
-    with pytest.raises(SimulatedCrash):
+    with pytest.raises(Crash):
         train_opd(tables=tables(), dataset_sha256=DATASET_SHA, dataset_path="corpus.jsonl",
                   student_dir=str(tiny_student), adapter_name=ADAPTER, config=CONFIG.model_copy(update={"sequences_per_step": 2}),
-                  run_root=str(single), teacher_identity=None, teacher_alias="tiny-teacher", fail_at_step=3)
+                  run_root=str(single), teacher_identity=None, teacher_alias="tiny-teacher", on_step_committed=crash_after(3))
     listing = sorted(os.listdir(single))
     code, rejected, stderr = torchrun(workdir, tiny_student, single, resume=f"{ADAPTER}-checkpoint-step-00000002.kiln-checkpoint")
     assert code != 0 and rejected is not None, stderr[-4000:]
@@ -194,7 +206,8 @@ def test_a_different_world_size_is_refused_before_training(two_rank_run, workdir
     assert sorted(os.listdir(single)) == listing
 
 
-def test_a_distributed_block_that_lost_a_rank_is_refused_by_the_loader(two_rank_run, tmp_path):
+def test_an_extension_file_that_lost_a_rank_is_refused_by_the_loader(two_rank_run, tmp_path):
+    import hashlib
     import shutil
 
     from kiln_core.training.checkpoint import CheckpointError, load_checkpoint
@@ -202,18 +215,23 @@ def test_a_distributed_block_that_lost_a_rank_is_refused_by_the_loader(two_rank_
     root, _ = two_rank_run
     name = f"{ADAPTER}-checkpoint-step-00000002.kiln-checkpoint"
     shutil.copytree(root / name, tmp_path / name)
-    assert load_checkpoint(str(tmp_path), name).manifest.world_size == 2
+    assert load_checkpoint(str(tmp_path), name).world_size == 2
+    extension_path = tmp_path / name / "kiln_flows_state.json"
+    extension = json.loads(extension_path.read_text())
+    extension["rank_rng"].pop()
+    payload = json.dumps(extension, indent=2).encode()
+    extension_path.write_bytes(payload)
     manifest_path = tmp_path / name / "checkpoint_manifest.json"
     manifest = json.loads(manifest_path.read_text())
-    manifest["distributed"]["rank_rng_states"].pop()
+    manifest["files"]["kiln_flows_state.json"].update(size_bytes=len(payload), sha256=hashlib.sha256(payload).hexdigest())
     manifest_path.write_text(json.dumps(manifest, indent=2))
-    with pytest.raises(CheckpointError, match="rank_rng_states must hold world_size entries") as caught:
+    with pytest.raises(CheckpointError, match="generator states of 1 ranks for a world size of 2") as caught:
         load_checkpoint(str(tmp_path), name)
-    assert caught.value.code == "checkpoint_manifest_invalid"
+    assert caught.value.code == "checkpoint_extension_invalid"
 
 
 def test_shard_takes_contiguous_blocks_and_short_groups_leave_ranks_idle():
-    from kiln_core.training.distributed import World
+    from kiln_core.training.distributed.world import World
 
     assert [World(rank=r, size=2).shard(range(4, 6), 1) for r in (0, 1)] == [range(4, 5), range(5, 6)]
     assert [list(World(rank=r, size=3).shard(range(6, 11), 2)) for r in (0, 1, 2)] == [[6, 7], [8, 9], [10]]
@@ -223,7 +241,7 @@ def test_shard_takes_contiguous_blocks_and_short_groups_leave_ranks_idle():
 def test_fsdp_and_nccl_on_cpu_are_refused():
     from flows.spec import SpecError, parse_spec
     from kiln_core.contracts.opd_config import ConfigError
-    from kiln_core.training.distributed import check_strategy, resolve_backend
+    from kiln_core.training.distributed.world import check_strategy, resolve_backend
 
     with pytest.raises(ConfigError, match="fsdp is not implemented") as caught:
         check_strategy("fsdp")

@@ -357,7 +357,7 @@ def test_every_error_class_is_one_of_the_two_kinds():
     from kiln_core.contracts.pipeline import SpecError
     from kiln_core.errors import AdmissionError, EnvironmentFailure, Rejection
     from kiln_core.identity.hashing import IdentityHashError
-    from kiln_core.nesting import NestingTooDeep
+    from kiln_core.strict_json import NestingTooDeep
     from kiln_core.oracle import OracleRejection, OracleRunError
     from kiln_core.scoring import ScoringError
     from kiln_core.storage import StorageFailure, StorageRejection
@@ -371,7 +371,7 @@ def test_every_error_class_is_one_of_the_two_kinds():
                   IdentityHashError("no_weights", "m"), LocalRegistryError("unknown_alias", "m"),
                   TokenizationError("m"), SpecError("m", "adapter"), OracleRejection("candidates_equal", "m"),
                   StrictJsonError("duplicate_key", "m"), RecordError("messages", "m"), CheckpointError("c", "m"),
-                  NestingTooDeep("doc"), StorageRejection("unknown_protocol", "m"),
+                  NestingTooDeep("m"), StorageRejection("unknown_protocol", "m"),
                   ScoringError("no_examples", "m"), TeacherRegistryError("unknown_alias", "m")]
     failures = [ScoringError("vllm_unreachable", "m"), TeacherRegistryError("timeout", "m"), OracleRunError("m"),
                 StorageFailure("m")]

@@ -1,8 +1,10 @@
-"""The mask builder (kiln_core.tokenization, DESIGN.md decision 3, kiln-opd-spec.md §5).
+"""The mask builders (kiln_core.tokenization, DESIGN.md decision 3, kiln-opd-spec.md §5) on the tiny student.
 
 What a user depends on: which tokens become reverse-KL action targets and ECHO env targets, for
 plain conversations (``{% generation %}`` blocks or the ChatML fallback) and for trajectories
-(``kind`` decides, ``role`` never does), with position 0 never a target and the masks disjoint.
+(``kind`` decides, ``role`` never does), and that what Kiln refuses — a target at position 0,
+overlapping masks, a template that does not mark its assistant turns — is refused, not repaired.
+Kiln's own trajectory tests, translated, are in ``test_trajectory_mask_kiln.py``.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import numpy as np
 import pytest
 
 from kiln_core.admission import admit_corpus
-from kiln_core.admission.parse import parse_corpus
+from kiln_core.admission.records import parse_corpus
 from kiln_core.errors import AdmissionError
 from kiln_core.synthetic import synthesize_corpus
 from kiln_core.tokenization import (
@@ -78,7 +80,25 @@ def custom_dirs(tiny_student, tmp_path_factory) -> dict[str, Path]:
         ),
         # ChatML that never shows a tool message's content
         "hidden_tool": _student_copy(tiny_student, root / "hidden-tool", hidden_tool),
+        # a template that refuses tool turns
+        "raising": _student_copy(
+            tiny_student, root / "raising",
+            chatml.replace("{%- elif message['role'] == 'tool' -%}", "{%- elif message['role'] == 'tool' -%}"
+                           "{{- raise_exception('no tools here') -}}"),
+        ),
+        # only the assistant turn is rendered, in a generation block: position 0 is its content
+        "assistant_first": _student_copy(
+            tiny_student, root / "assistant-first",
+            "{% for m in messages %}{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}"
+            "{% endgeneration %}{% endif %}{% endfor %}",
+        ),
         "no_template": _student_copy(tiny_student, root / "no-template", None),
+        # ChatML whose assistant turns never close
+        "unterminated": _student_copy(
+            tiny_student, root / "unterminated",
+            "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+            "{% if m['role'] != 'assistant' %}<|im_end|>\n{% endif %}{% endfor %}",
+        ),
     }
 
 
@@ -215,6 +235,39 @@ def test_fallback_and_generation_students_admit_the_same_corpus_identically(
         np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
 
 
+def _expected_prefix_render_mask(student, messages, response):
+    """Kiln's last resort for a plain example, by hand: the tokens overlapping the characters the
+    assistant turn adds to the rendered prompt (ASCII text: characters are bytes)."""
+    chat = list(messages) + [{"role": "assistant", "content": response}]
+    render = lambda m: student.tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=False)
+    before, full = render(messages), render(chat)
+    assert full.startswith(before) and full.isascii()
+    offsets = student.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    return [i for i, (a, b) in enumerate(offsets) if a != b and a < len(full) and b > len(before)]
+
+
+def test_chatml_fallback_finding_extra_headers_marks_nothing_then_prefix_renders_decide(plain):
+    """A user message quoting the assistant header makes the ChatML search count 2 spans for 1
+    assistant turn: Kiln then marks nothing from it and falls back to prefix renders, whose span
+    starts at the turn's own header."""
+    messages = [{"role": "user", "content": "say <|im_start|>assistant\n please"}]
+    encoded = encode_one(plain, Conversation(messages, "two plus two is four"))
+    assert encoded.problem is None
+    assert encoded.action_positions.tolist() == _expected_prefix_render_mask(plain, messages, "two plus two is four")
+    assert decoded(plain, encoded.input_ids, encoded.action_positions) == (
+        "<|im_start|>assistant\ntwo plus two is four" + IM_END + "\n"
+    )
+
+
+def test_unterminated_assistant_turn_falls_back_to_prefix_renders(custom_dirs):
+    student = load_student_tokenizer(custom_dirs["unterminated"])
+    messages = [{"role": "user", "content": "hello"}]
+    encoded = encode_one(student, Conversation(messages, "hello world"))
+    assert encoded.problem is None
+    assert encoded.action_positions.tolist() == _expected_prefix_render_mask(student, messages, "hello world")
+    assert decoded(student, encoded.input_ids, encoded.action_positions) == "<|im_start|>assistant\nhello world"
+
+
 # --- (c) trajectories ----------------------------------------------------------------------------
 
 
@@ -255,36 +308,40 @@ def test_context_segment_tokens_are_not_targets(gen):
     assert not targets & set(range(start, start + len(context_ids)))
 
 
-def test_missing_kind_is_context(gen):
-    line = json.dumps(
-        {
-            "messages": [{"role": "user", "content": "hello"}],
-            "teacher_response": "x",
-            "trajectory": [
-                {"role": "assistant", "content": "no kind here"},
-                {"role": "assistant", "content": "explicit null", "kind": None},
-                {"role": "assistant", "content": "the action", "kind": "action"},
-            ],
-        }
-    )
-    parsed = parse_corpus((line + "\n").encode())
+def test_missing_kind_is_context_but_null_kind_is_refused(gen):
+    record = {
+        "messages": [{"role": "user", "content": "hello"}],
+        "teacher_response": "x",
+        "trajectory": [
+            {"role": "assistant", "content": "no kind here"},
+            {"role": "assistant", "content": "the action", "kind": "action"},
+        ],
+    }
+    parsed = parse_corpus((json.dumps(record) + "\n").encode())
     (conversation,) = parsed.conversations
-    assert [s.kind for s in conversation.trajectory] == ["context", "context", "action"]
+    assert [s.kind for s in conversation.trajectory] == ["context", "action"]
     encoded = encode_one(gen, conversation)
     assert decoded(gen, encoded.input_ids, encoded.action_positions) == "the action"
     assert encoded.env_positions.size == 0
+    record["trajectory"][0]["kind"] = None  # serde: an enum is never null
+    with pytest.raises(AdmissionError) as caught:
+        parse_corpus((json.dumps(record) + "\n").encode())
+    assert (caught.value.code, caught.value.line) == ("invalid_record", 1)
 
 
 def test_role_never_implies_kind(gen):
+    """A context segment with role assistant or tool marks nothing; only ``kind`` supervises."""
     conversation = trajectory(
-        Segment("assistant", "warning: deprecated API", "observation"),
-        Segment("tool", "read_file", "action", "call-1"),
+        Segment("assistant", "read_file", "action"),
+        Segment("tool", "src/lib.rs src/main.rs", "context", "call-1"),
         Segment("assistant", "ok done", "context"),
-        Segment("tool", "src/lib.rs", "context", "call-2"),
+        Segment("tool", "warning: deprecated API", "observation", "call-2"),
+        Segment("assistant", "The quick brown fox.", "action"),
     )
     encoded = encode_one(gen, conversation)
+    assert encoded.problem is None
+    assert decoded_runs(gen, encoded.input_ids, encoded.action_positions) == ["read_file", "The quick brown fox."]
     assert decoded(gen, encoded.input_ids, encoded.env_positions) == "warning: deprecated API"
-    assert decoded(gen, encoded.input_ids, encoded.action_positions) == "read_file"
 
 
 def test_segment_matching_starts_after_the_prompt_and_advances(gen):
@@ -319,10 +376,10 @@ def test_warning_prefix_flags_leading_bytes(gen):
 
 
 def test_warning_prefix_splitting_a_multibyte_character(gen):
-    """``é`` is bytes 3-4 of "ok é done"; a prefix of 4 bytes ends inside it.
+    """``é`` is bytes 3-4 of "ok é done" and the byte-level tokenizer gives each byte its own token.
 
-    Tokens entirely inside the prefix are flagged; the tokens of the split character extend past
-    the prefix, so they are not. A prefix of 5 bytes covers the whole character.
+    Kiln trims bytes: a prefix of 4 ends inside ``é``, so the token of its first byte (which ends at
+    byte 4) is trimmed and the token of its second byte is kept. A prefix of 5 trims both.
     """
     content = "ok é done"
     assert content.encode("utf-8")[3:5] == "é".encode("utf-8")
@@ -334,10 +391,12 @@ def test_warning_prefix_splitting_a_multibyte_character(gen):
         )
         assert decoded(gen, encoded.input_ids, encoded.env_positions) == content
         results[prefix] = encoded
-    flagged = {
-        p: decoded(gen, e.input_ids, e.env_positions[e.env_in_warning_prefix]) for p, e in results.items()
-    }
-    assert flagged == {3: "ok ", 4: "ok ", 5: "ok é"}
+    flagged = {p: e.env_positions[e.env_in_warning_prefix] for p, e in results.items()}
+    first_byte, second_byte = gen.tokenizer.convert_tokens_to_ids(["Ã", "©"])  # é as byte-level tokens
+    ids = results[4].input_ids
+    assert ids[flagged[4]].tolist() == ids[flagged[3]].tolist() + [first_byte]
+    assert ids[flagged[5]].tolist() == ids[flagged[3]].tolist() + [first_byte, second_byte]
+    assert decoded(gen, ids, flagged[3]) == "ok " and decoded(gen, ids, flagged[5]) == "ok é"
     np.testing.assert_array_equal(results[3].env_positions, results[5].env_positions)
 
 
@@ -353,17 +412,20 @@ def test_warning_prefix_applies_to_observations_only(gen):
     assert decoded(gen, encoded.input_ids, encoded.action_positions) == "warning: x"
 
 
-def test_segment_missing_from_render_is_a_tokenization_error(custom_dirs):
+def test_observation_marks_whatever_the_tool_response_wrapper_holds(custom_dirs):
+    """Kiln finds observations by their ``<tool_response>`` wrapper, not by their content: a template
+    that shows something else there gets that something else marked."""
     hidden = load_student_tokenizer(custom_dirs["hidden_tool"])
-    visible = trajectory(Segment("assistant", "ok", "action"), Segment("user", "shown", "observation"))
-    assert decoded(hidden, encode_one(hidden, visible).input_ids, encode_one(hidden, visible).env_positions) == "shown"
-    missing = trajectory(Segment("assistant", "ok", "action"), Segment("tool", "secret output", "observation"))
-    with pytest.raises(TokenizationError, match="segment 1"):
-        encode_one(hidden, missing)
+    conversation = trajectory(Segment("assistant", "ok", "action"), Segment("tool", "secret output", "observation"))
+    encoded = encode_one(hidden, conversation)
+    assert encoded.problem is None
+    assert decoded(hidden, encoded.input_ids, encoded.env_positions) == "[hidden]"
 
 
-def test_segment_missing_from_render_rejects_its_line(custom_dirs, tmp_path):
-    hidden_dir = custom_dirs["hidden_tool"]
+def test_template_that_raises_rejects_its_line(custom_dirs, tmp_path):
+    raising = load_student_tokenizer(custom_dirs["raising"])
+    with pytest.raises(TokenizationError, match="no tools here"):
+        encode_one(raising, trajectory(Segment("assistant", "ok", "action"), Segment("tool", "x", "observation")))
     record = {
         "messages": [{"role": "user", "content": "hello"}],
         "teacher_response": "ok",
@@ -372,34 +434,48 @@ def test_segment_missing_from_render_rejects_its_line(custom_dirs, tmp_path):
             {"role": "tool", "content": "secret output", "kind": "observation"},
         ],
     }
+    plain = {"messages": [{"role": "user", "content": "hello"}], "teacher_response": "ok"}
     path = tmp_path / "corpus.jsonl"
-    path.write_text("\n" + json.dumps(record) + "\n", encoding="utf-8")
+    path.write_text("\n" + json.dumps(record) + "\n" + json.dumps(plain) + "\n", encoding="utf-8")
     with pytest.raises(AdmissionError) as caught:
-        admit_corpus(str(path), str(hidden_dir), top_k=16)
+        admit_corpus(str(path), str(custom_dirs["raising"]), top_k=16)
     assert (caught.value.code, caught.value.line) == ("invalid_record", 2)
+    assert "no tools here" in caught.value.message
 
 
 # --- (d) position 0 ------------------------------------------------------------------------------
 
 
-def test_position_zero_is_never_an_action_target_with_generation_blocks(custom_dirs):
+def test_generation_blocks_must_match_the_assistant_turns(custom_dirs):
+    """Kiln's training template must return one span per assistant message, or it refuses the example."""
     student = load_student_tokenizer(custom_dirs["gen_content_only"])
     assert student.has_generation_blocks
     encoded = encode_one(student, Conversation([{"role": "user", "content": "hello"}], "world"))
-    n = len(encoded.input_ids)
-    assert n >= 2
-    # every token is inside a generation block, and only position 0 is left out
-    np.testing.assert_array_equal(encoded.action_positions, np.arange(1, n))
+    assert encoded.problem is not None and encoded.problem.code == "invalid_record"
+    assert "2 assistant spans for 1 assistant messages" in encoded.problem.message
+
+
+def test_action_target_at_position_zero_is_refused(custom_dirs):
+    student = load_student_tokenizer(custom_dirs["assistant_first"])
+    encoded = encode_one(student, Conversation([{"role": "user", "content": "hello"}], "hello world again"))
+    assert encoded.action_positions[0] == 0
+    assert encoded.problem is not None and encoded.problem.code == "target_at_position_zero"
 
 
 @pytest.mark.parametrize("kind", ["action", "observation"])
-def test_position_zero_is_never_a_trajectory_target(custom_dirs, kind):
+def test_trajectory_target_at_position_zero(custom_dirs, kind):
+    """Back-to-back contents: no marker, so Kiln's prefix fallback marks from token 0. An action there
+    is refused; an observation token at 0 is no ECHO target (no causal row) and leaves no action."""
     student = load_student_tokenizer(custom_dirs["content_only"])
-    conversation = Conversation([], "x", [Segment("assistant", "hello world", kind)])
-    encoded = encode_one(student, conversation)
+    encoded = encode_one(student, Conversation([], "x", [Segment("assistant", "hello world", kind)]))
     n = len(encoded.input_ids)
-    positions = encoded.action_positions if kind == "action" else encoded.env_positions
-    np.testing.assert_array_equal(positions, np.arange(1, n))
+    if kind == "action":
+        np.testing.assert_array_equal(encoded.action_positions, np.arange(0, n))
+        assert encoded.problem.code == "target_at_position_zero"
+    else:
+        np.testing.assert_array_equal(encoded.env_positions, np.arange(1, n))
+        assert encoded.observation_tokens == n
+        assert encoded.problem.code == "no_action_tokens"
 
 
 def test_admitted_positions_are_at_least_one_and_increasing(tiny_student, gen, tmp_path):
@@ -500,20 +576,19 @@ def test_missing_student_directory_is_refused(tmp_path):
 # --- (g) disjoint masks --------------------------------------------------------------------------
 
 
-def test_token_shared_by_action_and_observation_goes_to_action(custom_dirs):
+def test_segments_sharing_a_token_claim_it_in_both_masks(custom_dirs):
+    """Back-to-back contents make Kiln fall back to token deltas; a span that the render of the next
+    prefix re-tokenizes is claimed by both segments only if deltas overlap — here they abut."""
     student = load_student_tokenizer(custom_dirs["content_only"])
-    # rendered "hello world": a token spanning "l|lo" overlaps both segments
     conversation = Conversation(
-        [], "x", [Segment("assistant", "hel", "action"), Segment("tool", "lo world", "observation")]
+        [{"role": "user", "content": "x "}], "x", [Segment("assistant", "hel", "action"), Segment("tool", "lo world", "observation")]
     )
     encoded = encode_one(student, conversation)
     assert np.intersect1d(encoded.action_positions, encoded.env_positions).size == 0
-    n = len(encoded.input_ids)
-    covered = np.union1d(encoded.action_positions, encoded.env_positions)
-    np.testing.assert_array_equal(covered, np.arange(1, n))  # every content token is one or the other
-    shared = int(encoded.action_positions[-1])
-    start, end = student.tokenizer("hello world", add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"][shared]
-    assert start < 3 < end  # the action's last token does straddle the boundary
+    prompt = len(student.tokenizer("x ", add_special_tokens=False)["input_ids"])
+    with_action = len(student.tokenizer("x hel", add_special_tokens=False)["input_ids"])
+    np.testing.assert_array_equal(encoded.action_positions, np.arange(prompt, with_action))
+    np.testing.assert_array_equal(encoded.env_positions, np.arange(with_action, len(encoded.input_ids)))
 
 
 def test_masks_are_disjoint_over_a_trajectory_corpus(tiny_student, gen, tmp_path):
@@ -522,3 +597,26 @@ def test_masks_are_disjoint_over_a_trajectory_corpus(tiny_student, gen, tmp_path
     assert tables.env_positions.size > 0 and tables.action_positions.size > 0
     for example in tables:
         assert np.intersect1d(example.action_positions, example.env_positions).size == 0
+
+
+def test_tool_call_arguments_given_as_json_text_reach_the_template_parsed(tiny_student, tmp_path):
+    """Kiln's renderer parses ``arguments`` strings (both tool-call envelopes) before the template runs,
+    so a template that walks ``arguments|items`` renders; text that is not JSON stays text."""
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+        "{% for call in m.get('tool_calls', []) %}{% set args = call.function.arguments if call.function is defined "
+        "else call.arguments %}{% if args is mapping %}{% for k, v in args|items %}[{{ k }}={{ v }}]{% endfor %}"
+        "{% else %}[raw {{ args }}]{% endif %}{% endfor %}<|im_end|>\n{% endfor %}"
+    )
+    student = load_student_tokenizer(_student_copy(tiny_student, tmp_path / "tool-args", template))
+    calls = [
+        {"id": "1", "type": "function", "function": {"name": "read_file", "arguments": '{"path": "src"}'}},
+        {"name": "list", "arguments": '{"recursive": true}'},
+        {"name": "broken", "arguments": "not json"},
+        {"name": "nan", "arguments": "NaN"},
+    ]
+    messages = [{"role": "user", "content": "go"}, {"role": "assistant", "content": "ok", "tool_calls": calls},
+                {"role": "user", "content": "and?"}]
+    encoded = encode_one(student, Conversation(messages, "done"))
+    text = student.tokenizer.decode(encoded.input_ids.tolist())
+    assert "[path=src][recursive=True][raw not json][raw NaN]" in text

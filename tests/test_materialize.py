@@ -60,6 +60,9 @@ def admit(path, student, tiny_student, **kwargs):
 def assert_tables_equal(a: CorpusTables, b: CorpusTables) -> None:
     for name in TABLE_FIELDS:
         x, y = getattr(a, name), getattr(b, name)
+        if not isinstance(x, np.ndarray):  # kiln_prompts_sha256
+            assert x == y, name
+            continue
         assert x.dtype == y.dtype, name
         assert x.shape == y.shape, name
         np.testing.assert_array_equal(x, y, err_msg=name)
@@ -99,8 +102,31 @@ def test_admission_writes_the_committed_layout(corpus, corpus_bytes, student, ti
         assert digest["bytes"] == (directory / name).stat().st_size
         assert digest["sha256"] == sha256_file(directory / name)
     tables = result.tables
+    assert record["format_version"] == "kiln-flows.admission.v2"
     assert record["env_tokens_in_warning_prefix"] == int(tables.env_in_warning_prefix.sum()) > 0
-    assert record["context_tokens"] == len(tables.input_ids) - len(tables.action_positions) - len(tables.env_positions)
+    # Kiln's counts: env tokens after the default warning filter, |O| before it, context the rest
+    assert record["env_tokens"] == len(tables.env_positions) - record["env_tokens_in_warning_prefix"]
+    assert record["observation_tokens"] == int(tables.observation_tokens.sum()) == len(tables.env_positions)
+    assert record["context_tokens"] == len(tables.input_ids) - len(tables.action_positions) - record["env_tokens"]
+
+
+def test_materialization_of_another_format_version_is_never_reused(corpus, student, tiny_student, tmp_path):
+    """An older kiln-flows built other masks: its commit is left alone and a fresh variant is written."""
+    root = tmp_path / "root"
+    first = admit(corpus, student, tiny_student, out_root=str(root), top_k=32)
+    commit = Path(first.materialized) / "admission.json"
+    old = json.loads(commit.read_text(encoding="utf-8"))
+    old["format_version"] = "kiln-flows.admission.v1"
+    commit.write_text(json.dumps(old), encoding="utf-8")
+    with pytest.raises(FileNotFoundError, match="another format"):
+        read_materialization(first.materialized)
+    again = admit(corpus, student, tiny_student, out_root=str(root), top_k=32)
+    assert not again.reused
+    assert again.materialized != first.materialized
+    assert Path(again.materialized).is_relative_to(Path(first.materialized) / "variants")
+    assert json.loads(commit.read_text(encoding="utf-8"))["format_version"] == "kiln-flows.admission.v1"
+    assert_tables_equal(read_materialization(again.materialized).tables, first.tables)
+    assert admit(corpus, student, tiny_student, out_root=str(root), top_k=32).reused
 
 
 def test_read_materialization_round_trips_every_array(corpus, student, tiny_student, tmp_path):
@@ -134,7 +160,7 @@ def test_readmitting_the_same_bytes_reuses_without_parsing(corpus, student, tiny
     root = tmp_path / "root"
     first = admit(corpus, student, tiny_student, out_root=str(root), top_k=32)
 
-    def no_parsing(data):
+    def no_parsing(data, **options):
         raise AssertionError("parse_corpus must not run for a reused materialization")
 
     monkeypatch.setattr(admit_module, "parse_corpus", no_parsing)
@@ -172,7 +198,7 @@ def test_another_student_gets_its_own_variant(
     assert a.record.dataset_sha256 == b.record.dataset_sha256
     assert_tables_equal(a.tables, b.tables)  # same tokenizer, same marked positions
     # both are found again and reused
-    monkeypatch.setattr(admit_module, "parse_corpus", lambda data: pytest.fail("re-parsed"))
+    monkeypatch.setattr(admit_module, "parse_corpus", lambda data, **options: pytest.fail("re-parsed"))
     again_first = admit(corpus, student, tiny_student, out_root=str(root), top_k=32)
     again_second = admit(corpus, plain_student, tiny_student_plain, out_root=str(root), top_k=32)
     assert (again_first.reused, again_second.reused) == (True, True)
@@ -280,7 +306,7 @@ def test_memory_root_and_memory_corpus(corpus_bytes, student, tiny_student, tmp_
     local.write_bytes(corpus_bytes)
     assert_tables_equal(read_materialization(result.materialized).tables, admit(local, student, tiny_student, top_k=32).tables)
 
-    monkeypatch.setattr(admit_module, "parse_corpus", lambda data: pytest.fail("re-parsed"))
+    monkeypatch.setattr(admit_module, "parse_corpus", lambda data, **options: pytest.fail("re-parsed"))
     again = admit(bucket + "/in/teacher-data.jsonl", student, tiny_student, out_root=root, top_k=32)
     assert again.reused and again.materialized == result.materialized
 

@@ -29,13 +29,16 @@ def test_flow_tables_verdicts_and_survives_rejections(prefect_harness, tiny_stud
     ]
     broken = tmp_path / "req" / "broken.json"
     broken.write_text('{"schema": "kiln.hf-next-token-request.v1", "schema": "again"}')
-    uris = [made[0].request_uri, str(broken), made[1].request_uri]
+    elsewhere = make_request(tiny_student, message="What is the capital of France?", prefix_text="Paris", kiln_id=30,
+                             vllm_id=31, request_id="flow-request-elsewhere", out=tmp_path / "other" / "elsewhere.json")
+    uris = [made[0].request_uri, str(broken), made[1].request_uri, elsewhere.request_uri]
 
     refs = hf_next_token_oracle(uris, str(tiny_student), out_root=str(tmp_path / "out"), dtype="fp32",
                                 receipts_root=made[0].receipts_root)
 
-    assert [ref.status for ref in refs] == ["ok", "rejected", "ok"]
+    assert [ref.status for ref in refs] == ["ok", "rejected", "ok", "rejected"]
     assert refs[1].rule == "duplicate_key"
+    assert refs[3].rule == "receipt_missing"  # its receipts are not under this batch's receipts root
     for ref in (refs[0], refs[2]):
         assert ref.verdict in {"kiln", "vllm", "neither"} and ref.receipts_checked is True
         record = json.loads((tmp_path / "out" / "oracle" / ref.request_id / "result.json").read_text())
@@ -44,7 +47,7 @@ def test_flow_tables_verdicts_and_survives_rejections(prefect_harness, tiny_stud
     artifact = Artifact.get(artifact_key(ARTIFACT_KEY_PREFIX, "verdicts"))
     assert artifact is not None and artifact.type == "table"
     rows = json.loads(artifact.data) if isinstance(artifact.data, str) else artifact.data
-    assert [row["status"] for row in rows] == ["ok", "rejected", "ok"]
+    assert [row["status"] for row in rows] == ["ok", "rejected", "ok", "rejected"]
     assert rows[1]["rule"] == "duplicate_key" and rows[0]["request"] == "flow-request-0"
 
 
@@ -60,6 +63,6 @@ def test_flow_records_failed_forward_and_fails(prefect_harness, tiny_student, tm
     made = make_request(broken, message="hi there", prefix_ids=[70], kiln_id=3, vllm_id=4, request_id="broken-model",
                         out=tmp_path / "req" / "broken-model.json")
     state = hf_next_token_oracle([made.request_uri], str(broken), out_root=str(tmp_path / "out"), dtype="fp32",
-                                 return_state=True)
+                                 receipts_root=made.receipts_root, return_state=True)
     assert state.is_failed()
     assert not (tmp_path / "out" / "oracle" / "broken-model" / "result.json").exists()

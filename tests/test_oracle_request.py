@@ -67,6 +67,30 @@ def write(tmp_path: Path, content, name: str = "request.json") -> str:
     return str(path)
 
 
+def with_receipts(document: dict, root: Path, name: str = "request.json") -> str:
+    """Write ``document`` under ``root`` with two synthetic receipts rebuilt to match it (as a serving
+    run of exactly this request would have recorded them), so only the rule under test can fail."""
+    from kiln_core.oracle.make_request import synthetic_receipt
+
+    (root / "receipts").mkdir(parents=True, exist_ok=True)
+    prefix = "".join(item["text"] for item in document["continuation_prefix"])
+    for candidate in document["candidates"]:
+        engine = candidate["engine"]
+        receipt = synthetic_receipt(
+            engine, identity_with_path={**document["model_identity"], "path": "/models/tiny"},
+            source_commit=document["source"]["source_commit"], run_id=document["prompt"]["generator"]["run_id"],
+            phase=document["prompt"]["generator"]["phase"], prompt_token_count=len(document["prompt"]["token_ids"]),
+            exact_content=prefix + candidate["text"],
+        )
+        relative = f"receipts/{name}.{engine}.json"
+        data = json.dumps(receipt).encode()
+        (root / relative).write_bytes(data)
+        document["source"][f"{engine}_receipt"] = {
+            "path": relative, "file_sha256": sha256_prefixed(data), "content_sha256": receipt["receipt_sha256"]
+        }
+    return write(root, document, name)
+
+
 def rejected(uri: str) -> OracleRejection:
     with pytest.raises(OracleRejection) as info:
         load_request(uri)
@@ -288,39 +312,45 @@ def test_valid_request_passes_model_tokenizer_and_receipt_checks(made, tiny_stud
 def test_model_identity_mismatch_lists_each_field(document, tmp_path, tiny_student, tiny_teacher):
     actual = document["model_identity"]["config_hash"]
     document["model_identity"]["config_hash"] = "sha256:" + "0" * 64
-    error = _model_rejection(write(tmp_path, document), tiny_student)
+    error = _model_rejection(with_receipts(document, tmp_path), tiny_student, tmp_path)
     assert error.rule == "model_identity_mismatch"
     assert f"config_hash: expected sha256:{'0' * 64}, actual {actual}" in error.message
     assert "content_sha256" not in error.message
-    error = _model_rejection(write(tmp_path, document, "other.json"), tiny_teacher)
+    error = _model_rejection(with_receipts(document, tmp_path, "other.json"), tiny_teacher, tmp_path)
     assert error.rule == "model_identity_mismatch"
     assert "weight_files[model.safetensors].sha256" in error.message and "content_sha256" in error.message
 
 
 def test_prompt_render_mismatch(document, tmp_path, tiny_student):
     document["prompt"]["token_ids"][-2] += 1
-    assert _model_rejection(write(tmp_path, refresh(document)), tiny_student).rule == "prompt_render_mismatch"
+    assert _model_rejection(with_receipts(refresh(document), tmp_path), tiny_student, tmp_path).rule == "prompt_render_mismatch"
 
 
 def test_token_text_mismatch(document, tmp_path, tiny_student):
     document["candidates"][0]["text"] += "x"
-    assert _model_rejection(write(tmp_path, document), tiny_student).rule == "token_text_mismatch"
+    assert _model_rejection(with_receipts(document, tmp_path), tiny_student, tmp_path).rule == "token_text_mismatch"
     document["candidates"][0]["text"] = document["candidates"][0]["text"][:-1]
     document["continuation_prefix"][0]["text"] = ""
-    assert _model_rejection(write(tmp_path, document, "p.json"), tiny_student).rule == "token_text_mismatch"
+    assert _model_rejection(with_receipts(document, tmp_path, "p.json"), tiny_student, tmp_path).rule == "token_text_mismatch"
 
 
 def test_token_id_out_of_range(document, tmp_path, tiny_student):
     document["candidates"][1]["token_id"] = 400  # tiny vocab is 400; the seed allows up to 248319
-    assert _model_rejection(write(tmp_path, document), tiny_student).rule == "token_id_out_of_range"
+    assert _model_rejection(with_receipts(document, tmp_path), tiny_student, tmp_path).rule == "token_id_out_of_range"
 
 
 # ------------------------------------------------------------------------------------------ receipts
 
 
-def test_receipts_skipped_without_root(made, tiny_student):
-    _, warnings = validate_inputs(made.request_uri, tiny_student, None)
-    assert warnings and "NOT checked" in warnings[0]
+def test_receipts_are_checked_against_the_current_directory_by_default(made, tiny_student, tmp_path, monkeypatch):
+    """Kiln always checks the source receipts, from its repository root: no root given means cwd."""
+    monkeypatch.chdir(made.receipts_root)
+    loaded, warnings = validate_inputs(made.request_uri, tiny_student)
+    assert loaded.request.id == "tiny-request-1" and warnings == []
+    monkeypatch.chdir(tmp_path)  # the same request, run from a directory without its receipts
+    error = _model_rejection(made.request_uri, tiny_student)
+    assert error.rule == "receipt_missing"
+    assert "kiln receipt receipts/tiny-request-1.kiln.json" in error.message and "--receipts-root" in error.message
 
 
 def _clone_request_dir(made, tmp_path) -> Path:
@@ -341,7 +371,10 @@ def test_receipt_missing(made, tmp_path, tiny_student):
     root = _clone_request_dir(made, tmp_path)
     (root / "receipts" / "tiny-request-1.kiln.json").unlink()
     error = _model_rejection(str(root / "tiny-request-1.json"), tiny_student, root)
-    assert error.rule == "receipt_unreadable" and "kiln" in error.message
+    assert error.rule == "receipt_missing" and "kiln" in error.message
+    (root / "receipts" / "tiny-request-1.vllm.json").unlink()
+    (root / "receipts" / "tiny-request-1.kiln.json").mkdir()  # there, but not a file
+    assert _model_rejection(str(root / "tiny-request-1.json"), tiny_student, root).rule == "receipt_unreadable"
 
 
 @pytest.mark.parametrize(
@@ -433,6 +466,13 @@ def _cli(capsys, *argv):
     code = main(["oracle", *argv])
     out = capsys.readouterr().out.strip().splitlines()
     return code, json.loads(out[-1])
+
+
+def test_request_nested_as_deep_as_serde_jsons_limit_is_refused(tmp_path):
+    """Kiln's readers refuse the 128th nested container; 127 levels are only a schema problem."""
+    assert rejected(write(tmp_path, ("[" * 127 + "]" * 127).encode(), "ok-depth.json")).rule == "schema_violation"
+    assert rejected(write(tmp_path, ("[" * 128 + "]" * 128).encode(), "deep.json")).rule == "nesting_too_deep"
+    assert rejected(write(tmp_path, ("[" * 5000 + "]" * 5000).encode(), "deeper.json")).rule == "nesting_too_deep"
 
 
 def test_cli_json_rejections(capsys, tmp_path, document, tiny_student):

@@ -115,7 +115,8 @@ def test_rerun_is_idempotent_and_never_overwrites(kiln_outcome, tiny_student, re
     again = run_oracle(str(requests_dir / "kiln-wins.json"), tiny_student, out_root=out_root, dtype="fp32", receipts_root=requests_dir)
     assert again.reused is True and again.record == outcome.record
     with pytest.raises(OracleRejection) as info:
-        run_oracle(str(requests_dir / "kiln-wins.json"), tiny_student, out_root=out_root, dtype="bf16")
+        run_oracle(str(requests_dir / "kiln-wins.json"), tiny_student, out_root=out_root, dtype="bf16",
+                   receipts_root=requests_dir)
     assert info.value.rule == "result_exists" and "dtype" in info.value.message
     # A contract failure is reported by its own rule even when a result is committed for that id.
     document = json.loads((requests_dir / "kiln-wins.json").read_text())
@@ -123,8 +124,8 @@ def test_rerun_is_idempotent_and_never_overwrites(kiln_outcome, tiny_student, re
     tampered = Path(out_root).parent / "kiln-wins-tampered.json"
     tampered.write_text(json.dumps(document))
     with pytest.raises(OracleRejection) as info:
-        run_oracle(str(tampered), tiny_student, out_root=out_root, dtype="fp32")
-    assert info.value.rule == "token_text_mismatch"
+        run_oracle(str(tampered), tiny_student, out_root=out_root, dtype="fp32", receipts_root=requests_dir)
+    assert info.value.rule == "receipt_mismatch"  # the receipts recorded the untampered candidate text
 
 
 def test_corrupt_committed_result_is_refused(kiln_outcome, tiny_student, requests_dir, tmp_path):
@@ -140,19 +141,30 @@ def test_corrupt_committed_result_is_refused(kiln_outcome, tiny_student, request
 
 
 @pytest.mark.parametrize(("request_id", "verdict"), [("vllm-wins", "vllm"), ("neither-wins", "neither")])
-def test_other_verdicts_without_receipts(tiny_student, requests_dir, independent, tmp_path, request_id, verdict):
+def test_other_verdicts_with_receipts_under_the_current_directory(tiny_student, requests_dir, independent, tmp_path,
+                                                                   monkeypatch, request_id, verdict):
+    monkeypatch.chdir(requests_dir)  # no receipts root given: Kiln's, the current directory
     outcome = run_oracle(str(requests_dir / f"{request_id}.json"), tiny_student, out_root=str(tmp_path), dtype="fp32")
     assert outcome.record["verdict"]["argmax_candidate"] == verdict
     assert outcome.record["verdict"]["candidate_attribution_complete"] is (verdict != "neither")
     assert outcome.record["oracle"]["argmax"] == independent["argmax"]
-    assert outcome.record["receipts_checked"] is False and outcome.warnings
+    assert outcome.record["receipts_checked"] is True and outcome.warnings == ()
+
+
+def test_missing_receipts_reject_the_request_and_write_nothing(tiny_student, requests_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(OracleRejection) as info:
+        run_oracle(str(requests_dir / "vllm-wins.json"), tiny_student, out_root=str(tmp_path / "out"), dtype="fp32")
+    assert info.value.rule == "receipt_missing"
+    assert not (tmp_path / "out").exists()
 
 
 def test_bf16_run_to_object_store(tiny_student, requests_dir, independent):
     import fsspec
 
     root = "memory://oracle-bf16"
-    outcome = run_oracle(str(requests_dir / "kiln-wins.json"), tiny_student, out_root=root, dtype="bf16")
+    outcome = run_oracle(str(requests_dir / "kiln-wins.json"), tiny_student, out_root=root, dtype="bf16",
+                         receipts_root=requests_dir)
     assert outcome.result_uri == f"{root}/oracle/kiln-wins/result.json"
     assert outcome.record["runtime"]["dtype"] == "bf16"
     fs = fsspec.filesystem("memory")
@@ -170,7 +182,8 @@ def test_forward_failure_exits_3(tiny_student, tmp_path, capsys):
     shutil.copytree(tiny_student, broken)
     (broken / "model.safetensors").write_bytes(b"not a safetensors file")
     made = make_request(broken, message=MESSAGE, prefix_ids=[70], kiln_id=3, vllm_id=4, request_id="broken", out=tmp_path / "broken.json")
-    code = main(["oracle", made.request_uri, "--model", str(broken), "--dtype", "fp32", "--out", str(tmp_path / "out"), "--json"])
+    code = main(["oracle", made.request_uri, "--model", str(broken), "--dtype", "fp32", "--out", str(tmp_path / "out"),
+                 "--receipts-root", made.receipts_root, "--json"])
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert code == 3 and last["status"] == "failed"
     assert not (tmp_path / "out" / "oracle" / "broken" / "result.json").exists()
@@ -204,6 +217,10 @@ def test_cli_tokenizer_rejection(tiny_student, requests_dir, tmp_path, capsys):
     document["input_token_ids_sha256"] = canonical_sha256(document["input_token_ids"])
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(document))
-    code = main(["oracle", str(path), "--model", str(tiny_student), "--dtype", "fp32", "--out", str(tmp_path), "--json"])
+    code = main(["oracle", str(path), "--model", str(tiny_student), "--dtype", "fp32", "--out", str(tmp_path),
+                 "--receipts-root", str(requests_dir), "--json"])
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert (code, last["code"]) == (2, "prompt_render_mismatch")
+    code = main(["oracle", str(path), "--model", str(tiny_student), "--dtype", "fp32", "--out", str(tmp_path), "--json"])
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (code, last["code"]) == (2, "receipt_missing")  # run from a directory without the receipts

@@ -227,13 +227,13 @@ def test_pipeline_end_to_end(world, reference, tiny_student):
 def test_unchanged_corpus_is_never_admitted_twice(world, reference, monkeypatch):
     import kiln_core.admission
     import kiln_core.admission.admit as admit_module
-    import kiln_core.admission.parse as parse_module
+    import kiln_core.admission.records as records_module
 
     def refuse(*args, **kwargs):
         raise AssertionError("parse_corpus was called for a corpus that was already admitted")
 
     monkeypatch.setattr(admit_module, "parse_corpus", refuse)
-    monkeypatch.setattr(parse_module, "parse_corpus", refuse)
+    monkeypatch.setattr(records_module, "parse_corpus", refuse)
     corpora = reference.root / "corpora"
     materialized = listing(corpora)
     assert len(materialized) == 1
@@ -275,31 +275,11 @@ def test_unchanged_corpus_is_never_admitted_twice(world, reference, monkeypatch)
 # 3. retry from checkpoint
 
 
-def crash_first_attempt_at(monkeypatch, step: int) -> None:
-    """The first training attempt raises right after step ``step`` commits (before its checkpoint);
-    the task's retry then trains normally. Injected here: production code has no test hook."""
-    import kiln_core.training.trainer as trainer
-
-    original = trainer.train_opd
-    calls = []
-
-    def train_opd(**kwargs):
-        calls.append(1)
-        if len(calls) > 1:
-            return original(**kwargs)
-
-        def progress(done, total, loss):
-            kwargs["on_progress"](done, total, loss)
-            if done == step:
-                raise RuntimeError(f"simulated crash after step {step}")
-        return original(**{**kwargs, "on_progress": progress})
-
-    monkeypatch.setattr(trainer, "train_opd", train_opd)
-
-
 @pytest.mark.parametrize(("seed", "fail_at"), [(SEED, 3), (None, 5)], ids=["explicit-seed", "derived-seed"])
 def test_retry_resumes_from_checkpoint_byte_identical(world, reference, monkeypatch, seed, fail_at):
+    import kiln_core.training.trainer as trainer
     from kiln_core.training.checkpoint import checkpoint_basename
+    from test_trainer import crash_after
 
     label = "explicit" if seed is not None else "derived"
     if seed is None:
@@ -307,8 +287,16 @@ def test_retry_resumes_from_checkpoint_byte_identical(world, reference, monkeypa
     else:
         uninterrupted = reference.summary
 
-    crash_first_attempt_at(monkeypatch, fail_at)
+    real_train_opd, calls = trainer.train_opd, []
+
+    def first_attempt_crashes(**kwargs):  # the train task's first attempt dies right after step `fail_at`
+        calls.append(kwargs.get("resume_checkpoint"))
+        hook = crash_after(fail_at) if len(calls) == 1 else None
+        return real_train_opd(**{**kwargs, "on_step_committed": hook})
+
+    monkeypatch.setattr(trainer, "train_opd", first_attempt_crashes)
     state, summary = run_pipeline(spec_dict(world, world.base / f"retry-{label}", seed=seed, train_retries=1))
+    assert calls == [None, checkpoint_basename(ADAPTER, fail_at - fail_at % INTERVAL)]
 
     runs = task_runs(state.state_details.flow_run_id, ("train",))
     assert runs["train"].run_count == 2, f"train ran {runs['train'].run_count} time(s)"
@@ -316,7 +304,7 @@ def test_retry_resumes_from_checkpoint_byte_identical(world, reference, monkeypa
 
     receipt = read_receipt(summary)
     assert receipt["status"] == "success"
-    resumed_at = (fail_at - 1) - (fail_at - 1) % INTERVAL  # the newest checkpoint committed before the crash
+    resumed_at = fail_at - fail_at % INTERVAL  # the newest checkpoint committed before the crash
     assert receipt["data"]["resumed_from_checkpoint"] == checkpoint_basename(ADAPTER, resumed_at)
     assert len(summary["loss_history"]) == STEPS
     assert summary["loss_history"] == uninterrupted["loss_history"]

@@ -7,6 +7,7 @@ import shutil
 
 import numpy as np
 import pytest
+from student_variants import ASSISTANT_FIRST, student_variant
 
 from kiln_core.admission import admit_corpus
 from kiln_core.scoring import ScoringError, score_examples
@@ -297,3 +298,53 @@ def test_cli_end_to_end(tmp_path, capsys, examples_file, tiny_teacher, tiny_stud
                  "--student", str(tiny_student), "--top-k", str(TOP_K), "--out", str(tmp_path / "x.jsonl"), "--quiet"])
     captured = capsys.readouterr()
     assert code == 2 and "no-such-alias" in captured.err and captured.err.count("\n") == 1
+
+
+CHATML_TOOL = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_score_sizes_trajectories_by_kilns_builder(tmp_path, tiny_teacher, tiny_student):
+    """A template without ``<tool_response>`` sends Kiln to its prefix re-tokenization fallback; the
+    scorer picks the same targets, so the corpus admits with exactly those counts."""
+    from kiln_core.tokenization import Conversation, Segment, encode_conversations, load_student_tokenizer
+
+    student_dir = student_variant(tiny_student, tmp_path / "chatml-tool", template=CHATML_TOOL)
+    student = load_student_tokenizer(student_dir)
+    record = EXAMPLES[2]
+    examples = write_jsonl(tmp_path / "examples.jsonl", [record])
+    out = tmp_path / "corpus.jsonl"
+    result = score_examples(str(examples), teacher_dir=str(tiny_teacher), student_dir=str(student_dir), top_k=TOP_K,
+                            out_uri=str(out), device="cpu")
+    segments = [Segment(s["role"], s["content"], s["kind"], None, s.get("warning_prefix_len", 0)) for s in record["trajectory"]]
+    (expected,) = encode_conversations(student, [Conversation(record["messages"], record["teacher_response"], segments)])
+    admitted = admit_corpus(str(out), str(student_dir), top_k=TOP_K, pinned_manifest=result.manifest_line)
+    assert result.action_tokens == admitted.action_tokens == expected.action_positions.size
+    np.testing.assert_array_equal(admitted.tables.example(0).action_positions, expected.action_positions)
+    # whole token deltas, not the segments' content: the first action takes its <|im_end|> and more
+    content_tokens = sum(len(student.tokenizer(s.content, add_special_tokens=False)["input_ids"])
+                         for s in segments if s.kind == "action")
+    assert expected.action_positions.size != content_tokens
+
+
+def test_score_refuses_what_admission_would_refuse_at_its_line(tmp_path, tiny_teacher, tiny_student):
+    student_dir = student_variant(tiny_student, tmp_path / "assistant-first", template=ASSISTANT_FIRST)
+    examples = write_jsonl(tmp_path / "examples.jsonl", [EXAMPLES[0]], blank_lines=True)
+    out = tmp_path / "corpus.jsonl"
+    with pytest.raises(ScoringError) as caught:
+        score_examples(str(examples), teacher_dir=str(tiny_teacher), student_dir=str(student_dir), top_k=TOP_K,
+                       out_uri=str(out), device="cpu")
+    assert (caught.value.code, caught.value.line) == ("target_at_position_zero", 1)
+    assert not out.exists()
+
+
+def test_deeply_nested_example_line_is_refused_before_loading(tmp_path, tiny_teacher, tiny_student, no_weight_loading):
+    deep = dict(EXAMPLES[0], metadata="@@")
+    path = tmp_path / "examples.jsonl"
+    path.write_text(json.dumps(EXAMPLES[0]) + "\n" + json.dumps(deep).replace('"@@"', "[" * 200 + "]" * 200) + "\n")
+    with pytest.raises(ScoringError) as caught:
+        score_examples(str(path), teacher_dir=str(tiny_teacher), student_dir=str(tiny_student), top_k=TOP_K,
+                       out_uri=str(tmp_path / "corpus.jsonl"), device="cpu")
+    assert (caught.value.code, caught.value.line) == ("nesting_too_deep", 2)

@@ -297,7 +297,8 @@ def test_training_publishes_to_s3_and_resumes_from_s3_bit_exactly(s3, prefix, s3
     from kiln_core.admission import admit_corpus
     from kiln_core.materialize import read_materialization
     from kiln_core.training.checkpoint import load_checkpoint, latest_checkpoint
-    from kiln_core.training.trainer import SimulatedCrash, train_opd
+    from kiln_core.training.trainer import train_opd
+    from test_trainer import Crash, crash_after
 
     admitted = admit_corpus(s3_corpus, str(tiny_student), top_k=16, out_root=f"s3://{BUCKET}/{prefix}")
     tables = read_materialization(admitted.materialized).tables  # verified read from S3
@@ -315,8 +316,8 @@ def test_training_publishes_to_s3_and_resumes_from_s3_bit_exactly(s3, prefix, s3
     run_prefix = f"{prefix}/runs/{ADAPTER}"
     run_root = f"s3://{BUCKET}/{run_prefix}"
     step = lambda n: f"{ADAPTER}-checkpoint-step-{n:08d}.kiln-checkpoint"  # noqa: E731
-    with pytest.raises(SimulatedCrash):
-        train(run_root, fail_at_step=3)
+    with pytest.raises(Crash):
+        train(run_root, on_step_committed=crash_after(3))
     keys = _keys(s3, run_prefix)
     assert f"{step(2)}/checkpoint_manifest.json" in keys and "train_receipt.json" in keys
     assert not any(key.startswith("adapter/") for key in keys)
@@ -336,7 +337,8 @@ def test_training_publishes_to_s3_and_resumes_from_s3_bit_exactly(s3, prefix, s3
 
     keys = _keys(s3, run_prefix)
     for n in (2, 4):
-        for name in ("checkpoint_manifest.json", "adapter.safetensors", "optimizer.safetensors", "opd_loop_state.json"):
+        for name in ("checkpoint_manifest.json", "adapter.safetensors", "optimizer.safetensors", "opd_loop_state.json",
+                     "kiln_flows_state.json"):
             assert f"{step(n)}/{name}" in keys, (n, name)
         assert (s3.get_object(BUCKET, f"{run_prefix}/{step(n)}/adapter.safetensors")
                 == (reference_dir / step(n) / "adapter.safetensors").read_bytes()), n

@@ -12,6 +12,7 @@ import torch
 
 from flows.cli import main
 from kiln_core.canonical import sha256_prefixed
+from kiln_core.kiln_prompts import kiln_prompts_sha256
 from kiln_core.synthetic import synthesize_corpus
 
 CONFIG = {"training_mode": "off_policy", "objective": "reverse_kl", "loss": "teacher_top_k", "top_k": 16, "lora_rank": 4,
@@ -80,7 +81,8 @@ def test_train_end_to_end_json(tiny_student, corpus_dir, tmp_path, capsys):
     assert receipt["opd"]["top_k"] == 16 and receipt["config"]["output_name"] == "cli-demo"
     assert (tmp_path / "corpora").is_dir()  # the admitted corpus was materialized under the root
     manifest = json.loads((run_dir / "cli-demo-checkpoint-step-00000002.kiln-checkpoint" / "checkpoint_manifest.json").read_text())
-    assert manifest["data"]["content_sha256"] == sha256_prefixed(corpus_bytes).removeprefix("sha256:")
+    # Kiln's prompt-list digest (checked against an independent encoding in test_kiln_checkpoint.py)
+    assert manifest["data"]["content_sha256"] == kiln_prompts_sha256(corpus_bytes)
     # the same request again is the same run: it is finished, nothing is trained or rewritten
     before = (run_dir / "train_receipt.json").read_bytes()
     code, again = train(capsys, "--request", request, "--adapter", "cli-demo", "--student", str(tiny_student), "--out", str(tmp_path), "--json")

@@ -40,7 +40,8 @@ def run(args: argparse.Namespace) -> int:
         reused = " (already materialized)" if result.reused else ""
         print(
             f"admitted {result.dataset_sha256}: {result.examples} examples, {result.action_tokens} action tokens, "
-            f"{result.env_tokens} env tokens, top_k {result.effective_top_k}{reused}\n  {where}"
+            f"{result.env_tokens} env tokens (ECHO |O| {result.observation_tokens}), top_k {result.effective_top_k}"
+            f"{reused}\n  {where}"
         )
     return 0
 

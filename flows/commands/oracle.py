@@ -5,8 +5,9 @@ Run mode::
     kiln-flows oracle REQUEST --model DIR [--out ROOT_URI] [--dtype bf16|fp32]
                               [--receipts-root DIR] [--json]
 
-checks the request (file, strict JSON, schema, cross-field rules, receipts when ``--receipts-root``
-is given, model identity, tokenization), runs one eager HF forward pass and commits
+checks the request (file, strict JSON, schema, cross-field rules, its source receipts — always, under
+``--receipts-root`` or else the current directory, as Kiln runs from its repository root — model
+identity, tokenization), runs one eager HF forward pass and commits
 ``<root>/oracle/<request id>/result.json`` + ``logits.safetensors``. Re-running an identical request
 returns the committed result; a different one never overwrites it (``result_exists``).
 
@@ -63,7 +64,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON record as the last stdout line")
     run_group = parser.add_argument_group("run options")
     run_group.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="model dtype (default bf16, as Kiln)")
-    run_group.add_argument("--receipts-root", metavar="DIR", default=None, help="repository root holding the source receipts")
+    run_group.add_argument(
+        "--receipts-root", metavar="DIR", default=None,
+        help="repository root holding the source receipts (default: the current directory); they are always checked",
+    )
     make = parser.add_argument_group(f"{MAKE_REQUEST} options")
     make.add_argument("--message", help="the single user message")
     make.add_argument("--prefix-ids", metavar="IDS", help="continuation prefix ids, comma-separated")
@@ -143,17 +147,9 @@ def run(args: argparse.Namespace) -> int:
     if misplaced := _misplaced(args, _MAKE_ONLY):
         return _usage_error(args, f"{', '.join(misplaced)} only applies to '{MAKE_REQUEST}'")
 
-    import logging
-
     from kiln_core.oracle import run_oracle
 
-    # kiln_core reports skipped receipt checks through logging; show them on stderr, once.
-    core_logger = logging.getLogger("kiln_core")
-    if not core_logger.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("warning: %(message)s"))
-        handler.setLevel(logging.WARNING)
-        core_logger.addHandler(handler)
+    # A rejection (exit 2) or a failed run (exit 3) reaches the CLI's one error guard (flows/cli.py).
     outcome = run_oracle(
         args.request, args.model, out_root=args.out or "./kiln-data", dtype=args.dtype, receipts_root=args.receipts_root
     )

@@ -12,22 +12,19 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable
+import dataclasses
 
-from kiln_core.admission.parse import parse_corpus
-from kiln_core.admission.records import ParsedCorpus
+import numpy as np
+
+from kiln_core import materialize
+from kiln_core.admission.parsed import ParsedCorpus
+from kiln_core.admission.records import parse_corpus
 from kiln_core.admission.rules import check_examples
 from kiln_core.admission.source import read_corpus
-from kiln_core.contracts.identity import (
-    ManifestError,
-    OffPolicyManifest,
-    TeacherIdentity,
-    parse_manifest_line,
-    parse_manifest_object,
-)
-from kiln_core.corpus import CorpusTables
+from kiln_core.contracts.identity import ManifestError, TeacherIdentity, check_protocol, parse_manifest_line
+from kiln_core.corpus import AdmissionResult
 from kiln_core.errors import AdmissionError
+from kiln_core.kiln_prompts import kiln_prompts_sha256
 from kiln_core.tokenization import (
     EncodedConversation,
     StudentTokenizer,
@@ -38,55 +35,7 @@ from kiln_core.tokenization import (
 
 SUPPORTED_TOP_K = (32, 16)
 
-
-@dataclass
-class AdmissionResult:
-    """An admitted corpus.
-
-    Attributes:
-        dataset_sha256: ``sha256:`` digest of the exact file bytes.
-        source_uri: Where the corpus was read from.
-        examples: Number of examples (the manifest does not count).
-        action_tokens: Reverse-KL targets over all examples.
-        env_tokens: ECHO observation targets over all examples (before the warning filter).
-        effective_top_k: The resolved K (16 or 32).
-        teacher_identity: The manifest's identity, or None for a corpus without a manifest.
-        manifest_line: The exact manifest line, or None.
-        materialized: URI of the committed materialization, or None when validating only.
-        reused: True when an existing materialization was returned without redoing work.
-        tables: The admitted corpus (loaded lazily from the materialization when reused).
-        record: The ``admission.json`` contents when materialized.
-    """
-
-    dataset_sha256: str
-    source_uri: str
-    examples: int
-    action_tokens: int
-    env_tokens: int
-    effective_top_k: int
-    teacher_identity: TeacherIdentity | None
-    manifest_line: str | None
-    materialized: str | None
-    reused: bool
-    tables_loader: Callable[[], CorpusTables]
-    record: Any = None
-    parser: str = "exact"
-
-    @property
-    def tables(self) -> CorpusTables:
-        return self.tables_loader()
-
-    def to_json(self) -> dict[str, Any]:
-        """The CLI's ``admitted`` object."""
-        return {
-            "status": "admitted",
-            "dataset_sha256": self.dataset_sha256,
-            "examples": self.examples,
-            "action_tokens": self.action_tokens,
-            "env_tokens": self.env_tokens,
-            "effective_top_k": self.effective_top_k,
-            "materialized": self.materialized,
-        }
+__all__ = ["AdmissionResult", "admit_corpus", "resolve_top_k"]
 
 
 def resolve_top_k(requested: int) -> int:
@@ -147,8 +96,6 @@ def admit_corpus(
         >>> result.examples, result.effective_top_k  # doctest: +SKIP
         (128, 32)
     """
-    from kiln_core import materialize
-
     effective_top_k = resolve_top_k(top_k)
     pinned = _parse_pinned(pinned_manifest, kiln_strict)
     corpus = read_corpus(corpus_uri, storage_options)
@@ -159,11 +106,14 @@ def admit_corpus(
             out_root, corpus.sha256_hex, student.identity(), effective_top_k, storage_options
         )
         if existing is not None:
-            _check_binding(existing.teacher_identity(), pinned, student, effective_top_k, line=existing.record.manifest_line_number)
-            return _result_from_existing(existing)
+            identity, line = existing.teacher_identity(), existing.record.manifest_line_number
+            if identity is not None:
+                _check_protocol(identity, kiln_strict, line)
+            _check_binding(identity, pinned, student, effective_top_k, line=line)
+            return materialize.result_from_existing(existing)
 
-    parsed = parse_corpus(corpus.data)
-    manifest = _check_manifest_records(parsed, kiln_strict)
+    parsed = parse_corpus(corpus.data, kiln_strict=kiln_strict)
+    manifest = parsed.manifest
     if parsed.num_examples == 0:
         raise AdmissionError("no_examples", None, "the corpus has no examples after the manifest")
     if manifest is None and parsed.numeric_logits:
@@ -173,7 +123,7 @@ def admit_corpus(
             "the corpus contains numeric teacher logits but has no canonical "
             "kiln.off-policy-distillation-manifest.v1 first record",
         )
-    manifest_line_number = parsed.manifest_records[0][0] if parsed.manifest_records else None
+    manifest_line_number = parsed.manifest_line_number
     identity = manifest.teacher_identity if manifest else None
     _check_binding(identity, pinned, student, effective_top_k, line=manifest_line_number)
 
@@ -181,13 +131,15 @@ def admit_corpus(
     tables = check_examples(
         parsed, encoded, tokenization_errors, top_k=effective_top_k, vocab_size=student.vocab_size
     )
+    tables = dataclasses.replace(tables, kiln_prompts_sha256=kiln_prompts_sha256(corpus.data))
     manifest_line = parsed.manifest_records[0][1] if manifest else None
     result = AdmissionResult(
         dataset_sha256=corpus.dataset_sha256,
         source_uri=corpus.uri,
         examples=tables.num_examples,
         action_tokens=int(tables.action_positions.shape[0]),
-        env_tokens=int(tables.env_positions.shape[0]),
+        env_tokens=tables.env_tokens(),
+        observation_tokens=int(tables.observation_tokens.sum()),
         effective_top_k=effective_top_k,
         teacher_identity=identity,
         manifest_line=manifest_line,
@@ -210,26 +162,6 @@ def admit_corpus(
     return result
 
 
-def _result_from_existing(materialization) -> AdmissionResult:
-    """An ``AdmissionResult`` for a materialization that already exists (no parsing, no tokenizing)."""
-    record = materialization.record
-    return AdmissionResult(
-        dataset_sha256=record.dataset_sha256,
-        source_uri=record.source_uri,
-        examples=record.examples,
-        action_tokens=record.action_tokens,
-        env_tokens=record.env_tokens,
-        effective_top_k=record.effective_top_k,
-        teacher_identity=materialization.teacher_identity(),
-        manifest_line=record.manifest_line,
-        materialized=materialization.uri,
-        reused=True,
-        tables_loader=lambda: materialization.tables,
-        record=record,
-        parser="reused",
-    )
-
-
 def _load_student(student_dir: str) -> StudentTokenizer:
     try:
         return load_student_tokenizer(student_dir)
@@ -245,45 +177,14 @@ def _parse_pinned(pinned_manifest: str | None, kiln_strict: bool) -> TeacherIden
     try:
         return parse_manifest_line(line.rstrip("\r"), kiln_strict=kiln_strict).teacher_identity
     except ManifestError as error:
-        code = "manifest_not_canonical" if error.kind == "not_canonical" else "manifest_invalid"
-        raise AdmissionError(code, None, f"the pinned teacher manifest is unusable: {error}") from None
+        raise AdmissionError(error.code, None, f"the pinned teacher manifest is unusable: {error.message}") from None
 
 
-def _check_manifest_records(parsed: ParsedCorpus, kiln_strict: bool) -> OffPolicyManifest | None:
-    """Manifest rules: at most one, before every example, strict, byte-identical to its canonical form."""
-    manifest = None
-    for number, raw, value in parsed.manifest_records:
-        if manifest is not None or (parsed.first_example_line is not None and parsed.first_example_line < number):
-            raise AdmissionError(
-                "manifest_not_first", number, "off-policy distillation manifest must be the first non-empty JSONL record"
-            )
-        repeated = _repeated_keys(value)
-        if repeated:
-            raise AdmissionError("manifest_invalid", number, f"manifest field `{repeated}` is given more than once")
-        try:
-            manifest = parse_manifest_object(value, kiln_strict=kiln_strict)
-        except ManifestError as error:
-            raise AdmissionError("manifest_invalid", number, str(error)) from None
-        if manifest.canonical_json() != raw:
-            raise AdmissionError(
-                "manifest_not_canonical",
-                number,
-                f"off-policy distillation manifest on line {number} is not canonical compact JSON",
-            )
-    return manifest
-
-
-def _repeated_keys(value) -> str | None:
-    """The first key given twice anywhere in a decoded manifest (serde denies duplicate fields)."""
-    if isinstance(value, dict):
-        duplicates = sorted(getattr(value, "duplicates", ()))
-        if duplicates:
-            return duplicates[0]
-        for child in value.values():
-            found = _repeated_keys(child)
-            if found:
-                return found
-    return None
+def _check_protocol(identity: TeacherIdentity, kiln_strict: bool, line: int | None) -> None:
+    try:
+        check_protocol(identity, kiln_strict=kiln_strict)
+    except ManifestError as error:
+        raise AdmissionError("manifest_invalid", line, error.message) from None
 
 
 def _check_binding(
@@ -330,8 +231,6 @@ def _encode(student: StudentTokenizer, parsed: ParsedCorpus) -> tuple[list[Encod
         return encode_conversations(student, parsed.conversations), {}
     except TokenizationError:
         pass
-    import numpy as np
-
     empty = EncodedConversation(
         input_ids=np.zeros(0, np.int32),
         action_positions=np.zeros(0, np.int32),

@@ -2,24 +2,20 @@
 
 The millions of top-K candidates become flat numpy arrays without a Python object each. This path
 accepts only corpora whose every field has the expected JSON type; at the first sign of anything
-else (content parts, tool calls, a negative id, a null where a value is required, a line pyarrow and
-Kiln would split differently) it returns ``None`` and the exact parser in ``records.py`` decides.
+else (content parts, tool calls, a negative id, a null Arrow cannot tell from a missing field, JSON
+nested as deep as serde_json's limit, a line pyarrow and Kiln would split differently) it returns
+``None`` and the exact parser in ``records.py`` decides, naming the line.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from kiln_core.admission.records import (
-    SEGMENT_KINDS,
-    U32_MAX,
-    ParsedCorpus,
-    offsets_of,
-    decode_json_line,
-)
+from kiln_core.admission.parsed import SEGMENT_KINDS, U32_MAX, ParsedCorpus, decode_json_line, offsets_of
 from kiln_core.admission.source import LineIndex, json_blank_lines
+from kiln_core.chat_template import Conversation, Segment
 from kiln_core.contracts.identity import MANIFEST_SCHEMA
-from kiln_core.tokenization import Conversation, Segment
+from kiln_core.strict_json import SERDE_JSON_RECURSION_LIMIT, NestingTooDeep, text_nesting_depth
 
 
 # --- fast path ----------------------------------------------------------------------------------
@@ -73,6 +69,8 @@ def parse_columnar(data: bytes, lines: LineIndex) -> ParsedCorpus | None:
         return None
     if b'"tool_calls"' in data:
         return None  # arbitrary JSON the chat template reads: Arrow cannot carry it through
+    if text_nesting_depth(data) >= SERDE_JSON_RECURSION_LIMIT:
+        return None  # pyarrow reads any depth; serde_json refuses the line, the exact parser names it
     try:
         table = pj.read_json(
             pa.BufferReader(data),  # zero-copy, unlike io.BytesIO of a bytearray
@@ -92,7 +90,7 @@ def parse_columnar(data: bytes, lines: LineIndex) -> ParsedCorpus | None:
         raw = lines.raw(data, number - 1).decode("utf-8")
         try:
             value = decode_json_line(raw)
-        except ValueError:
+        except (ValueError, NestingTooDeep):
             return None
         parsed.manifest_records.append((number, raw, value))
 
@@ -108,6 +106,9 @@ def parse_columnar(data: bytes, lines: LineIndex) -> ParsedCorpus | None:
         return None
     if examples.column("teacher_tokens").null_count:
         return None  # `null` vs missing matters to the exact parser
+    trajectories = examples.column("trajectory")
+    if trajectories.null_count and data.count(b'"trajectory"') != len(trajectories) - trajectories.null_count:
+        return None  # a `"trajectory": null` (refused) may hide among the rows without one (allowed)
 
     conversations = _fast_conversations(examples)
     if conversations is None:
@@ -172,9 +173,9 @@ def _fast_conversations(examples) -> list[Conversation] | None:
             for segment in trajectory:
                 if segment is None or segment["role"] is None or segment["content"] is None:
                     return None
-                kind = segment["kind"] or "context"
+                kind = segment["kind"]  # null or missing: Arrow cannot tell which, Kiln can
                 prefix = segment["warning_prefix_len"] or 0
-                if kind not in SEGMENT_KINDS or prefix < 0 or prefix > len(segment["content"].encode("utf-8")):
+                if kind not in SEGMENT_KINDS or prefix < 0:
                     return None
                 segments.append(Segment(segment["role"], segment["content"], kind, segment["tool_call_id"], prefix))
         conversations.append(Conversation(messages=normalized, teacher_response=response, trajectory=segments))

@@ -1,77 +1,71 @@
-"""Parsing corpus lines into a columnar ``ParsedCorpus``.
+"""Parsing corpus lines into a ``ParsedCorpus``: the dispatcher, the exact parser and the field rules.
 
 Two parsers produce the same result:
 
 * the **fast path** (``columnar.py``) hands the whole buffer to ``pyarrow.json`` with an explicit
-  schema, so the millions of top-K candidates become flat numpy arrays without a Python object
-  each. It accepts only corpora whose every field has the expected JSON type; at the first sign of
-  anything else it steps aside;
-* the **exact path** parses line by line in Python and is the authority on structural errors: it
-  finds the first bad line and names the field (``invalid_json``, ``not_an_object``,
-  ``invalid_record``) and handles everything the fast path declines (content parts, tool calls,
-  Unicode whitespace around a line, duplicate keys).
+  schema. It accepts only corpora whose every field has the expected JSON type; at the first sign
+  of anything else it steps aside;
+* the **exact path** (here) reads line by line, as Kiln does, and is the authority on errors: the
+  first line Kiln would fail on is the line reported, whether it breaks JSON (``invalid_json``,
+  ``nesting_too_deep``, ``not_an_object``), the example record's shape (``invalid_record``) or a
+  manifest rule (``manifest_not_first``, ``manifest_invalid``, ``manifest_not_canonical``).
 
-Manifest-position rules (``manifest_not_first``, ``manifest_invalid``, ``manifest_not_canonical``)
-are applied to either result by ``check_manifest_records``.
+The field rules are Kiln's serde derives (opd.rs ``OffPolicyDistillationExample``,
+``TeacherActionToken``, ``TeacherTopLogprob``; trajectory.rs ``TurnSegment``; kiln-core
+``ChatMessage``): a required field may not be missing or null, an ``Option`` field may be null, a
+``Vec`` field with ``#[serde(default)]`` may be missing but not null, a ``u32`` is an integer in
+``0..2**32``, a ``usize`` one in ``0..2**64``, an enum is one of its names (never null), a known field
+given twice is refused and unknown fields are ignored.
 """
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from kiln_core.admission.source import LineIndex
+from kiln_core.admission import columnar
+from kiln_core.admission.manifest import check_manifest_record, check_manifest_records
+from kiln_core.admission.parsed import (
+    RUST_WHITESPACE,
+    SEGMENT_KINDS,
+    U32_MAX,
+    U64_MAX,
+    ParsedCorpus,
+    decode_json_line,
+    offsets_of,
+)
+from kiln_core.admission.source import LineIndex, index_lines
+from kiln_core.chat_template import Conversation, Segment, TokenizationError, normalize_content
 from kiln_core.contracts.identity import MANIFEST_SCHEMA
 from kiln_core.errors import AdmissionError, Rejection
-from kiln_core.tokenization import Conversation, Segment, TokenizationError, normalize_content
+from kiln_core.strict_json import NestingTooDeep
 
-U32_MAX = 2**32 - 1
-SEGMENT_KINDS = ("context", "action", "observation")
-# Rust's char::is_whitespace, which Kiln's line trim uses (Python's str.strip also strips \x1c-\x1f).
-RUST_WHITESPACE = "\t\n\x0b\x0c\r \x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007\u2008\u2009\u200a\u2028\u2029\u202f\u205f\u3000"
+RECORD_FIELDS = ("id", "messages", "teacher_response", "teacher_tokens", "trajectory", "metadata")
+MESSAGE_FIELDS = ("role", "content", "name", "tool_call_id", "tool_calls")
+TOKEN_FIELDS = ("token", "token_id", "logprob", "top_logprobs")
+CANDIDATE_FIELDS = ("token_id", "logprob")
+SEGMENT_FIELDS = ("role", "content", "kind", "tool_call_id", "warning_prefix_len")
 
 
-@dataclass
-class ParsedCorpus:
-    """Every non-blank line of a corpus, split into the manifest and columnar examples.
+def parse_corpus(data: bytes, *, kiln_strict: bool = False) -> ParsedCorpus:
+    """Parse corpus bytes (already checked to be UTF-8) into a ``ParsedCorpus`` with its manifest checked.
 
-    Attributes:
-        manifest_records: ``(line, raw line text, decoded object)`` for each manifest-like record.
-        example_lines: ``int64 [N]`` physical line of each example.
-        first_example_line: Line of the first example (manifest-first rule), or None.
-        conversations: One ``Conversation`` per example (for tokenization).
-        messages_count: ``int64 [N]``.
-        response_empty: ``bool [N]``.
-        token_offsets: ``int64 [N+1]`` teacher tokens of example i are ``token_offsets[i]:[i+1]``.
-        declared_token_ids: ``int64 [T]``; −1 where ``token_id`` is absent.
-        candidate_offsets: ``int64 [T+1]`` over the flat candidate arrays.
-        candidate_ids: ``int64 [C]``.
-        candidate_logprobs: ``float64 [C]`` (f32 rounding happens in the rules).
-        numeric_logits: Whether any teacher token carries a ``logprob`` or a non-empty ``top_logprobs``.
-        parser: ``"fast"`` or ``"exact"`` (for benchmarks and logs).
+    Args:
+        data: The corpus bytes.
+        kiln_strict: Accept only Kiln's vLLM protocol in the manifest.
+
+    Raises:
+        AdmissionError: The first line Kiln would fail on: ``invalid_json``, ``nesting_too_deep``,
+            ``not_an_object``, ``invalid_record`` or a manifest rule.
     """
-
-    manifest_records: list[tuple[int, str, Any]] = field(default_factory=list)
-    example_lines: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    first_example_line: int | None = None
-    conversations: list[Conversation] = field(default_factory=list)
-    messages_count: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    response_empty: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
-    token_offsets: np.ndarray = field(default_factory=lambda: np.zeros(1, np.int64))
-    declared_token_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    candidate_offsets: np.ndarray = field(default_factory=lambda: np.zeros(1, np.int64))
-    candidate_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    candidate_logprobs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
-    numeric_logits: bool = False
-    parser: str = "exact"
-
-    @property
-    def num_examples(self) -> int:
-        return int(self.example_lines.shape[0])
+    lines = index_lines(data)
+    parsed = columnar.parse_columnar(data, lines)
+    if parsed is None:
+        return _parse_exact(data, lines, kiln_strict)
+    parsed.manifest = check_manifest_records(parsed.manifest_records, parsed.first_example_line, kiln_strict=kiln_strict)
+    return parsed
 
 
 # --- exact path ---------------------------------------------------------------------------------
@@ -87,51 +81,7 @@ class RecordError(Rejection):
         return f"`{self.field}` {self.message}"
 
 
-class JsonObject(dict):
-    """A decoded JSON object that remembers which keys appeared more than once (last value kept)."""
-
-    duplicates: frozenset[str] = frozenset()
-
-
-def json_object(pairs: list[tuple[str, Any]]) -> JsonObject:
-    """``object_pairs_hook`` that keeps duplicate keys visible to the field checks.
-
-    serde (Kiln's parser) refuses a *known* field given twice but ignores duplicates among fields it
-    ignores, so duplicates are only an error where a field rule looks at them.
-    """
-    result = JsonObject(pairs)
-    if len(result) != len(pairs):
-        seen: set[str] = set()
-        result.duplicates = frozenset(key for key, _ in pairs if key in seen or seen.add(key))
-    return result
-
-
-def _integer(literal: str) -> int | float:
-    """A JSON integer literal; one too long for ``int()`` (4,300 digits) is a float, ±inf, as pyarrow reads it."""
-    return int(literal) if len(literal) <= 4000 else float(literal)
-
-
-def decode_json_line(text: str) -> Any:
-    """Decode one JSON line, objects as ``JsonObject``."""
-    return json.loads(text, object_pairs_hook=json_object, parse_int=_integer)
-
-
-def check_known_fields(value: dict[str, Any], known: tuple[str, ...], where: str) -> None:
-    """Refuse a known field given twice (``invalid_record``)."""
-    repeated = sorted(set(getattr(value, "duplicates", ())) & set(known))
-    if repeated:
-        prefix = f"{where}." if where else ""
-        raise RecordError(f"{prefix}{repeated[0]}", "is given more than once")
-
-
-RECORD_FIELDS = ("id", "messages", "teacher_response", "teacher_tokens", "trajectory", "metadata")
-MESSAGE_FIELDS = ("role", "content", "name", "tool_call_id", "tool_calls")
-TOKEN_FIELDS = ("token", "token_id", "logprob", "top_logprobs")
-CANDIDATE_FIELDS = ("token_id", "logprob")
-SEGMENT_FIELDS = ("role", "content", "kind", "tool_call_id", "warning_prefix_len")
-
-
-def parse_exact(data: bytes, lines: LineIndex) -> ParsedCorpus:
+def _parse_exact(data: bytes, lines: LineIndex, kiln_strict: bool) -> ParsedCorpus:
     text_lines = data.decode("utf-8").split("\n")
     if text_lines and text_lines[-1] == "" and data.endswith(b"\n"):
         text_lines.pop()
@@ -145,11 +95,17 @@ def parse_exact(data: bytes, lines: LineIndex) -> ParsedCorpus:
             continue
         try:
             value = decode_json_line(trimmed)
+        except NestingTooDeep as error:
+            raise AdmissionError("nesting_too_deep", number, error.message) from None
         except ValueError as error:
             raise AdmissionError("invalid_json", number, f"line is not valid JSON: {error}") from None
         if not isinstance(value, dict):
             raise AdmissionError("not_an_object", number, f"line is a JSON {type(value).__name__}, not an object")
         if value.get("schema") == MANIFEST_SCHEMA:
+            parsed.manifest = check_manifest_record(
+                number, raw, value, kiln_strict=kiln_strict,
+                seen_example=parsed.first_example_line is not None, seen_manifest=bool(parsed.manifest_records),
+            )
             parsed.manifest_records.append((number, raw, value))
             continue
         if parsed.first_example_line is None:
@@ -182,17 +138,10 @@ class _ColumnBuilder:
         messages = require_field(record, "messages", list)
         normalized = [parse_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
         response = require_field(record, "teacher_response", str)
-        if "id" in record and record["id"] is not None and not isinstance(record["id"], str):
-            raise RecordError("id", "must be a string")
-        trajectory = record.get("trajectory")
-        segments = None
-        if trajectory is not None:
-            if not isinstance(trajectory, list):
-                raise RecordError("trajectory", "must be an array")
-            segments = [parse_segment(s, f"trajectory[{i}]") for i, s in enumerate(trajectory)]
-        tokens = record.get("teacher_tokens", [])
-        if not isinstance(tokens, list):
-            raise RecordError("teacher_tokens", "must be an array")
+        optional_string(record, "id", "id")
+        tokens = default_array(record, "teacher_tokens", "teacher_tokens")
+        trajectory = default_array(record, "trajectory", "trajectory")
+        segments = [parse_segment(s, f"trajectory[{i}]") for i, s in enumerate(trajectory)]
         for k, token in enumerate(tokens):
             self._add_token(token, f"teacher_tokens[{k}]")
         self.lines.append(line)
@@ -207,16 +156,11 @@ class _ColumnBuilder:
         check_known_fields(token, TOKEN_FIELDS, where)
         declared = token.get("token_id")
         self.declared.append(-1 if declared is None else _u32(declared, f"{where}.token_id"))
-        if token.get("token") is not None and not isinstance(token["token"], str):
-            raise RecordError(f"{where}.token", "must be a string")
+        optional_string(token, "token", f"{where}.token")
         if token.get("logprob") is not None:
             _number(token["logprob"], f"{where}.logprob")
             self.numeric = True
-        if "top_logprobs" not in token:
-            raise RecordError(f"{where}.top_logprobs", "is required")
-        candidates = token["top_logprobs"]
-        if not isinstance(candidates, list):
-            raise RecordError(f"{where}.top_logprobs", "must be an array")
+        candidates = default_array(token, "top_logprobs", f"{where}.top_logprobs")
         if candidates:
             self.numeric = True
         for j, candidate in enumerate(candidates):
@@ -224,10 +168,8 @@ class _ColumnBuilder:
             if not isinstance(candidate, dict):
                 raise RecordError(place, "must be an object")
             check_known_fields(candidate, CANDIDATE_FIELDS, place)
-            if "token_id" not in candidate or "logprob" not in candidate:
-                raise RecordError(place, "needs `token_id` and `logprob`")
-            self.ids.append(_u32(candidate["token_id"], f"{place}.token_id"))
-            self.logprobs.append(_number(candidate["logprob"], f"{place}.logprob"))
+            self.ids.append(_u32(require_present(candidate, "token_id", place), f"{place}.token_id"))
+            self.logprobs.append(_number(require_present(candidate, "logprob", place), f"{place}.logprob"))
         self.counts.append(len(candidates))
 
     def finish(self, parsed: ParsedCorpus) -> None:
@@ -243,17 +185,48 @@ class _ColumnBuilder:
         parsed.numeric_logits = self.numeric
 
 
-def offsets_of(counts: list[int] | np.ndarray) -> np.ndarray:
-    return np.concatenate([[0], np.cumsum(np.asarray(counts, dtype=np.int64))]).astype(np.int64)
+# --- field rules (also used by kiln_core.scoring for unscored examples) ---------------------------
+
+
+def check_known_fields(value: dict[str, Any], known: tuple[str, ...], where: str) -> None:
+    """Refuse a known field given twice (serde's "duplicate field")."""
+    repeated = sorted(set(getattr(value, "duplicates", ())) & set(known))
+    if repeated:
+        prefix = f"{where}." if where else ""
+        raise RecordError(f"{prefix}{repeated[0]}", "is given more than once")
 
 
 def require_field(record: dict[str, Any], key: str, kind: type) -> Any:
+    """A required field of type ``kind`` (``list`` or ``str``): missing and null are both refused."""
     if key not in record:
         raise RecordError(key, "is required")
     value = record[key]
     if not isinstance(value, kind):
         raise RecordError(key, f"must be {'an array' if kind is list else 'a string'}")
     return value
+
+
+def require_present(value: dict[str, Any], key: str, where: str) -> Any:
+    if key not in value:
+        raise RecordError(f"{where}.{key}", "is required")
+    return value[key]
+
+
+def default_array(value: dict[str, Any], key: str, where: str) -> list[Any]:
+    """A ``#[serde(default)] Vec`` field: missing means empty, null is refused."""
+    if key not in value:
+        return []
+    if not isinstance(value[key], list):
+        raise RecordError(where, "must be an array (null is not allowed)" if value[key] is None else "must be an array")
+    return value[key]
+
+
+def optional_string(value: dict[str, Any], key: str, where: str) -> str | None:
+    """An ``Option<String>`` field: missing or null means None."""
+    item = value.get(key)
+    if item is not None and not isinstance(item, str):
+        raise RecordError(where, "must be a string or null")
+    return item
 
 
 def _u32(value: Any, where: str) -> int:
@@ -272,6 +245,8 @@ def _number(value: Any, where: str) -> float:
 
 
 def parse_message(message: Any, where: str) -> dict[str, Any]:
+    """One chat message: ``role`` a string; ``content`` text, null or parts; ``name``/``tool_call_id``
+    strings or null; ``tool_calls`` an array or null (its items are the template's business)."""
     if not isinstance(message, dict):
         raise RecordError(where, "must be an object")
     check_known_fields(message, MESSAGE_FIELDS, where)
@@ -282,13 +257,20 @@ def parse_message(message: Any, where: str) -> dict[str, Any]:
         content = normalize_content(message.get("content"))
     except TokenizationError as error:
         raise RecordError(f"{where}.content", str(error)) from None
-    normalized = {key: value for key, value in message.items() if value is not None}
+    for key in ("name", "tool_call_id"):
+        optional_string(message, key, f"{where}.{key}")
+    tool_calls = message.get("tool_calls")
+    if tool_calls is not None and not isinstance(tool_calls, list):
+        raise RecordError(f"{where}.tool_calls", "must be an array or null")
+    normalized = {key: message[key] for key in MESSAGE_FIELDS if message.get(key) is not None}
     normalized["role"] = role
     normalized["content"] = content
     return normalized
 
 
 def parse_segment(segment: Any, where: str) -> Segment:
+    """One ``TurnSegment``: ``kind`` may be missing (context) but not null; ``warning_prefix_len`` is
+    a ``usize`` Kiln clamps to the content when it trims."""
     if not isinstance(segment, dict):
         raise RecordError(where, "must be an object")
     check_known_fields(segment, SEGMENT_FIELDS, where)
@@ -298,16 +280,11 @@ def parse_segment(segment: Any, where: str) -> Segment:
     content = segment.get("content")
     if not isinstance(content, str):
         raise RecordError(f"{where}.content", "must be a string")
-    kind = segment.get("kind")
-    if kind is None:
-        kind = "context"
+    kind = segment.get("kind", "context")
     if kind not in SEGMENT_KINDS:
-        raise RecordError(f"{where}.kind", f"must be one of {list(SEGMENT_KINDS)}")
-    tool_call_id = segment.get("tool_call_id")
-    if tool_call_id is not None and not isinstance(tool_call_id, str):
-        raise RecordError(f"{where}.tool_call_id", "must be a string")
+        raise RecordError(f"{where}.kind", f"must be one of {list(SEGMENT_KINDS)} (null is not allowed)")
+    tool_call_id = optional_string(segment, "tool_call_id", f"{where}.tool_call_id")
     prefix = segment.get("warning_prefix_len")
-    prefix = 0 if prefix is None else _u32(prefix, f"{where}.warning_prefix_len")
-    if prefix > len(content.encode("utf-8")):
-        raise RecordError(f"{where}.warning_prefix_len", "exceeds the content's byte length")
-    return Segment(role=role, content=content, kind=kind, tool_call_id=tool_call_id, warning_prefix_len=prefix)
+    if prefix is not None and (isinstance(prefix, bool) or not isinstance(prefix, int) or not 0 <= prefix <= U64_MAX):
+        raise RecordError(f"{where}.warning_prefix_len", "must be an unsigned 64-bit integer or null")
+    return Segment(role=role, content=content, kind=kind, tool_call_id=tool_call_id, warning_prefix_len=prefix or 0)

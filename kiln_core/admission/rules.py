@@ -2,10 +2,13 @@
 
 Each rule becomes a boolean mask over examples or teacher tokens; only the failing positions are
 ever looked at in Python. When several things are wrong, the reported one is the one Kiln would
-hit first: the earliest example, and within it the rules in Kiln's order (reference
-kiln-opd-spec.md §2.5): messages, response, tokenization, action tokens, teacher-token count,
-declared token ids, then per teacher token — candidate count, id range and finiteness, unique
-ids, sign, order, mass — and the duplicate-row check.
+hit first: the earliest example, and within it the rules in Kiln's order (opd.rs
+``prepare_off_policy_distillation_dataset_with_identity``; reference kiln-opd-spec.md §2.5):
+messages, response, tokenization and masks (a refused template, overlapping masks), action tokens,
+a target at position 0 (logit_source.rs ``target_token_positions_to_logits_rows``), teacher-token
+count, declared token ids, then per teacher token — candidate count, id range and finiteness,
+unique ids, sign, order, mass — then, when Kiln first inserts the example's rows, its input ids
+below ``vocab_size`` (``FixtureLogitSource::insert``), and the duplicate-row check.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kiln_core.admission.records import ParsedCorpus
+from kiln_core.admission.parsed import ParsedCorpus
 from kiln_core.corpus import CorpusTables
 from kiln_core.errors import AdmissionError
 from kiln_core.tokenization import EncodedConversation
@@ -31,6 +34,7 @@ TOKEN_RULES = (
     "positive_logprob",
     "not_non_increasing",
     "mass_exceeds_one",
+    "input_token_out_of_range",
     "conflicting_duplicate_row",
 )
 _NO_FAILURE = len(TOKEN_RULES)
@@ -74,10 +78,16 @@ def check_examples(
         failures.append(_Failure(int(i), "empty_response", f"example {i} has empty teacher_response"))
     for i, message in sorted(tokenization_errors.items())[:1]:
         failures.append(_Failure(i, "invalid_record", f"example {i} could not be tokenized: {message}"))
-    no_action = (action_counts == 0) & ~_indices_mask(n, tokenization_errors)
+    refused = _indices_mask(n, tokenization_errors)
+    problems = [i for i, e in enumerate(encoded) if e.problem is not None and not refused[i]]
+    for i in problems[:1]:
+        failures.append(_Failure(i, encoded[i].problem.code, f"example {i}: {encoded[i].problem.message}"))
+    refused[problems] = True
+    no_action = (action_counts == 0) & ~refused
     for i in np.flatnonzero(no_action)[:1]:
         failures.append(_Failure(int(i), "no_action_tokens", f"example {i} produced no assistant action tokens"))
-    count_mismatch = (token_counts != action_counts) & ~no_action & ~_indices_mask(n, tokenization_errors)
+    refused |= no_action
+    count_mismatch = (token_counts != action_counts) & ~refused
     for i in np.flatnonzero(count_mismatch)[:1]:
         failures.append(
             _Failure(
@@ -88,7 +98,7 @@ def check_examples(
         )
 
     # Token-level rules run over the examples whose teacher tokens line up with their targets.
-    aligned = (token_counts == action_counts) & (action_counts > 0) & ~_indices_mask(n, tokenization_errors)
+    aligned = (token_counts == action_counts) & ~refused
     token_mask = np.repeat(aligned, token_counts)
     token_example = np.repeat(np.arange(n, dtype=np.int64), token_counts)[token_mask]
     token_index = (np.arange(int(parsed.token_offsets[-1]), dtype=np.int64) - np.repeat(parsed.token_offsets[:-1], token_counts))[token_mask]
@@ -111,6 +121,7 @@ def check_examples(
             )
 
     ids, logprobs32, rule = _candidate_rules(parsed, token_mask, top_k, vocab_size)
+    _mark_input_ids(rule, token_example, token_index, encoded, vocab_size)
     _mark_conflicts(rule, ids, logprobs32, token_example, encoded)
     failing = rule < _NO_FAILURE
     # Examples with a token_id mismatch fail on it before any candidate is looked at.
@@ -119,7 +130,9 @@ def check_examples(
         for example, t in _first_per_group(token_example, failing)[:1]:
             code = TOKEN_RULES[rule[t]]
             failures.append(
-                _Failure(example, code, _token_message(code, example, int(token_index[t]), int(positions[t]), parsed, token_mask, t, ids, logprobs32, top_k, vocab_size))
+                _Failure(example, code, _token_message(code, example, int(token_index[t]), int(positions[t]), parsed,
+                                                       token_mask, t, ids, logprobs32, top_k, vocab_size,
+                                                       encoded[example].input_ids))
             )
 
     if failures:
@@ -133,7 +146,9 @@ _EXAMPLE_RULE_ORDER = (
     "empty_messages",
     "empty_response",
     "invalid_record",
+    "overlapping_masks",
     "no_action_tokens",
+    "target_at_position_zero",
     "token_count_mismatch",
     "token_id_mismatch",
 )
@@ -180,6 +195,17 @@ def _candidate_rules(parsed: ParsedCorpus, token_mask: np.ndarray, top_k: int, v
     return ids, logprobs32, rule  # int64: ids up to 2**32 - 1 must stay visible to the messages
 
 
+def _mark_input_ids(rule, token_example, token_index, encoded, vocab_size: int) -> None:
+    """Kiln's first fixture insert of an example checks every input id against ``vocab_size``.
+
+    That happens after its first teacher token's row is validated, so the rule lands on token 0.
+    """
+    first = np.flatnonzero((token_index == 0) & (rule == _NO_FAILURE))
+    for t in first:
+        if encoded[int(token_example[t])].input_ids.max(initial=0) >= vocab_size:
+            rule[t] = TOKEN_RULES.index("input_token_out_of_range")
+
+
 def _mark_conflicts(rule, ids, logprobs32, token_example, encoded) -> None:
     """Rows for the same exact token sequence and position must be identical (ids and f32 bits).
 
@@ -206,7 +232,7 @@ def _mark_conflicts(rule, ids, logprobs32, token_example, encoded) -> None:
         rule[start:end][hit] = TOKEN_RULES.index("conflicting_duplicate_row")
 
 
-def _token_message(code, example, k, position, parsed, token_mask, t, ids, logprobs32, top_k, vocab_size) -> str:
+def _token_message(code, example, k, position, parsed, token_mask, t, ids, logprobs32, top_k, vocab_size, encoded_ids) -> str:
     where = f"example {example} token {k} (target position {position})"
     if code == "too_few_candidates":
         have = int(np.diff(parsed.candidate_offsets)[token_mask][t])
@@ -227,7 +253,15 @@ def _token_message(code, example, k, position, parsed, token_mask, t, ids, logpr
     if code == "mass_exceeds_one":
         mass = float(np.exp(logprobs32[t].astype(np.float64)).sum())
         return f"{where}: sparse probability mass {mass!r} exceeds 1 + 32·f32::EPSILON"
+    if code == "input_token_out_of_range":
+        return f"example {example}: " + _input_id_message(encoded_ids, vocab_size)
     return f"{where} conflicts with an earlier row for the same exact token sequence"
+
+
+def _input_id_message(input_ids: np.ndarray, vocab_size: int) -> str:
+    index = int(np.flatnonzero(input_ids >= vocab_size)[0])
+    return (f"input token {index} has id {int(input_ids[index])}, outside the student's vocab_size {vocab_size} "
+            f"(the tokenizer has ids the model has no logit for)")
 
 
 def _first_true(matrix: np.ndarray) -> np.ndarray:
@@ -272,4 +306,5 @@ def _tables(parsed: ParsedCorpus, encoded: list[EncodedConversation], ids, logpr
         env_offsets=offsets(envs),
         teacher_ids=np.ascontiguousarray(ids, dtype=np.int32),
         teacher_logprobs=np.ascontiguousarray(logprobs32, dtype=np.float32),
+        observation_tokens=np.asarray([e.observation_tokens for e in encoded], dtype=np.int64),
     )

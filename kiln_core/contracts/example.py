@@ -1,9 +1,11 @@
 """The example record of an OPD teacher corpus (seeds/opd-teacher-jsonl.txt, kiln-opd-spec.md §2.3).
 
-These models document the record field by field and give typed access to one example. Admission
-does not validate a corpus through them line by line (it parses columns, see
-``kiln_core.admission``); they are the reference the columnar parser is tested against. Unknown
-top-level fields are ignored, as Kiln's parser ignores them (compatibility, not an extension point).
+These models document the record field by field, with the shapes Kiln's serde derives accept
+(opd.rs ``OffPolicyDistillationExample``, ``TeacherActionToken``, ``TeacherTopLogprob``;
+trajectory.rs ``TurnSegment``): an array field with a default may be missing but not null, an enum is
+never null, an optional field may be null. Admission does not validate a corpus through them line by
+line (it parses columns, see ``kiln_core.admission``). Unknown fields are ignored, as Kiln's parser
+ignores them (compatibility, not an extension point).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 U32_MAX = 2**32 - 1
+U64_MAX = 2**64 - 1
 
 
 class ContentPart(BaseModel):
@@ -56,8 +59,8 @@ class TeacherToken(BaseModel):
     """If present, must equal the tokenized action target at this position."""
     logprob: float | None = None
     """Audit value for the selected token; its presence still means numeric logits."""
-    top_logprobs: list[TopLogprob]
-    """Ranked candidates; the first ``top_k`` are consumed and validated."""
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+    """Ranked candidates; the first ``top_k`` are consumed and validated (missing = none; null is refused)."""
 
 
 class TrajectorySegment(BaseModel):
@@ -66,11 +69,12 @@ class TrajectorySegment(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     role: str
     content: str
-    kind: Literal["context", "action", "observation"] | None = None
-    """``action`` → reverse-KL targets, ``observation`` → ECHO targets, ``context``/missing → none."""
+    kind: Literal["context", "action", "observation"] = "context"
+    """``action`` → reverse-KL targets, ``observation`` → ECHO targets, ``context`` (or missing) → none."""
     tool_call_id: str | None = None
-    warning_prefix_len: int | None = Field(default=None, ge=0, le=U32_MAX)
-    """Leading content bytes left out of the ECHO loss when the warning filter is on."""
+    warning_prefix_len: int | None = Field(default=None, ge=0, le=U64_MAX)
+    """Leading content bytes left out of the ECHO env mask when the warning filter is on; Kiln clamps
+    it to the content, so a longer value means the whole observation is warning."""
 
 
 class OpdExample(BaseModel):
@@ -85,7 +89,7 @@ class OpdExample(BaseModel):
     """Non-empty assistant text (appended as the assistant turn when there is no trajectory)."""
     teacher_tokens: list[TeacherToken] = Field(default_factory=list)
     """One entry per action target, in target order."""
-    trajectory: list[TrajectorySegment] | None = None
-    """When non-empty, the replayed training sequence."""
+    trajectory: list[TrajectorySegment] = Field(default_factory=list)
+    """When non-empty, the replayed training sequence (missing = none; null is refused)."""
     metadata: Any = None
     """Arbitrary caller JSON; part of the file hash only."""

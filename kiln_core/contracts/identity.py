@@ -2,7 +2,8 @@
 
 Both are compared byte for byte in Kiln's compact, declaration-order JSON, so the field order of these
 models is part of the contract (reference/kiln-opd-spec.md §1.2-§1.5). Parsing is strict: unknown
-fields are refused, integers must be JSON integers, digests are raw lowercase hex.
+fields are refused, integers must be JSON integers, digests are raw lowercase hex, and JSON nested as
+deep as serde_json's recursion limit is refused before anything else (``nesting_too_deep``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from kiln_core.canonical import kiln_compact_json, sha256_hex
 from kiln_core.errors import Rejection
+from kiln_core.strict_json import NestingTooDeep, check_nesting, loads_nesting_limited
 
 MANIFEST_SCHEMA = "kiln.off-policy-distillation-manifest.v1"
 IDENTITY_SCHEMA = "kiln.teacher-identity.v1"
@@ -150,12 +152,25 @@ class OffPolicyManifest(_StrictContract):
         )
 
 
+MANIFEST_ERROR_CODES = {
+    "invalid": "manifest_invalid",
+    "not_canonical": "manifest_not_canonical",
+    "nesting_too_deep": "nesting_too_deep",
+}
+
+
 class ManifestError(Rejection, ValueError):
-    """A manifest or identity that does not satisfy the contract; ``kind`` is ``invalid`` or ``not_canonical``
-    (``code`` ``manifest_invalid`` or ``manifest_not_canonical``, the admission codes)."""
+    """A manifest or identity that does not satisfy the contract.
+
+    Attributes:
+        kind: ``invalid``, ``not_canonical`` or ``nesting_too_deep``.
+        code: The stable rejection code of ``kind`` (``manifest_invalid``, ``manifest_not_canonical``,
+            ``nesting_too_deep``).
+        message: What is wrong (``str(error)`` is the message alone, as before).
+    """
 
     def __init__(self, kind: str, message: str) -> None:
-        super().__init__("manifest_not_canonical" if kind == "not_canonical" else "manifest_invalid", message)
+        super().__init__(MANIFEST_ERROR_CODES[kind], message)
         self.kind = kind
 
     def __str__(self) -> str:
@@ -176,7 +191,10 @@ def parse_manifest_object(value: Any, *, kiln_strict: bool = False) -> OffPolicy
         ManifestError: ``kind="invalid"`` with the pydantic field path in the message.
     """
     try:
+        check_nesting(value, where="the manifest")
         manifest = OffPolicyManifest.model_validate(value)
+    except NestingTooDeep as error:
+        raise ManifestError("nesting_too_deep", error.message) from None
     except ValidationError as error:
         first = error.errors()[0]
         where = ".".join(str(part) for part in first["loc"]) or "manifest"
@@ -205,10 +223,7 @@ def parse_manifest_line(line: str, *, kiln_strict: bool = False) -> OffPolicyMan
         >>> m.canonical_json() == line  # doctest: +SKIP
         True
     """
-    try:
-        value = json.loads(line)
-    except json.JSONDecodeError as error:
-        raise ManifestError("invalid", f"manifest is not valid JSON: {error.msg}") from None
+    value = _loads(line, "the manifest")
     manifest = parse_manifest_object(value, kiln_strict=kiln_strict)
     if manifest.canonical_json() != line:
         raise ManifestError("not_canonical", "manifest is not canonical compact JSON")
@@ -217,13 +232,24 @@ def parse_manifest_line(line: str, *, kiln_strict: bool = False) -> OffPolicyMan
 
 def parse_identity_json(text: str) -> TeacherIdentity:
     """Parse a canonical identity JSON string, requiring byte equality with its re-serialization."""
+    value = _loads(text, "the teacher identity")
     try:
-        identity = TeacherIdentity.model_validate(json.loads(text))
-    except (json.JSONDecodeError, ValidationError) as error:
+        identity = TeacherIdentity.model_validate(value)
+    except ValidationError as error:
         raise ManifestError("invalid", f"teacher identity is invalid: {error}") from None
     if identity.canonical_json() != text:
         raise ManifestError("not_canonical", "teacher identity JSON is not the canonical compact encoding")
     return identity
+
+
+def _loads(text: str, where: str) -> Any:
+    """Decode JSON as serde_json would: a document nested too deep is refused, not parsed."""
+    try:
+        return loads_nesting_limited(text, where=where)
+    except NestingTooDeep as error:
+        raise ManifestError("nesting_too_deep", error.message) from None
+    except json.JSONDecodeError as error:
+        raise ManifestError("invalid", f"{where} is not valid JSON: {error.msg}") from None
 
 
 def build_manifest_line(identity: TeacherIdentity) -> str:

@@ -23,7 +23,9 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from kiln_core.contracts.opd_prompt import OpdPrompt
 
 from kiln_core.errors import Rejection
 
@@ -38,11 +40,13 @@ __all__ = [
     "parse_opd_config",
     "parse_opd_request",
     "validate_for_offline_training",
+    "validate_config_rules",
     "validate_request_for_offline_training",
     "resolve_top_k",
     "resolve_learning_rate",
     "effective_samples_per_prompt",
     "effective_config",
+    "PRESETS",
 ]
 
 SUPPORTED_TOP_K = (32, 16)  # Kiln's KT kernels, largest first (§2.6)
@@ -153,6 +157,23 @@ class EchoConfig(_Strict):
 # OpdConfig / OpdRequest
 
 
+# Extension (issue 14): named recipes measured by bench/distill_quality.py. A preset fills in the fields
+# a config leaves unset; fields given explicitly win. No preset is ever applied by default, so a Kiln
+# request keeps Kiln's loss and defaults.
+PRESETS: dict[str, dict[str, Any]] = {
+    # Best on all three held-out metrics, per step and per second, of Kiln's loss, tail, SFT, forward
+    # and tail+forward on SmolLM2-135M's half-depth student (bench/distill_quality.py; README figures).
+    "quality": {
+        "training_mode": "off_policy",
+        "loss": "teacher_top_k_forward",
+        "optimizer": {"kind": "adam_w"},
+        "learning_rate": 1e-3,
+        "lora_rank": 16,
+        "lora_alpha": 32.0,
+    },
+}
+
+
 class OpdConfig(BaseModel):
     """Kiln's ``OpdConfig`` (§3.2), every field with Kiln's default, plus ``sequences_per_step``.
 
@@ -166,8 +187,12 @@ class OpdConfig(BaseModel):
 
     training_mode: Literal["on_policy", "off_policy"] = "on_policy"
     objective: Literal["reverse_kl", "cross_entropy"] = "reverse_kl"
-    loss: Literal["sampled_token", "teacher_top_k", "full_vocab", "teacher_top_k_tail"] = "teacher_top_k"
-    """``teacher_top_k_tail`` is our opt-in extension (DESIGN.md decision 4)."""
+    loss: Literal["sampled_token", "teacher_top_k", "full_vocab", "teacher_top_k_tail", "teacher_token_ce",
+                  "teacher_top_k_forward", "teacher_top_k_tail_forward"] = "teacher_top_k"
+    """Kiln's values, plus our opt-in extensions (never the default): ``teacher_top_k_tail`` (DESIGN.md
+    decision 4), ``teacher_token_ce`` (SFT on the corpus tokens), ``teacher_top_k_forward`` (forward KL
+    from the teacher's top-K to the full student softmax), ``teacher_top_k_tail_forward`` (the sum of
+    the two KLs). See ``kiln_core.training.loss.STEP_LOSSES``."""
     top_k: int = Field(default=32, ge=0)
     samples_per_prompt: int = Field(default=DEFAULT_SAMPLES_PER_PROMPT, ge=0)
     temperature: float = 1.0
@@ -196,6 +221,17 @@ class OpdConfig(BaseModel):
     max_cost_usd: float | None = None
     sequences_per_step: int = Field(default=1, ge=1)
     """Extension: candidates per optimizer step (gradient accumulation, mean of sequence losses)."""
+    preset: Literal["quality"] | None = None
+    """Extension: a named recipe from ``PRESETS``; it fills in the fields this config leaves unset."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_preset(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("preset") is not None:
+            if data["preset"] not in PRESETS:
+                raise ValueError(f"unknown preset {data['preset']!r}; available: {', '.join(sorted(PRESETS))}")
+            return {**PRESETS[data["preset"]], **data}
+        return data
 
 
 class OpdRequest(BaseModel):
@@ -204,7 +240,8 @@ class OpdRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
 
     teacher: str
-    prompts: list[dict[str, Any]] | None = None
+    prompts: list[OpdPrompt] = Field(default_factory=list)
+    """On-policy prompts (Kiln's ``OpdPrompt``); ``null`` is refused as serde refuses it."""
     dataset_path: str | None = None
     config: OpdConfig = Field(default_factory=OpdConfig)
     post_eval: dict[str, Any] | None = None
@@ -297,8 +334,8 @@ def effective_samples_per_prompt(config: OpdConfig, prompt_count: int | None = N
     """Candidates per example per epoch.
 
     Off-policy: the default 4 means 1 (each example once); any other value n repeats it n times.
-    On-policy (for completeness; kiln-flows does not sample): the default 4 auto-scales to 64 below 50
-    prompts, 16 below 200, else 4.
+    On-policy: the default 4 auto-scales to 64 below 50 prompts, 16 below 200, else 4, counting every
+    prompt of the request before any is dropped (``opd.rs`` · ``opd_train_to_with_checkpoint_root_and_runtime``).
 
     Example:
         >>> effective_samples_per_prompt(OpdConfig(training_mode="off_policy"))
@@ -314,13 +351,14 @@ def effective_samples_per_prompt(config: OpdConfig, prompt_count: int | None = N
     return 64 if prompt_count < 50 else 16 if prompt_count < 200 else 4
 
 
-def effective_config(config: OpdConfig, seed: int, top_k: int) -> dict[str, Any]:
+def effective_config(config: OpdConfig, seed: int, top_k: int, prompt_count: int | None = None) -> dict[str, Any]:
     """The JSON-able effective config bound into checkpoints and receipts.
 
     It is the serialized config without ``resume_checkpoint`` (resuming must not change the run's
     identity), with ``learning_rate`` and ``seed`` resolved, plus ``effective_top_k`` and
-    ``effective_samples_per_prompt``. Keys are sorted at every level so that comparing two effective
-    configs never depends on construction order.
+    ``effective_samples_per_prompt`` (on-policy: pass ``prompt_count``, the request's prompt count).
+    Keys are sorted at every level so that comparing two effective configs never depends on
+    construction order.
 
     Example:
         >>> effective_config(OpdConfig(training_mode="off_policy"), 7, 32)["effective_samples_per_prompt"]
@@ -328,10 +366,12 @@ def effective_config(config: OpdConfig, seed: int, top_k: int) -> dict[str, Any]
     """
     data = config.model_dump(mode="json", by_alias=True)
     data.pop("resume_checkpoint", None)
+    if data.get("preset") is None:  # a config without a preset keeps Kiln's exact effective config
+        data.pop("preset", None)
     data["learning_rate"] = resolve_learning_rate(config)
     data["seed"] = int(seed)
     data["effective_top_k"] = int(top_k)
-    data["effective_samples_per_prompt"] = effective_samples_per_prompt(config)
+    data["effective_samples_per_prompt"] = effective_samples_per_prompt(config, prompt_count)
     return _sorted(data)
 
 
@@ -366,6 +406,26 @@ def validate_for_offline_training(config: OpdConfig) -> list[str]:
             'is pre-scored, so set "training_mode": "off_policy" in the request config',
             "config.training_mode",
         )
+    return validate_config_rules(config)
+
+
+def validate_config_rules(config: OpdConfig, *, pre_scored: bool = True) -> list[str]:
+    """Kiln's submit-time config rules shared by both training modes (no source or mode rule).
+
+    ``pre_scored`` (a ``dataset_path`` corpus): ``top_k`` is resolved against itself as Kiln does at
+    submit. Otherwise (on-policy) only ``top_k > 0`` is checked here; the source cap is the teacher's
+    ``max_top_k``, resolved once the teacher is known (``kiln_core.on_policy.submit``).
+
+    Returns:
+        Warnings that do not block the run (an explicit learning rate far from the default).
+
+    Raises:
+        ConfigError: the first rule the config breaks, with Kiln's message.
+
+    Example:
+        >>> validate_config_rules(OpdConfig())
+        []
+    """
     if config.objective == "cross_entropy":
         raise ConfigError(
             "OPD objective: cross_entropy is not wired into the production OPD loss root; use reverse_kl",
@@ -403,7 +463,10 @@ def validate_for_offline_training(config: OpdConfig) -> list[str]:
             "OPD max_cost_usd is unavailable: cost budgets are not enforced for OPD training; use null",
             "config.max_cost_usd",
         )
-    resolve_top_k(config.top_k)  # "> 0" first, then the {16, 32} support sizes
+    if pre_scored:
+        resolve_top_k(config.top_k)  # "> 0" first, then the {16, 32} support sizes
+    elif config.top_k <= 0:
+        raise ConfigError("OPD top_k must be > 0", "config.top_k")
     if config.samples_per_prompt <= 0:
         raise ConfigError("OPD samples_per_prompt must be > 0", "config.samples_per_prompt")
     if config.sampler_segments == 0:

@@ -152,7 +152,7 @@ class DistributedOptions(BaseModel):
     @field_validator("strategy")
     @classmethod
     def _implemented(cls, value: str) -> str:
-        # Where FSDP would plug in: kiln_core/training/distributed.py (module docstring).
+        # Where FSDP would plug in: kiln_core/training/distributed/world.py (module docstring).
         if value == "fsdp":
             raise ValueError("fsdp is not implemented; use ddp")
         return value
@@ -314,18 +314,18 @@ def load_spec(path: str) -> PipelineSpec:
 
 
 def _check_yaml_depth(text: str, path: str) -> None:
-    """Refuse nesting beyond ``MAX_NESTING_DEPTH`` from the parser's event stream, before PyYAML's
-    recursive composer would hit Python's recursion limit."""
+    """Refuse what serde_json's depth limit refuses (``kiln_core.strict_json``), counted on the parser's
+    event stream, before PyYAML's recursive composer would hit Python's recursion limit."""
     import yaml
 
-    from kiln_core.nesting import MAX_NESTING_DEPTH, NestingTooDeep
+    from kiln_core.strict_json import SERDE_JSON_RECURSION_LIMIT, too_deep
 
     level = 0
     for event in yaml.parse(text, Loader=yaml.SafeLoader):
         if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
             level += 1
-            if level > MAX_NESTING_DEPTH:
-                raise NestingTooDeep(f"pipeline spec {path}", file=path,
-                                     line=event.start_mark.line + 1 if event.start_mark else None)
+            if level >= SERDE_JSON_RECURSION_LIMIT:
+                raise too_deep(level, where="the pipeline spec", file=path,
+                               line=event.start_mark.line + 1 if event.start_mark else None)
         elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
             level -= 1

@@ -48,12 +48,16 @@ class LocalStages:
     Args:
         on_progress: ``(step, total_steps, loss)`` after each committed training step.
         should_cancel: Polled at each step boundary.
+        on_step_committed: Called with the step number once a step (and its checkpoint, when due) is
+            committed (``train_opd``'s hook: tests and drills stop a run there).
         handle_signals: Ctrl-C/SIGTERM stop training at the next step boundary.
     """
 
     def __init__(self, *, on_progress: Callable[[int, int, float], None] | None = None,
-                 should_cancel: Callable[[], bool] | None = None, handle_signals: bool = True) -> None:
+                 should_cancel: Callable[[], bool] | None = None,
+                 on_step_committed: Callable[[int], None] | None = None, handle_signals: bool = True) -> None:
         self.on_progress, self.should_cancel, self.handle_signals = on_progress, should_cancel, handle_signals
+        self.on_step_committed = on_step_committed
 
     def manifest(self, teacher: TeacherSource, storage_root: str, max_top_k: int) -> ManifestRef:
         return stages.resolve_manifest(teacher, storage_root, max_top_k=max_top_k)
@@ -72,7 +76,8 @@ class LocalStages:
 
     def train(self, plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir: str) -> TrainRef:
         return train(plan, corpus, manifest, student_dir, on_progress=self.on_progress,
-                     should_cancel=self.should_cancel, handle_signals=self.handle_signals)
+                     should_cancel=self.should_cancel, on_step_committed=self.on_step_committed,
+                     handle_signals=self.handle_signals)
 
     def publish(self, trained: TrainRef, spec: PipelineSpec) -> PublishRef:
         return publish(trained, spec.storage_root, spec.adapter)

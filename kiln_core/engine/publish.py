@@ -3,7 +3,9 @@
 Training already wrote the checkpoints, the adapter and the receipt. Publishing checks the adapter
 bytes against the receipt's digest, then atomically (re)writes ``latest.json`` — the one file a
 consumer reads to find the newest adapter of a name. ``kiln-flows train`` and the pipeline both
-publish, so ``latest.json`` always names the newest successful run, whichever way it ran.
+publish, and the post-eval gate's promotion (``kiln_core.post_eval.fate``) writes the pointer
+through the same two functions here (``latest_pointer``, ``write_latest``), so the document is the
+same whoever writes it.
 """
 
 from __future__ import annotations
@@ -12,30 +14,93 @@ import json
 from typing import Any
 
 from kiln_core.engine.refs import PublishRef, TrainRef
-from kiln_core.engine.runs import LATEST_FILE, adapter_root
+from kiln_core.engine.runs import ADAPTER_DIR, LATEST_FILE, RECEIPT_FILE
 from kiln_core.errors import EnvironmentFailure
+from kiln_core.storage import Location, resolve
 
 
-def receipt_summary(receipt: dict[str, Any]) -> dict[str, Any]:
-    """The receipt fields a person looks at first."""
-    opd = receipt.get("opd") or {}
-    tokens = receipt.get("token_counts") or {}
-    output = (receipt.get("adapters") or {}).get("output") or {}
-    data = receipt.get("training_data") or {}
+class AdapterMismatch(EnvironmentFailure):
+    """The stored adapter is not the one the run's receipt records (code ``adapter_mismatch``)."""
+
+
+def receipt_summary(receipt: Any) -> dict[str, Any]:
+    """The fields of a ``TrainReceipt`` a person looks at first."""
     return {
-        "status": receipt.get("status"),
-        "failure_reason": receipt.get("failure_reason"),
-        "final_opd_loss": opd.get("final_opd_loss"),
-        "steps": (receipt.get("data") or {}).get("examples_trained"),
-        "action_tokens": tokens.get("action_tokens"),
-        "env_tokens": tokens.get("env_tokens"),
-        "context_tokens": tokens.get("context_tokens"),
-        "top_k": opd.get("top_k"),
-        "dataset_sha256": data.get("sha256"),
-        "teacher_identity_revision": opd.get("teacher_identity_revision"),
-        "adapter_model_sha256": output.get("adapter_model_sha256"),
-        "wall_clock_ms": (receipt.get("runtime") or {}).get("wall_clock_ms"),
+        "status": receipt.status,
+        "failure_reason": receipt.failure_reason,
+        "final_opd_loss": receipt.opd.final_opd_loss,
+        "steps": receipt.data.examples_trained,
+        "action_tokens": receipt.token_counts.action_tokens,
+        "env_tokens": receipt.token_counts.env_tokens,
+        "context_tokens": receipt.token_counts.context_tokens,
+        "top_k": receipt.opd.top_k,
+        "dataset_sha256": receipt.training_data.sha256,
+        "teacher_identity_revision": receipt.opd.teacher_identity_revision,
+        "teacher_content_revision": receipt.opd.teacher_content_revision,
+        "adapter_model_sha256": receipt.adapters.output.adapter_model_sha256,
+        "wall_clock_ms": receipt.runtime.wall_clock_ms,
     }
+
+
+def latest_location(run: Location | str) -> Location:
+    """``<root>/runs/<adapter>/latest.json`` for a run directory ``<root>/runs/<adapter>/<run key>``."""
+    run = resolve(run) if isinstance(run, str) else run
+    parent_path, _, _ = run.path.rstrip("/").rpartition("/")
+    parent_uri, _, _ = run.uri.rstrip("/").rpartition("/")
+    return Location(run.fs, parent_path, parent_uri).child(LATEST_FILE)
+
+
+def latest_pointer(run: Location | str) -> dict[str, Any]:
+    """The ``latest.json`` document for the adapter of a finished run, checked against its receipt.
+
+    Raises:
+        ReceiptError: ``receipt_missing``/``receipt_invalid`` — no valid ``TrainReceipt`` in the run.
+        AdapterMismatch: ``adapter_mismatch`` — the adapter bytes are not the receipt's (storage damage).
+        FileNotFoundError: the run has no adapter.
+
+    Example:
+        >>> latest_pointer("kiln-data/runs/demo/3f2a9c0d1e2b4a5c")["adapter_model_sha256"]  # doctest: +SKIP
+        'sha256:…'
+    """
+    from kiln_core.canonical import sha256_hex, sha256_prefixed
+    from kiln_core.training.receipt import read_receipt
+
+    run = resolve(run) if isinstance(run, str) else run
+    receipt_location = run.child(RECEIPT_FILE)
+    receipt = read_receipt(receipt_location)
+    receipt_bytes = receipt_location.read_bytes()
+    adapter = run.child(ADAPTER_DIR)
+    adapter_file = adapter.child("adapter_model.safetensors")
+    actual = sha256_prefixed(adapter_file.read_bytes())
+    expected = receipt.adapters.output.adapter_model_sha256
+    if actual != expected:
+        raise AdapterMismatch("adapter_mismatch", f"{adapter_file.uri} is {actual}, but the receipt records {expected}",
+                              file=adapter_file.uri)
+    return {
+        "adapter": adapter.uri,
+        "receipt": receipt_location.uri,
+        "receipt_sha256": "sha256:" + sha256_hex(receipt_bytes),
+        "run": run.uri,
+        "adapter_model_sha256": actual,
+        "dataset_sha256": receipt.training_data.sha256,
+        "produced_at": receipt.produced_at,
+    }
+
+
+def write_latest(run: Location | str, pointer: dict[str, Any] | None = None) -> Location:
+    """Atomically (re)write the adapter's ``latest.json`` to point at ``run``; returns its location.
+
+    Args:
+        run: The run directory ``<root>/runs/<adapter>/<run key>``.
+        pointer: The document; default ``latest_pointer(run)``.
+    """
+    from kiln_core.storage import write_bytes_atomic
+
+    run = resolve(run) if isinstance(run, str) else run
+    document = pointer if pointer is not None else latest_pointer(run)
+    latest = latest_location(run)
+    write_bytes_atomic(latest, json.dumps(document, indent=2).encode("utf-8"))
+    return latest
 
 
 def publish(train: TrainRef, storage_root: str, adapter: str) -> PublishRef:
@@ -44,38 +109,20 @@ def publish(train: TrainRef, storage_root: str, adapter: str) -> PublishRef:
     Raises:
         EnvironmentFailure: ``adapter_mismatch`` when the stored adapter is not the one the receipt
             records (storage damage); ``nothing_to_publish`` for a run without an adapter.
+        ReceiptError: the run's receipt is missing or not a ``TrainReceipt``.
 
     Example:
         >>> published = publish(train_ref, "./kiln-data", "demo")  # doctest: +SKIP
         >>> published.latest_uri  # doctest: +SKIP
         '/abs/kiln-data/runs/demo/latest.json'
     """
-    from kiln_core.canonical import sha256_hex, sha256_prefixed
-    from kiln_core.storage import resolve, write_bytes_atomic
     from kiln_core.training.checkpoint import committed_checkpoints
 
     if train.adapter_uri is None:
         raise EnvironmentFailure("nothing_to_publish", f"run {train.run_uri} has no adapter (status {train.status})")
-    receipt_bytes = resolve(train.receipt_uri).read_bytes()
-    receipt = json.loads(receipt_bytes)
-    adapter_file = resolve(train.adapter_uri).child("adapter_model.safetensors")
-    expected = ((receipt.get("adapters") or {}).get("output") or {}).get("adapter_model_sha256")
-    actual = sha256_prefixed(adapter_file.read_bytes())
-    if expected != actual:
-        raise EnvironmentFailure("adapter_mismatch", f"{adapter_file.uri} is {actual}, but the receipt records "
-                                 f"{expected}", file=adapter_file.uri)
-    run = resolve(train.run_uri)
-    latest = adapter_root(storage_root, adapter).child(LATEST_FILE)
-    pointer = {
-        "adapter": train.adapter_uri,
-        "receipt": train.receipt_uri,
-        "receipt_sha256": "sha256:" + sha256_hex(receipt_bytes),
-        "run": train.run_uri,
-        "adapter_model_sha256": actual,
-        "dataset_sha256": (receipt.get("training_data") or {}).get("sha256"),
-        "produced_at": receipt.get("produced_at"),
-    }
-    write_bytes_atomic(latest, json.dumps(pointer, indent=2).encode("utf-8"))
-    return PublishRef(adapter_uri=train.adapter_uri, receipt_uri=train.receipt_uri,
+    run = resolve(train.run_uri)  # <storage_root>/runs/<adapter>/<run key> (kiln_core.engine.runs)
+    pointer = latest_pointer(run)
+    latest = write_latest(run, pointer)
+    return PublishRef(adapter_uri=pointer["adapter"], receipt_uri=pointer["receipt"],
                       receipt_sha256=pointer["receipt_sha256"], latest_uri=latest.uri,
                       checkpoints=[run.child(name).uri for _, name in committed_checkpoints(run, adapter)])

@@ -39,19 +39,16 @@ def load_request(request_path: str) -> tuple[OpdRequest, list[str]]:
         ConfigError: ``invalid_request`` (unreadable, not JSON) or a rule Kiln enforces at submit time;
         NestingTooDeep: ``nesting_too_deep`` — deeper than Kiln's parser accepts.
     """
-    from kiln_core.nesting import NestingTooDeep, check_depth
+    from kiln_core.strict_json import loads_nesting_limited
 
     try:
         text = resolve(request_path).read_text()
     except (OSError, UnicodeDecodeError) as error:
         raise ConfigError(f"cannot read OPD request {request_path}: {error}", None, code="invalid_request") from None
-    try:
-        value = json.loads(text)
-    except RecursionError:
-        raise NestingTooDeep(f"OPD request {request_path}", file=request_path) from None
+    try:  # serde_json's depth limit, as every reader of Kiln's documents applies it
+        value = loads_nesting_limited(text, where="the OPD request", file=request_path)
     except json.JSONDecodeError as error:
         raise ConfigError(f"OPD request {request_path} is not valid JSON: {error}", None, code="invalid_request") from None
-    check_depth(value, f"OPD request {request_path}", file=request_path)
     request = parse_opd_request(value)
     return request, validate_request_for_offline_training(request)
 
@@ -123,7 +120,7 @@ def spec_from_request(request_path: str, *, adapter: str, student_dir: str, out_
 
 def train_request(request_path: str, *, adapter: str, student_dir: str, out_root: str = "./kiln-data",
                   resume_checkpoint: str | None = None, resume_latest: bool = False, on_progress=None,
-                  should_cancel=None, handle_signals: bool = False, on_warning=None, nproc: int = 1,
+                  should_cancel=None, on_step_committed=None, handle_signals: bool = False, on_warning=None, nproc: int = 1,
                   backend: str = "auto", device: str | None = None, precision: str | None = None,
                   gradient_checkpointing: bool = False):
     """``kiln-flows train`` as a function: validate the request, then ``run_pipeline`` its spec.
@@ -131,7 +128,8 @@ def train_request(request_path: str, *, adapter: str, student_dir: str, out_root
     Args:
         resume_checkpoint: Resume from this basename (``--resume-checkpoint``).
         resume_latest: Resume from the newest committed checkpoint, as every pipeline attempt does.
-        on_progress, should_cancel, handle_signals: Passed to the training stage (``LocalStages``).
+        on_progress, should_cancel, on_step_committed, handle_signals: Passed to the training stage
+            (``LocalStages``).
 
     Returns:
         ``PipelineResult``.
@@ -143,6 +141,7 @@ def train_request(request_path: str, *, adapter: str, student_dir: str, out_root
     for warning in run.warnings:
         if on_warning:
             on_warning(warning)
-    stages = LocalStages(on_progress=on_progress, should_cancel=should_cancel, handle_signals=handle_signals)
+    stages = LocalStages(on_progress=on_progress, should_cancel=should_cancel, on_step_committed=on_step_committed,
+                         handle_signals=handle_signals)
     return run_pipeline(run.spec, stages, resume="latest" if resume_latest else run.resume, device=device,
                         precision=precision, gradient_checkpointing=gradient_checkpointing)

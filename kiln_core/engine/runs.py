@@ -146,20 +146,18 @@ def newest_checkpoint(run: Location | str, adapter: str) -> str | None:
 
 
 def finished_run(run: Location, adapter: str) -> TrainRef | None:
-    """A run whose adapter and successful receipt are committed is finished: it is not trained again."""
-    import json
+    """A run whose adapter and successful receipt are committed is finished: it is not trained again.
 
-    receipt = run.child(RECEIPT_FILE)
+    Raises:
+        ReceiptError: ``receipt_invalid`` — a successful receipt that is not a ``TrainReceipt``.
+    """
+    from kiln_core.training.receipt import read_receipt, receipt_status
+
     adapter_dir = run.child(ADAPTER_DIR)
-    if not (receipt.exists() and adapter_dir.child("adapter_config.json").exists()):
+    if receipt_status(run) != "success" or not adapter_dir.child("adapter_config.json").exists():
         return None
-    record = json.loads(receipt.read_bytes())
-    if record.get("status") != "success":
-        return None
-    opd = record.get("opd") or {}
-    history = [float(x) for x in record.get("loss_history") or []]
-    data = record.get("data") or {}
-    steps = int(data.get("examples_trained") or len(history))
-    return TrainRef(run_uri=run.uri, status="success", adapter_uri=adapter_dir.uri, receipt_uri=receipt.uri,
-                    latest_checkpoint=newest_checkpoint(run, adapter), final_loss=opd.get("final_opd_loss"),
-                    steps=steps, total_steps=data.get("total_steps"), loss_history=history, reused=True)
+    receipt = read_receipt(run)
+    return TrainRef(run_uri=run.uri, status="success", adapter_uri=adapter_dir.uri, receipt_uri=run.child(RECEIPT_FILE).uri,
+                    latest_checkpoint=newest_checkpoint(run, adapter), final_loss=receipt.opd.final_opd_loss,
+                    steps=receipt.data.examples_trained, total_steps=receipt.data.total_steps,
+                    loss_history=list(receipt.loss_history), reused=True)

@@ -5,8 +5,8 @@
 1. a run whose adapter and successful receipt are committed is finished: its outputs are returned;
 2. ``plan.resume == "latest"`` becomes the newest committed checkpoint of the run directory, if any;
 3. with ``plan.nproc == 1`` the trainer runs here (``kiln_core.training.trainer.train_opd``); above 1
-   the job is launched under ``torchrun`` (``kiln_core.training.distributed.launch``): the ranks read
-   the committed materialization and write into the same run directory, rank 0 publishes;
+   the job is launched under ``torchrun`` (``kiln_core.training.distributed.launcher.launch``): the
+   ranks read the committed materialization and write into the same run directory, rank 0 publishes;
 4. Ctrl-C / SIGTERM (``kiln_core.engine.interrupt``) and ``should_cancel`` stop the run at the next
    step boundary after a checkpoint; the result then says ``cancelled``.
 
@@ -28,7 +28,7 @@ Progress = Callable[[int, int, float], None]
 
 def train(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir: str, *,
           on_progress: Progress | None = None, should_cancel: Callable[[], bool] | None = None,
-          handle_signals: bool = True) -> TrainRef:
+          on_step_committed: Callable[[int], None] | None = None, handle_signals: bool = True) -> TrainRef:
     """Train (or resume, or find finished) the run ``plan`` describes and say how it ended.
 
     Args:
@@ -38,6 +38,8 @@ def train(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir
         student_dir: Local student model directory.
         on_progress: Called as ``(step, total_steps, loss)`` after each committed step.
         should_cancel: Polled at each step boundary (e.g. "is the Prefect flow run cancelling?").
+        on_step_committed: Called with the step number once a step (and its checkpoint, when due) is
+            committed, in this process (``train_opd``'s hook; not passed to ``torchrun`` ranks).
         handle_signals: Turn Ctrl-C/SIGTERM into a stop at the next step boundary (main thread only).
 
     Returns:
@@ -64,7 +66,8 @@ def train(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir
         if plan.nproc > 1:
             result = _launch(plan, corpus, manifest, student_dir, resume, on_progress, cancel_requested)
         else:
-            result = _train_here(plan, corpus, manifest, student_dir, resume, on_progress, cancel_requested)
+            result = _train_here(plan, corpus, manifest, student_dir, resume, on_progress, cancel_requested,
+                                 on_step_committed)
     return TrainRef(run_uri=run.uri, status=result.status, adapter_uri=result.adapter, receipt_uri=result.receipt,
                     latest_checkpoint=result.latest_checkpoint, final_loss=result.final_loss, steps=result.steps,
                     total_steps=result.total_steps, loss_history=list(result.loss_history),
@@ -73,7 +76,8 @@ def train(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir
 
 
 def _train_here(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir: str, resume: str | None,
-                on_progress: Progress | None, should_cancel: Callable[[], bool]):
+                on_progress: Progress | None, should_cancel: Callable[[], bool],
+                on_step_committed: Callable[[int], None] | None):
     from kiln_core.contracts.identity import parse_manifest_line
     from kiln_core.contracts.opd_config import OpdConfig
     from kiln_core.materialize import read_materialization
@@ -85,23 +89,24 @@ def _train_here(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, stude
         student_dir=student_dir, adapter_name=plan.adapter, config=OpdConfig.model_validate(plan.config),
         run_root=plan.run_uri, teacher_identity=parse_manifest_line(manifest.manifest_line).teacher_identity,
         teacher_alias=manifest.teacher, resume_checkpoint=resume, should_cancel=should_cancel,
-        on_progress=on_progress, device=plan.device, precision=plan.precision,
+        on_progress=on_progress, on_step_committed=on_step_committed, device=plan.device, precision=plan.precision,
         gradient_checkpointing=plan.gradient_checkpointing, handle_signals=False)
 
 
 def distributed_job(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir: str, resume: str | None):
     """The ``DistributedJob`` every rank of a ``plan.nproc``-process run executes, after the refusals
     that must come before any launch (strategy, backend, shared storage, the checkpoint's world size)."""
-    from kiln_core.training import distributed
     from kiln_core.training.checkpoint import check_world_size, load_checkpoint
+    from kiln_core.training.distributed.launcher import DistributedJob
+    from kiln_core.training.distributed.world import check_shared_storage, check_strategy, resolve_backend
     from kiln_core.training.student import resolve_device
 
-    distributed.check_strategy(plan.strategy)
-    distributed.resolve_backend(plan.backend, resolve_device(plan.device))
-    distributed.check_shared_storage(plan.run_uri, corpus.uri)
+    check_strategy(plan.strategy)
+    resolve_backend(plan.backend, resolve_device(plan.device))
+    check_shared_storage(plan.run_uri, corpus.uri)
     if resume is not None:  # another number of ranks than the checkpoint's is a rejection
         check_world_size(load_checkpoint(plan.run_uri, resume), plan.nproc)
-    return distributed.DistributedJob(
+    return DistributedJob(
         materialization=corpus.uri, dataset_sha256=corpus.dataset_sha256, dataset_path=corpus.source_uri,
         student_dir=student_dir, adapter_name=plan.adapter, config=plan.config, run_root=plan.run_uri,
         manifest_line=manifest.manifest_line, teacher_alias=manifest.teacher, resume_checkpoint=resume,
@@ -111,10 +116,10 @@ def distributed_job(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, s
 
 def _launch(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir: str, resume: str | None,
             on_progress: Progress | None, should_cancel: Callable[[], bool]):
-    from kiln_core.training import distributed
+    from kiln_core.training.distributed.launcher import launch
 
     job = distributed_job(plan, corpus, manifest, student_dir, resume)
     # Ctrl-C reaches the ranks from the terminal's process group; should_cancel covers SIGTERM and
     # Prefect's cancellation (launch then passes SIGTERM on to torchrun).
-    return distributed.launch(job, plan.nproc, on_progress=on_progress, should_cancel=should_cancel,
+    return launch(job, plan.nproc, on_progress=on_progress, should_cancel=should_cancel,
                               forward_signals=False)

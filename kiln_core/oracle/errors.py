@@ -24,7 +24,7 @@ CROSS_FIELD_RULES = (
     "unsafe_path",
     "weight_paths_unsorted",
 )
-RECEIPT_RULES = ("receipt_unreadable", "receipt_mismatch")
+RECEIPT_RULES = ("receipt_missing", "receipt_unreadable", "receipt_mismatch")
 MODEL_RULES = (
     "model_invalid",
     "model_identity_mismatch",

@@ -8,8 +8,9 @@ Kiln's ``validate_source_receipts`` is followed check for check, with two delibe
 a symlink anywhere below the repository root is refused (Kiln checks only the last component), and
 integers are compared by type as well as value (``true`` is not ``1``).
 
-Rules: ``receipt_unreadable`` (missing, symlink, not regular, too large, not strict JSON) and
-``receipt_mismatch`` (any hash or field that disagrees with the request), each naming the engine.
+Rules: ``receipt_missing`` (no file at the receipt's path under the root), ``receipt_unreadable``
+(symlink, not regular, too large, not strict JSON) and ``receipt_mismatch`` (any hash or field that
+disagrees with the request), each naming the engine.
 
 Example:
     >>> check_source_receipts(loaded.request, "/repo")  # doctest: +SKIP
@@ -41,7 +42,7 @@ def read_receipt(repo_root: str | Path, reference: ReceiptReference, engine: str
     """Read and strict-parse one receipt below ``repo_root`` (no symlinks on the way).
 
     Raises:
-        OracleRejection: ``receipt_unreadable``.
+        OracleRejection: ``receipt_missing`` or ``receipt_unreadable``.
     """
     current = Path(repo_root)
     for part in Path(reference.path).parts:
@@ -50,7 +51,11 @@ def read_receipt(repo_root: str | Path, reference: ReceiptReference, engine: str
             if stat.S_ISLNK(os.lstat(current).st_mode):
                 raise OracleRejection("receipt_unreadable", f"{engine} receipt path {reference.path} passes through a symlink")
         except FileNotFoundError:
-            raise OracleRejection("receipt_unreadable", f"{engine} receipt {reference.path} does not exist under {repo_root}") from None
+            raise OracleRejection(
+                "receipt_missing",
+                f"{engine} receipt {reference.path} does not exist under the receipts root {repo_root}: source receipts "
+                f"are always checked; run from the repository that holds them or pass --receipts-root",
+            ) from None
     try:
         data = read_regular_file(str(current), MAX_RECEIPT_BYTES, what=f"{engine} receipt")
     except OracleRejection as error:
@@ -75,7 +80,8 @@ def check_receipt(request: HfNextTokenRequest, engine: str, repo_root: str | Pat
     """Run the eight repository-bound checks on one engine's receipt.
 
     Raises:
-        OracleRejection: ``receipt_unreadable`` or ``receipt_mismatch`` naming ``engine`` and the field.
+        OracleRejection: ``receipt_missing``, ``receipt_unreadable`` or ``receipt_mismatch`` naming
+            ``engine`` and the field.
     """
     reference: ReceiptReference = getattr(request.source, f"{engine}_receipt")
     data, receipt = read_receipt(repo_root, reference, engine)
@@ -137,7 +143,7 @@ def check_source_receipts(request: HfNextTokenRequest, repo_root: str | Path) ->
     """Check the Kiln receipt, then the vLLM receipt, against ``repo_root``.
 
     Raises:
-        OracleRejection: ``receipt_unreadable`` or ``receipt_mismatch``.
+        OracleRejection: ``receipt_missing``, ``receipt_unreadable`` or ``receipt_mismatch``.
     """
     for engine in ("kiln", "vllm"):
         check_receipt(request, engine, repo_root)

@@ -5,7 +5,8 @@ A request is accepted only after four gates, each with stable rejection rules
 
 1. the file: a regular, non-symlink file of at most 262,144 bytes (``file_not_found``,
    ``not_regular_file``, ``file_too_large``);
-2. strict JSON (``invalid_json``, ``duplicate_key``, ``non_finite_number``; see
+2. strict JSON (``invalid_json``, ``duplicate_key``, ``non_finite_number``, and
+   ``nesting_too_deep`` for 128 nested containers or more, serde_json's limit; see
    ``kiln_core.strict_json``);
 3. the shipped JSON Schema, draft 2020-12, plus the strict pydantic models below
    (``schema_violation``; a swapped engine order is reported as ``candidate_order``);
@@ -37,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kiln_core.canonical import canonical_sha256, sha256_prefixed
 from kiln_core.oracle.errors import OracleRejection
-from kiln_core.strict_json import StrictJsonError, loads_strict
+from kiln_core.strict_json import NestingTooDeep, StrictJsonError, check_nesting, loads_strict
 
 REQUEST_SCHEMA = "kiln.hf-next-token-request.v1"
 REQUEST_SCHEMA_FILE = "hf-next-token-request-v1.schema.json"
@@ -376,8 +377,11 @@ def parse_request_bytes(data: bytes, uri: str = "<bytes>") -> LoadedRequest:
     """Strict-parse and validate request bytes; the canonical hash covers the parsed object."""
     try:
         document = loads_strict(data)
+        check_nesting(document, where="the request")  # serde_json's limit: Kiln's readers refuse it too
     except StrictJsonError as error:
         raise OracleRejection(error.rule, f"request {uri}: {error.message}") from None
+    except NestingTooDeep as error:
+        raise OracleRejection("nesting_too_deep", f"request {uri}: {error.message}") from None
     request = validate_request_object(document)
     return LoadedRequest(request=request, document=document, sha256=canonical_sha256(document), uri=uri)
 

@@ -2,7 +2,9 @@
 
 The order is Kiln's (kiln-hf-oracle-spec.md §4.1), minus its host containment: every check that can
 reject the input runs before the model is loaded, and nothing is written unless the forward pass
-succeeded.
+succeeded. The source receipts are checked on every request, as Kiln's ``validate_source_receipts``
+always is: against the current directory by default (Kiln runs from its repository root), or the
+``receipts_root`` given.
 
 Re-running is idempotent: when ``<root>/oracle/<id>/result.json`` already exists for the same
 request sha256, model identity and dtype (and its self-hash and logits file verify), that committed
@@ -17,7 +19,6 @@ Example:
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -39,10 +40,6 @@ from kiln_core.oracle.result import (
     write_result,
 )
 
-logger = logging.getLogger(__name__)
-
-RECEIPTS_SKIPPED_WARNING = "no receipts root given: source receipts were NOT checked (receipts_checked=false)"
-
 
 @dataclass(frozen=True)
 class OracleOutcome:
@@ -52,7 +49,7 @@ class OracleOutcome:
         record: The result record (``kiln-flows.hf-next-token-result.v1``).
         result_uri: Where its ``result.json`` lives.
         reused: True when an identical committed result was returned instead of recomputed.
-        warnings: Human-readable warnings (e.g. receipts not checked).
+        warnings: Human-readable warnings about the run (none today; kept for callers).
     """
 
     record: dict[str, Any]
@@ -70,24 +67,24 @@ def validate_inputs(
 ) -> tuple[LoadedRequest, list[str]]:
     """Every check that needs no model weights loaded: request, receipts, model identity.
 
+    Args:
+        request_uri: The request file.
+        model_dir: The local model directory the request names.
+        receipts_root: Repository root holding the source receipts; None means the current directory.
+
     Returns:
         The loaded request and the warnings to report.
 
     Raises:
-        OracleRejection: The first failing rule.
+        OracleRejection: The first failing rule (``receipt_missing`` when a receipt is not there).
     """
     loaded = load_request(request_uri)
-    warnings: list[str] = []
-    if receipts_root is not None:
-        check_source_receipts(loaded.request, receipts_root)
-    else:
-        logger.warning(RECEIPTS_SKIPPED_WARNING)
-        warnings.append(RECEIPTS_SKIPPED_WARNING)
+    check_source_receipts(loaded.request, Path.cwd() if receipts_root is None else receipts_root)
     check_model_identity(loaded.request.model_identity, model_dir)
-    return loaded, warnings
+    return loaded, []
 
 
-def _reuse_conflicts(existing: dict[str, Any], loaded: LoadedRequest, dtype: str, receipts_checked: bool) -> list[str]:
+def _reuse_conflicts(existing: dict[str, Any], loaded: LoadedRequest, dtype: str) -> list[str]:
     """Why a committed result does not answer this run (empty when it does)."""
     conflicts = []
     if existing["request"]["sha256"] != loaded.sha256:
@@ -96,8 +93,8 @@ def _reuse_conflicts(existing: dict[str, Any], loaded: LoadedRequest, dtype: str
         conflicts.append("model_identity differs")
     if existing["runtime"]["dtype"] != dtype:
         conflicts.append(f"dtype {existing['runtime']['dtype']} != {dtype}")
-    if receipts_checked and not existing["receipts_checked"]:
-        # A result made without receipt checks does not answer a run that asks for them.
+    if not existing["receipts_checked"]:
+        # Made by an older kiln-flows that allowed skipping them: it does not answer a checked run.
         conflicts.append("it was made without receipt checks")
     return conflicts
 
@@ -118,21 +115,20 @@ def run_oracle(
         model_dir: Local model directory named by the request.
         out_root: Root URI; the result goes to ``<root>/oracle/<request id>/``.
         dtype: ``bf16`` (Kiln's) or ``fp32``.
-        receipts_root: Repository root holding the source receipts; ``None`` skips those checks
-            with a warning and records ``receipts_checked: false``.
+        receipts_root: Repository root holding the source receipts; ``None`` means the current
+            directory. The receipts are always checked (``receipts_checked: true``).
         device: ``cuda``/``cpu``; ``None`` picks CUDA when available.
 
     Returns:
         The committed (or reused) outcome.
 
     Raises:
-        OracleRejection: A contract rule failed (nothing is written).
+        OracleRejection: A contract rule failed, missing receipts included (nothing is written).
         OracleRunError: The forward pass failed (nothing is written).
     """
     started = time.monotonic()
     created_at = _utc_now()
     loaded, warnings = validate_inputs(request_uri, model_dir, receipts_root)
-    receipts_checked = receipts_root is not None
     tokenizer = load_tokenizer(model_dir)
     # Contract rules first: a bad request is reported by its own rule, never as `result_exists`.
     check_model_inputs(model_dir, loaded.request, tokenizer)
@@ -140,7 +136,7 @@ def run_oracle(
 
     existing = read_result(out_root, loaded.request.id)
     if existing is not None:
-        conflicts = _reuse_conflicts(existing, loaded, dtype, receipts_checked)
+        conflicts = _reuse_conflicts(existing, loaded, dtype)
         if not conflicts:
             return OracleOutcome(existing, f"{directory}/{RESULT_FILE}", True, tuple(warnings))
         raise OracleRejection(
@@ -159,7 +155,7 @@ def run_oracle(
         reference,
         oracle,
         artifact,
-        receipts_checked=receipts_checked,
+        receipts_checked=True,
         created_at_utc=created_at,
         duration_seconds=time.monotonic() - started,
     )

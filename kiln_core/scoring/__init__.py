@@ -322,6 +322,9 @@ def _encode(student, batch: list[ScoringExample], max_model_len: int) -> list[Sc
                 raise ScoringError("tokenization_failed", str(error), line=example.line) from None
     requests = []
     for example, enc in zip(batch, encoded):
+        if enc.problem is not None:  # what admission would refuse, refused before the teacher runs
+            code = "tokenization_failed" if enc.problem.code == "invalid_record" else enc.problem.code
+            raise ScoringError(code, enc.problem.message, line=example.line)
         if enc.action_positions.shape[0] == 0:
             raise ScoringError("no_action_tokens", "the example produced no assistant action tokens", line=example.line)
         if enc.input_ids.shape[0] > max_model_len:

@@ -15,7 +15,6 @@ A file that is already a scored corpus may be re-scored: a leading manifest reco
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -24,16 +23,18 @@ import numpy as np
 
 # The admission parser's field rules, reused on purpose: scoring must accept exactly the shapes
 # admission accepts (content parts, tool calls, segment kinds, warning prefixes).
+from kiln_core.admission.parsed import RUST_WHITESPACE, decode_json_line
 from kiln_core.admission.records import (
-    RUST_WHITESPACE,
     RecordError,
-    decode_json_line,
+    default_array,
+    optional_string,
     parse_message,
     parse_segment,
     require_field,
 )
 from kiln_core.contracts.identity import MANIFEST_SCHEMA
 from kiln_core.errors import EnvironmentFailure, KilnFlowsError, Rejection, pick_kind
+from kiln_core.strict_json import NestingTooDeep
 from kiln_core.tokenization import Conversation
 
 COPIED_FIELDS = ("id", "messages", "teacher_response", "trajectory", "metadata")
@@ -46,8 +47,9 @@ TRANSIENT_CODES = frozenset({"vllm_unreachable", "vllm_http_error", "storage_err
 class ScoringError(KilnFlowsError):
     """A scoring run that was refused or failed; ``code`` is stable, the message says what to fix.
 
-    Codes: ``invalid_option``, ``file_not_found``, ``invalid_example``, ``no_examples``,
-    ``tokenization_failed``, ``no_action_tokens``, ``context_too_long``, ``teacher_invalid``,
+    Codes: ``invalid_option``, ``file_not_found``, ``invalid_example``, ``nesting_too_deep``,
+    ``no_examples``, ``tokenization_failed``, ``no_action_tokens``, ``overlapping_masks``,
+    ``target_at_position_zero``, ``context_too_long``, ``teacher_invalid``,
     ``teacher_mismatch``, ``teacher_changed``, ``teacher_output``, ``vllm_request``,
     ``vllm_response``, ``vllm_unreachable``, ``vllm_http_error``, ``storage_error``. The
     ``TRANSIENT_CODES`` construct a ``ScoringFailure`` (``EnvironmentFailure``), the rest a
@@ -187,6 +189,8 @@ def _parse_line(raw: bytes, number: int, seen_example: bool) -> ScoringExample |
         return None
     try:
         value = decode_json_line(text)
+    except NestingTooDeep as error:
+        raise ScoringError("nesting_too_deep", error.message, line=number) from None
     except ValueError as error:
         raise ScoringError("invalid_example", f"line is not valid JSON: {error}", line=number) from None
     if not isinstance(value, dict):
@@ -209,14 +213,9 @@ def _example(record: dict[str, Any], number: int) -> ScoringExample:
     response = require_field(record, "teacher_response", str)
     if not response:
         raise RecordError("teacher_response", "must not be empty")
-    if record.get("id") is not None and not isinstance(record["id"], str):
-        raise RecordError("id", "must be a string")
-    segments = None
-    trajectory = record.get("trajectory")
-    if trajectory is not None:
-        if not isinstance(trajectory, list):
-            raise RecordError("trajectory", "must be an array")
-        segments = [parse_segment(segment, f"trajectory[{i}]") for i, segment in enumerate(trajectory)] or None
+    optional_string(record, "id", "id")
+    trajectory = default_array(record, "trajectory", "trajectory")
+    segments = [parse_segment(segment, f"trajectory[{i}]") for i, segment in enumerate(trajectory)] or None
     copied = {key: record[key] for key in COPIED_FIELDS if key in record}
     conversation = Conversation(messages=normalized, teacher_response=response, trajectory=segments)
     return ScoringExample(line=number, record=copied, conversation=conversation)

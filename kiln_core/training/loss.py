@@ -12,9 +12,8 @@ one more of the same size for its gradient. So:
   compute it over ``[chunk_rows, chunk_vocab]`` tiles and recompute the tiles in backward.
 
 All softmax/KL math runs in fp32 whatever the input dtype (Kiln scores in f32). Gradients come back
-in the dtype of the corresponding input. The ``naive_*`` functions are the plain references used by
-the tests and ``bench/loss_memory.py``: they materialize ``[T, V]`` logits and must never be used
-for training at real vocabulary sizes.
+in the dtype of the corresponding input. The plain full-logits references these are checked against
+live in ``tests/naive_losses.py``, written separately.
 """
 
 from __future__ import annotations
@@ -28,9 +27,6 @@ __all__ = [
     "echo_env_cross_entropy",
     "topk_tail_reverse_kl",
     "compose_step_loss",
-    "naive_topk_reverse_kl",
-    "naive_echo_env_cross_entropy",
-    "naive_topk_tail_reverse_kl",
 ]
 
 
@@ -381,36 +377,3 @@ def compose_step_loss(
     if env_ce is None:
         raise ValueError("ECHO is on (lambda != 0, observation tokens exist) but env_ce was not computed")
     return kl_mean + echo_lambda * env_ce, True
-
-
-# ---------------------------------------------------------------------------------------------
-# Naive references: they MATERIALIZE [T, V] logits. Tests and benchmarks only.
-
-
-def _naive_logits(hidden, head_weight, head_bias):
-    logits = hidden @ head_weight.T  # [T, V] in the input dtype, as a plain model head would
-    return (logits if head_bias is None else logits + head_bias).float()
-
-
-def naive_topk_reverse_kl(hidden, head_weight, teacher_ids, teacher_logprobs, *, head_bias=None):
-    """Reference for `topk_reverse_kl`: full ``[T, V]`` logits, then gather the K columns."""
-    s = _naive_logits(hidden, head_weight, head_bias).gather(1, teacher_ids.long())
-    return _renormalized_reverse_kl(s, teacher_logprobs).mean()
-
-
-def naive_echo_env_cross_entropy(hidden_rows, head_weight, target_ids, observation_count, *, head_bias=None):
-    """Reference for `echo_env_cross_entropy`: full-vocab cross-entropy summed, divided by |O|."""
-    logits = _naive_logits(hidden_rows, head_weight, head_bias)
-    return torch.nn.functional.cross_entropy(logits, target_ids.long(), reduction="sum") / observation_count
-
-
-def naive_topk_tail_reverse_kl(
-    hidden, head_weight, teacher_ids, teacher_logprobs, *, head_bias=None, tail_floor=1e-12
-):
-    """Reference for `topk_tail_reverse_kl`: tails as ``1 − Σ`` in probability space, floored."""
-    log_q_full = torch.log_softmax(_naive_logits(hidden, head_weight, head_bias), dim=-1)  # [T, V]
-    log_q = log_q_full.gather(1, teacher_ids.long())
-    q_tail = (1.0 - log_q.exp().sum(-1)).clamp_min(tail_floor)
-    p_tail = (1.0 - teacher_logprobs.float().exp().sum(-1)).clamp_min(tail_floor)
-    head = (log_q.exp() * (log_q - teacher_logprobs.float())).sum(-1)
-    return (head + q_tail * (q_tail.log() - p_tail.log())).mean()

@@ -1,29 +1,103 @@
-"""Optimizers for the LoRA parameters (Kiln's three kinds), and their state as flat safetensors.
+"""Optimizers for the LoRA parameters (Kiln's three kinds), and their state in Kiln's tensor names.
 
-* ``muon``: ``torch.optim.Muon`` (torch ≥ 2.9) with Kiln's defaults (momentum 0.95, Nesterov,
-  5 Newton-Schulz iterations, weight decay 0). Muon only takes 2-D matrices; every LoRA parameter
-  (``lora_A [r, in]``, ``lora_B [out, r]``) is one, so no fallback optimizer is needed. torch's
-  default ``adjust_lr_fn`` ("original": lr·sqrt(max(1, rows/cols))) is used; Kiln's exact per-shape
-  scaling is not in the public sources. Note that torch runs the orthogonalization in bf16.
-* ``adam_w``: ``torch.optim.AdamW`` with Kiln's defaults (0.9, 0.999, 1e-8, weight decay 0).
-* ``sgd``: plain SGD, no momentum, no state (its checkpoint has no ``optimizer.safetensors``).
+* ``muon`` — Kiln's Muon, implemented here (``Muon``). Kiln documents it in ``crates/kiln-train/src/lib.rs``
+  (``Optimizer``: "keeps a single per-param heavy-ball momentum buffer, takes a (Nesterov) look-ahead,
+  and — for the rank-2 LoRA A/B weight matrices — projects it onto the nearest semi-orthogonal matrix
+  via a Newton-Schulz iteration before stepping, then rescales by ``sqrt(max(rows, cols))`` so the update
+  magnitude is shape-independent") and in ``kiln-model``'s ``runtime_dispatch_muon_step`` ("the RMS-matching
+  ``sqrt(max(rows, cols))`` scale, then ``param = param * (1 - lr * weight_decay) - lr * update``").
+  So the learning-rate adjustment is ``lr · sqrt(max(rows, cols))`` — not torch's ``original``
+  (``sqrt(max(1, rows/cols))``) nor its ``match_rms_adamw`` (``0.2 · sqrt(max(rows, cols))``) — and the
+  momentum is heavy-ball (``m ← μm + g``), not torch's EMA. Newton-Schulz runs in fp32 with Jordan's
+  coefficients (3.4445, −4.7750, 2.0315), as Kiln's CPU reference does.
+* ``adam_w`` — ``torch.optim.AdamW`` (decoupled weight decay), Kiln's defaults.
+* ``sgd`` — plain SGD, no momentum, no state (its checkpoint has no ``optimizer.safetensors``).
 
-The learning rate is constant (Kiln: scheduler kind ``constant``), so the step counter alone restores
-the schedule. Optimizer state is saved keyed by *stable parameter name* (``<param>::<state key>``),
-never by position, so a checkpoint stays valid whatever order parameters are created in.
+Checkpoint tensors use Kiln's names (``trainer/optimizer_state.rs``): ``<param key>.adamw.m``,
+``.adamw.v``, ``.adamw.step`` and ``<param key>.muon.momentum``, ``.muon.step``; moments in F32, the
+step as U32 of shape ``[1]``; ``<param key>`` is Kiln's adapter key (``student.kiln_parameter_key``).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import math
 
 import torch
 
 from kiln_core.contracts.opd_config import AdamWOptimizer, MuonOptimizer, SgdOptimizer
+from kiln_core.training.checkpoint.format import ResumeError
 
-__all__ = ["build_optimizer", "optimizer_state_tensors", "load_optimizer_state", "optimizer_hyperparameters"]
+__all__ = ["Muon", "newton_schulz", "build_optimizer", "optimizer_state_tensors", "load_optimizer_state"]
 
-STATE_KEY_SEPARATOR = "::"
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+
+
+def newton_schulz(matrix: torch.Tensor, iterations: int) -> torch.Tensor:
+    """The nearest semi-orthogonal matrix to ``matrix`` (approximately), in fp32: ``[r, c] -> [r, c]``.
+
+    The input is scaled to unit Frobenius norm (a zero matrix stays zero), then ``iterations`` steps
+    of ``X ← aX + (bA + cA²)X`` with ``A = XXᵀ`` on the smaller side.
+    """
+    a, b, c = NS_COEFFICIENTS
+    x = matrix.float()
+    norm = torch.linalg.vector_norm(x)
+    if float(norm) == 0.0:
+        return torch.zeros_like(x)
+    x = x / norm
+    tall = x.shape[0] > x.shape[1]
+    if tall:
+        x = x.T
+    for _ in range(iterations):
+        gram = x @ x.T  # [r, r], r = the smaller dimension
+        x = a * x + (b * gram + c * (gram @ gram)) @ x
+    return x.T if tall else x
+
+
+class Muon(torch.optim.Optimizer):
+    """Kiln's Muon (see the module docstring for the source of each rule).
+
+    Per parameter ``p`` with gradient ``g`` and momentum ``m`` (zeros at first)::
+
+        m ← μ·m + g
+        u ← g + μ·m            (Nesterov; else u ← m)
+        o ← sqrt(max(rows, cols)) · NewtonSchulz(u)   for 2-D p; o ← u otherwise
+        p ← p·(1 − lr·λ) − lr·o
+
+    Example:
+        >>> p = torch.nn.Parameter(torch.ones(2, 3)); p.grad = torch.ones(2, 3)
+        >>> Muon([p], lr=0.1).step(); p.shape
+        torch.Size([2, 3])
+    """
+
+    def __init__(self, params, lr: float, momentum: float = 0.95, nesterov: bool = True, ns_iters: int = 5,
+                 weight_decay: float = 0.0) -> None:
+        super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_iters=ns_iters,
+                                      weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: D102 - documented on the class
+        for group in self.param_groups:
+            lr, mu, decay = group["lr"], group["momentum"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad = p.grad.float()
+                state = self.state[p]
+                if not state:
+                    state["momentum"] = torch.zeros_like(p, dtype=torch.float32)
+                    state["step"] = 0
+                momentum = state["momentum"]
+                momentum.mul_(mu).add_(grad)
+                lookahead = grad.add(momentum, alpha=mu) if group["nesterov"] else momentum
+                if p.ndim == 2:
+                    update = newton_schulz(lookahead, group["ns_iters"]) * math.sqrt(max(p.shape))
+                else:
+                    update = lookahead
+                if decay:
+                    p.mul_(1.0 - lr * decay)
+                p.add_(update.to(p.dtype), alpha=-lr)
+                state["step"] += 1
+        return None
 
 
 def build_optimizer(
@@ -40,67 +114,70 @@ def build_optimizer(
     """
     params = list(parameters.values())
     if spec.kind == "muon":
-        return torch.optim.Muon(
-            params,
-            lr=learning_rate,
-            weight_decay=spec.weight_decay,
-            momentum=spec.momentum,
-            nesterov=spec.nesterov,
-            ns_steps=spec.ns_iters,
-        )
+        return Muon(params, lr=learning_rate, momentum=spec.momentum, nesterov=spec.nesterov, ns_iters=spec.ns_iters,
+                    weight_decay=spec.weight_decay)
     if spec.kind == "adam_w":
-        return torch.optim.AdamW(
-            params,
-            lr=learning_rate,
-            betas=(spec.beta1, spec.beta2),
-            eps=spec.eps,
-            weight_decay=spec.weight_decay,
-        )
+        return torch.optim.AdamW(params, lr=learning_rate, betas=(spec.beta1, spec.beta2), eps=spec.eps,
+                                 weight_decay=spec.weight_decay)
     if spec.kind == "sgd":
         return torch.optim.SGD(params, lr=learning_rate, momentum=0.0)
     raise ValueError(f"unknown optimizer kind {spec.kind!r}")
 
 
-def optimizer_hyperparameters(spec: MuonOptimizer | AdamWOptimizer | SgdOptimizer, learning_rate: float) -> dict[str, Any]:
-    """The checkpoint's ``optimizer.hyperparameters``: ``{learning_rate, optimizer: {...}}``."""
-    return {"learning_rate": learning_rate, "optimizer": spec.model_dump(mode="json")}
+def _u32(value: int) -> torch.Tensor:
+    return torch.tensor([int(value)], dtype=torch.uint32)
 
 
-def optimizer_state_tensors(optimizer: torch.optim.Optimizer, parameters: dict[str, torch.nn.Parameter]) -> dict[str, torch.Tensor]:
-    """Every optimizer state tensor as CPU copies keyed ``<param name>::<state key>``.
-
-    Scalar Python numbers in the state (none for Muon/AdamW with default flags) are stored as 0-d
-    float64 tensors. Returns ``{}`` for a stateless optimizer (SGD).
-    """
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer, keys: dict[str, torch.nn.Parameter]) -> dict[str, torch.Tensor]:
+    """Every optimizer state tensor as a CPU copy under Kiln's name; ``keys`` maps Kiln parameter keys
+    to the parameters. Returns ``{}`` for SGD."""
     tensors: dict[str, torch.Tensor] = {}
-    for name, param in parameters.items():
-        for key, value in sorted(optimizer.state.get(param, {}).items()):
-            if isinstance(value, torch.Tensor):
-                tensor = value.detach().to("cpu", copy=True).contiguous()
-            else:
-                tensor = torch.tensor(float(value), dtype=torch.float64)
-            tensors[f"{name}{STATE_KEY_SEPARATOR}{key}"] = tensor
+    for key, param in keys.items():
+        state = optimizer.state.get(param)
+        if not state:
+            continue
+        if isinstance(optimizer, Muon):
+            tensors[f"{key}.muon.momentum"] = state["momentum"].detach().to("cpu", torch.float32, copy=True).contiguous()
+            tensors[f"{key}.muon.step"] = _u32(state["step"])
+        elif isinstance(optimizer, torch.optim.AdamW):
+            tensors[f"{key}.adamw.m"] = state["exp_avg"].detach().to("cpu", torch.float32, copy=True).contiguous()
+            tensors[f"{key}.adamw.v"] = state["exp_avg_sq"].detach().to("cpu", torch.float32, copy=True).contiguous()
+            tensors[f"{key}.adamw.step"] = _u32(int(state["step"]))
     return tensors
 
 
-def load_optimizer_state(
-    optimizer: torch.optim.Optimizer,
-    parameters: dict[str, torch.nn.Parameter],
-    tensors: dict[str, torch.Tensor],
-) -> None:
-    """Restore state saved by ``optimizer_state_tensors`` (through ``load_state_dict``, so torch casts
-    each tensor to its parameter's device the way it does for its own checkpoints).
+def load_optimizer_state(optimizer: torch.optim.Optimizer, keys: dict[str, torch.nn.Parameter],
+                         tensors: dict[str, torch.Tensor], expected_step: int) -> None:
+    """Restore state saved by ``optimizer_state_tensors`` exactly (names, shapes, dtypes and step).
 
     Raises:
-        ValueError: a key names an unknown parameter.
+        ResumeError: ``resume_optimizer_tensors`` when the tensor set, a shape or a step differs
+            (Kiln: "checkpoint optimizer tensor set mismatch").
     """
-    per_param: dict[str, dict[str, torch.Tensor]] = {}
-    for key, value in tensors.items():
-        name, _, state_key = key.rpartition(STATE_KEY_SEPARATOR)
-        if name not in parameters or not state_key:
-            raise ValueError(f"optimizer state entry {key!r} does not name a LoRA parameter")
-        per_param.setdefault(name, {})[state_key] = value
-    index = {name: i for i, name in enumerate(parameters)}
-    current = optimizer.state_dict()
-    state = {index[name]: dict(values) for name, values in per_param.items()}
-    optimizer.load_state_dict({"state": state, "param_groups": current["param_groups"]})
+    if isinstance(optimizer, torch.optim.SGD):
+        if tensors:
+            raise ResumeError("resume_optimizer_tensors", "SGD OPD checkpoint unexpectedly contains optimizer state",
+                              file="optimizer.safetensors")
+        return
+    muon = isinstance(optimizer, Muon)
+    suffixes = (".muon.momentum", ".muon.step") if muon else (".adamw.m", ".adamw.v", ".adamw.step")
+    expected = {key + suffix for key in keys for suffix in suffixes}
+    if set(tensors) != expected:
+        missing, extra = sorted(expected - set(tensors))[:3], sorted(set(tensors) - expected)[:3]
+        raise ResumeError("resume_optimizer_tensors", f"checkpoint optimizer tensor set mismatch (missing {missing}, "
+                          f"unexpected {extra})", file="optimizer.safetensors")
+    for key, param in keys.items():
+        step = tensors[f"{key}{suffixes[-1]}"]
+        if step.dtype != torch.uint32 or tuple(step.shape) != (1,) or int(step[0]) != expected_step:
+            raise ResumeError("resume_optimizer_tensors", f"optimizer step of {key} is {step.tolist()}, expected "
+                              f"[{expected_step}] (U32)", file="optimizer.safetensors")
+        moments = [tensors[key + suffix] for suffix in suffixes[:-1]]
+        if any(m.dtype != torch.float32 or tuple(m.shape) != tuple(param.shape) for m in moments):
+            raise ResumeError("resume_optimizer_tensors", f"optimizer state of {key} must be F32 of shape "
+                              f"{list(param.shape)}", file="optimizer.safetensors")
+        if muon:
+            optimizer.state[param] = {"momentum": moments[0].to(param.device).clone(), "step": expected_step}
+        else:
+            optimizer.state[param] = {"step": torch.tensor(float(expected_step), dtype=torch.float32),
+                                      "exp_avg": moments[0].to(param.device).clone(),
+                                      "exp_avg_sq": moments[1].to(param.device).clone()}

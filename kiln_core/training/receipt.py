@@ -1,15 +1,15 @@
-"""``train_receipt.json``: what one OPD training run did, in Kiln's receipt shape (reference §7.1).
+"""Writing and reading ``train_receipt.json`` (the ``TrainReceipt`` model, reference §7.1).
 
 The receipt is written at the end of every run that got past input validation: ``status: success``
 with the adapter's digest, or ``status: failed`` with a ``failure_reason`` from Kiln's enum (a
-cancelled run is ``failed`` + ``cancelled``, as in Kiln). It is pretty JSON without a trailing newline.
-Every digest is ``sha256:``-prefixed except inside ``teacher_identity``, which keeps Kiln's raw hex.
+cancelled run is ``failed`` + ``cancelled``, as in Kiln). Pretty JSON, no trailing newline. Every
+digest is ``sha256:``-prefixed except inside ``teacher_identity``, which keeps Kiln's raw hex.
 
-On a resumed run, counters, ``loss_history`` and ``token_counts`` cover the whole run (they are
-restored from the checkpoint), while ``runtime`` and ``phase_timings`` cover this process only.
+On a resumed run, counters, ``loss_history``, ``token_counts`` and the gradient-norm summaries cover
+the whole run (restored from the checkpoint); ``runtime`` and the timings cover this process only.
 
 Only facts go in: paths, digests, counters, timings, versions. No environment variables, tokens or
-storage options are ever copied, so the receipt cannot leak secrets.
+storage options are copied, so a receipt cannot leak secrets.
 """
 
 from __future__ import annotations
@@ -21,35 +21,42 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Literal
 
-from kiln_core.canonical import canonical_sha256
-from kiln_core.storage import Location, write_bytes_atomic
+from pydantic import ValidationError
 
-RECEIPT_FILE = "train_receipt.json"
+from kiln_core.canonical import canonical_sha256
+from kiln_core.errors import Rejection
+from kiln_core.storage import Location, resolve, write_bytes_atomic
+from kiln_core.training.receipt_model import (
+    FAILURE_REASONS,
+    RECEIPT_FILE,
+    AdapterFileReceipt,
+    AdapterReceiptSet,
+    ConfigHashesReceipt,
+    DataReceipt,
+    DistributedReceipt,
+    EchoReceipt,
+    HyperparameterReceipt,
+    KilnSourceReceipt,
+    LoraDeltaNormSummary,
+    LoraGradNormSummary,
+    ModelReceipt,
+    OpdReceipt,
+    PhaseTimingsReceipt,
+    RuntimeReceipt,
+    TokenizerReceipt,
+    TrainingDataReceipt,
+    TrainReceipt,
+)
+
+__all__ = ["RECEIPT_FILE", "TRAINING_DATA_SOURCE", "TrainReceipt", "RunFacts", "RunOutcome", "ReceiptError",
+           "build_receipt", "write_receipt", "read_receipt", "receipt_status", "library_versions"]
+
 TRAINING_DATA_SOURCE = "jsonl_off_policy_opd_teacher"
-LOSS_GRANULARITY = "sequence_token_mean"  # mean KL over one sequence's action targets
-FAILURE_REASONS = (
-    "data_schema_error",
-    "adapter_load_failed",
-    "zero_groups",
-    "zero_action_tokens",
-    "zero_env_tokens",
-    "cancelled",
-    "unsupported_loss_config",
-    "nan_loss",
-    "oom",
-    "shape_mismatch",
-    "unsafe_lora_scale",
-    "base_adapter_missing",
-    "training_error",
-)
-TOKEN_COUNT_KEYS = (
-    "action_tokens",
-    "env_tokens",
-    "env_tokens_before_warning_filter",
-    "env_tokens_after_warning_filter",
-    "warning_tokens_filtered",
-    "context_tokens",
-)
+LOSS_GRANULARITY = "teacher_top_k"
+
+
+class ReceiptError(Rejection):
+    """A ``train_receipt.json`` that is missing or does not parse as ``TrainReceipt``."""
 
 
 @dataclass(frozen=True)
@@ -59,22 +66,36 @@ class RunFacts:
     adapter_name: str
     student_dir: str
     student_identity: dict[str, str]
-    dataset_path: str
+    shard_manifest: dict[str, Any]
+    execution_provenance: dict[str, Any]
+    precision_policy: dict[str, Any]
+    dataset_path: str | None
+    """The corpus path as given; None for inline on-policy prompts."""
     dataset_sha256: str
+    """``sha256:`` of the corpus bytes, or of the prompt list (on-policy)."""
+    config: dict[str, Any]
+    """The request's ``OpdConfig`` as JSON (our extensions included)."""
     effective_config: dict[str, Any]
+    """The checkpoint ``effective_config`` (Kiln's keys only)."""
     seed: int
     learning_rate: float
     top_k: int
     samples_per_prompt: int
+    sequences_per_step: int
     teacher_alias: str
     teacher_identity: dict[str, Any] | None
     teacher_identity_revision: str | None
+    teacher_content_revision: str
     examples_read: int
     candidates_per_epoch: int
     total_steps: int
     device: str
-    precision_policy: dict[str, Any]
     library_versions: dict[str, str]
+    distributed: DistributedReceipt | None = None
+    training_data_source: str = TRAINING_DATA_SOURCE
+    """The receipt's ``training_data.source``: a JSONL corpus, or ``inline_opd_prompts`` (on-policy)."""
+    examples_filtered: int = 0
+    """Prompts dropped at tokenization (on-policy)."""
 
 
 @dataclass
@@ -89,168 +110,150 @@ class RunOutcome:
     adapter_bytes: int | None = None
     global_step: int = 0
     loss_history: list[float] = field(default_factory=list)
-    token_counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TOKEN_COUNT_KEYS, 0))
-    echo_fired: bool = False
+    token_counts: dict[str, int] = field(default_factory=dict)
     final_env_ce: float | None = None
-    lora_grad_norms: list[float] = field(default_factory=list)
+    lora_grad_norms: list[dict[str, Any]] = field(default_factory=list)
     lora_delta_norms: list[dict[str, Any]] = field(default_factory=list)
     phase_timings_ms: dict[str, float] = field(default_factory=dict)
     wall_clock_ms: float = 0.0
-    peak_memory_mib: float | None = None  # CUDA max allocated on a GPU run, else the process's peak RSS
+    peak_memory_mib: float | None = None
     peak_rss_mib: float | None = None
     peak_vram_mib: float | None = None
     resumed_from: str | None = None
 
 
 def _prefixed(raw_hex: str | None) -> str | None:
-    return None if raw_hex is None else ("sha256:" + raw_hex if not raw_hex.startswith("sha256:") else raw_hex)
+    return None if raw_hex is None else (raw_hex if raw_hex.startswith("sha256:") else "sha256:" + raw_hex)
 
 
-def build_receipt(facts: RunFacts, outcome: RunOutcome) -> dict[str, Any]:
-    """The receipt as a JSON-able dict, keys in Kiln's order.
+def build_receipt(facts: RunFacts, outcome: RunOutcome) -> TrainReceipt:
+    """The receipt of a run.
 
     Example:
-        >>> receipt = build_receipt(facts, outcome)  # doctest: +SKIP
-        >>> receipt["receipt_type"]  # doctest: +SKIP
+        >>> build_receipt(facts, outcome).receipt_type  # doctest: +SKIP
         'kiln_train_receipt'
     """
     if outcome.failure_reason is not None and outcome.failure_reason not in FAILURE_REASONS:
         raise ValueError(f"unknown failure_reason {outcome.failure_reason!r}")
-    config = facts.effective_config
+    config, identity = facts.config, facts.student_identity
     echo = config.get("echo")
-    final_loss = outcome.loss_history[-1] if outcome.loss_history else None
-    identity = facts.student_identity
-    effective = dict(config, top_k=facts.top_k, samples_per_prompt=facts.samples_per_prompt, seed=facts.seed)
-    return {
-        "schema_version": 1,
-        "receipt_type": "kiln_train_receipt",
-        "adapter_name": facts.adapter_name,
-        "produced_at": datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z"),
-        "status": outcome.status,
-        "failure_reason": outcome.failure_reason,
-        "failure_message": outcome.failure_message,
-        "kiln": {
-            "git_commit": None,
-            "git_dirty": None,
-            "git_source": None,
-            "package_version": facts.library_versions.get("kiln-flows"),
-            "implementation": "kiln-flows",
-        },
-        "model": {
-            "path": facts.student_dir,
-            "config_hash": _prefixed(identity.get("model_config_sha256")),
-            "base_weights_hash": _prefixed(identity.get("base_model_weights_sha256")),
-        },
-        "tokenizer": {
-            "config_hash": _prefixed(identity.get("tokenizer_config_sha256")),
-            "vocab_hash": _prefixed(identity.get("tokenizer_vocab_sha256")),
-            "chat_template_hash": _prefixed(identity.get("chat_template_sha256")),
-        },
-        "adapters": {
-            "base": None,
-            "output": None
-            if outcome.adapter_uri is None
-            else {
-                "path": outcome.adapter_uri,
-                "adapter_model_sha256": outcome.adapter_sha256,
-                "adapter_model_bytes": outcome.adapter_bytes,
-            },
-        },
-        "training_data": {"source": TRAINING_DATA_SOURCE, "path": facts.dataset_path, "sha256": facts.dataset_sha256},
-        "hyperparameters": {
-            "mode": "opd",
-            "rank": config["lora_rank"],
-            "alpha": config["lora_alpha"],
-            "alpha_over_rank": config["lora_alpha"] / config["lora_rank"],
-            "learning_rate": facts.learning_rate,
-            "epochs": config["epochs"],
-            "seed": facts.seed,
-            "shuffle": False,
-            "optimizer": config["optimizer"]["kind"],
-            "sequences_per_step": config["sequences_per_step"],
-        },
-        "grpo": None,
-        "opd": {
-            "training_mode": config["training_mode"],
-            "objective": config["objective"],
-            "loss": config["loss"],
-            "loss_granularity": LOSS_GRANULARITY,
-            "teacher_id": facts.teacher_alias,
-            "teacher_identity": facts.teacher_identity,
-            "teacher_identity_revision": facts.teacher_identity_revision,
-            "top_k": facts.top_k,
-            "samples_per_prompt": facts.samples_per_prompt,
-            "action_tokens": outcome.token_counts["action_tokens"],
-            "env_tokens": outcome.token_counts["env_tokens"],
-            "echo_combined": outcome.echo_fired,
-            "echo_lambda": echo["lambda"] if echo else None,
-            "initial_opd_loss": None,
-            "final_opd_loss": final_loss,
-        },
-        "echo": _echo_block(echo, outcome),
-        "no_policy_loss": False,
-        "data": {
-            "examples_read": facts.examples_read,
-            "examples_filtered": 0,
-            "examples_trained": outcome.global_step,
-            "candidates_per_epoch": facts.candidates_per_epoch,
-            "total_steps": facts.total_steps,
-            "resumed_from_checkpoint": outcome.resumed_from,
-        },
-        "rewards": {},
-        "token_counts": dict(outcome.token_counts),
-        "loss_history": list(outcome.loss_history),
-        "phase_timings": {key: round(value, 3) for key, value in outcome.phase_timings_ms.items()},
-        "runtime": {
-            "wall_clock_ms": round(outcome.wall_clock_ms, 3),
-            "peak_memory_mib": outcome.peak_memory_mib,
-            "peak_rss_mib": outcome.peak_rss_mib,
-            "peak_vram_mib": outcome.peak_vram_mib,
-            "device": facts.device,
-            "training_precision": facts.precision_policy,
-        },
-        "config_hashes": {
-            "effective_config": canonical_sha256(config),
-            "model_config": _prefixed(identity.get("model_config_sha256")),
-            "tokenizer_config": _prefixed(identity.get("tokenizer_config_sha256")),
-            "chat_template": _prefixed(identity.get("chat_template_sha256")),
-        },
-        "library_versions": dict(facts.library_versions),
-        "lora_delta_norms": outcome.lora_delta_norms,
-        "lora_grad_norms": list(outcome.lora_grad_norms),
-        "config": effective,
-    }
+    fired = outcome.final_env_ce is not None
+    timings = outcome.phase_timings_ms
+    model_hash = _prefixed(identity.get("model_config_sha256"))
+    tokenizer_hash = _prefixed(identity.get("tokenizer_config_sha256"))
+    template_hash = _prefixed(identity.get("chat_template_sha256"))
+    return TrainReceipt(
+        adapter_name=facts.adapter_name,
+        produced_at=datetime.now(timezone.utc).isoformat(),
+        status=outcome.status,
+        failure_reason=outcome.failure_reason,
+        failure_message=outcome.failure_message,
+        kiln=KilnSourceReceipt(package_version=facts.library_versions.get("kiln-flows", "unknown")),
+        model=ModelReceipt(path=facts.student_dir, config_hash=model_hash, base_weight_shard_manifest=facts.shard_manifest),
+        tokenizer=TokenizerReceipt(config_hash=tokenizer_hash, tokenizer_config_hash=tokenizer_hash,
+                                   chat_template_hash=template_hash, vocab_hash=_prefixed(identity.get("tokenizer_vocab_sha256"))),
+        adapters=AdapterReceiptSet(output=AdapterFileReceipt(path=outcome.adapter_uri, adapter_model_sha256=outcome.adapter_sha256,
+                                                             adapter_model_bytes=outcome.adapter_bytes)),
+        training_data=TrainingDataReceipt(source=facts.training_data_source, path=facts.dataset_path,
+                                          sha256=facts.dataset_sha256),
+        hyperparameters=HyperparameterReceipt(
+            rank=config["lora_rank"], alpha=float(config["lora_alpha"]), alpha_over_rank=config["lora_alpha"] / config["lora_rank"],
+            learning_rate=facts.learning_rate, epochs=config["epochs"], seed=facts.seed,
+            optimizer=config["optimizer"]["kind"], sequences_per_step=facts.sequences_per_step),
+        opd=OpdReceipt(
+            training_mode=config["training_mode"], objective=config["objective"], loss_granularity=LOSS_GRANULARITY,
+            teacher_id=facts.teacher_alias, teacher_content_revision=facts.teacher_content_revision,
+            teacher_identity=facts.teacher_identity, top_k=facts.top_k, samples_per_prompt=facts.samples_per_prompt,
+            action_tokens=outcome.token_counts.get("action_tokens", 0), env_tokens=outcome.token_counts.get("env_tokens", 0),
+            echo_combined=fired, echo_lambda=echo["lambda"] if echo else None,
+            final_opd_loss=outcome.loss_history[-1] if outcome.loss_history else None, loss=config["loss"],
+            teacher_identity_revision=facts.teacher_identity_revision),
+        echo=_echo_receipt(echo, outcome),
+        data=DataReceipt(examples_read=facts.examples_read, examples_filtered=facts.examples_filtered,
+                         examples_trained=outcome.global_step,
+                         candidates_per_epoch=facts.candidates_per_epoch, total_steps=facts.total_steps,
+                         resumed_from_checkpoint=outcome.resumed_from),
+        token_counts=outcome.token_counts,
+        phase_timings=PhaseTimingsReceipt(policy_forward_ms=timings.get("forward", 0.0), backward_ms=timings.get("backward", 0.0),
+                                          optimizer_ms=timings.get("optimizer", 0.0)),
+        runtime=RuntimeReceipt(
+            wall_clock_ms=int(round(outcome.wall_clock_ms)),
+            peak_vram_mib=None if outcome.peak_vram_mib is None else int(round(outcome.peak_vram_mib)),
+            execution_provenance=facts.execution_provenance, training_precision=facts.precision_policy,
+            device=facts.device, peak_memory_mib=outcome.peak_memory_mib, peak_rss_mib=outcome.peak_rss_mib),
+        config_hashes=ConfigHashesReceipt(model_config_hash=model_hash, tokenizer_config_hash=tokenizer_hash,
+                                          chat_template_hash=template_hash, effective_config=canonical_sha256(facts.effective_config)),
+        lora_delta_norms=[LoraDeltaNormSummary(**row) for row in outcome.lora_delta_norms],
+        lora_grad_norms=[LoraGradNormSummary(**row) for row in outcome.lora_grad_norms],
+        config=dict(config, top_k=facts.top_k, samples_per_prompt=facts.samples_per_prompt, seed=facts.seed),
+        loss_history=list(outcome.loss_history),
+        phase_timings_ms={key: round(value, 3) for key, value in timings.items()},
+        library_versions=dict(facts.library_versions),
+        distributed=facts.distributed,
+    )
 
 
-def _echo_block(echo: dict[str, Any] | None, outcome: RunOutcome) -> dict[str, Any]:
+def _echo_receipt(echo: dict[str, Any] | None, outcome: RunOutcome) -> EchoReceipt:
     if echo is None:
-        return {"enabled": False, "configured": False, "lambda": None, "env_mask_mode": None, "warning_filter": None,
-                "initial_env_ce": None, "final_env_ce": None}
-    block = {
-        "enabled": outcome.echo_fired,
-        "configured": True,
-        "lambda": echo["lambda"],
-        "env_mask_mode": echo["env_mask_mode"],
-        "warning_filter": echo["warning_filter"],
-        "initial_env_ce": None,
-        "final_env_ce": outcome.final_env_ce,
-    }
-    if not outcome.echo_fired and outcome.global_step > 0:
-        block["dropped_reason"] = (
-            "echo.lambda is 0" if echo["lambda"] == 0 else "no observation (env) tokens in the trained candidates"
-        )
-    return block
+        return EchoReceipt(enabled=False)
+    fired = outcome.final_env_ce is not None
+    dropped = None
+    if not fired and outcome.global_step > 0:
+        dropped = "echo.lambda is 0" if echo["lambda"] == 0 else "no observation (env) tokens in the trained candidates"
+    return EchoReceipt(enabled=fired, configured=True, lambda_=echo["lambda"], env_mask_mode=echo["env_mask_mode"],
+                       warning_filter=echo["warning_filter"], final_env_ce=outcome.final_env_ce, dropped_reason=dropped)
 
 
-def write_receipt(run_dir: Location, receipt: dict[str, Any]) -> str:
+def write_receipt(run_dir: Location, receipt: TrainReceipt) -> str:
     """Write ``train_receipt.json`` (pretty, no trailing newline) atomically; return its URI."""
     location = run_dir.child(RECEIPT_FILE)
-    write_bytes_atomic(location, json.dumps(receipt, indent=2, allow_nan=False).encode("utf-8"))
+    payload = json.dumps(receipt.model_dump(mode="json", by_alias=True), indent=2, allow_nan=False)
+    write_bytes_atomic(location, payload.encode("utf-8"))
     return location.uri
 
 
+def _receipt_location(where: Location | str) -> Location:
+    location = where if isinstance(where, Location) else resolve(where)
+    return location if location.uri.endswith(RECEIPT_FILE) else location.child(RECEIPT_FILE)
+
+
+def read_receipt(where: Location | str) -> TrainReceipt:
+    """Read and validate a run's receipt (``where``: the run directory or the receipt itself).
+
+    Raises:
+        ReceiptError: ``receipt_missing`` or ``receipt_invalid`` (names the field).
+
+    Example:
+        >>> read_receipt("kiln-data/runs/demo").status  # doctest: +SKIP
+        'success'
+    """
+    location = _receipt_location(where)
+    if not location.exists():
+        raise ReceiptError("receipt_missing", f"no {RECEIPT_FILE} at {location.uri}", file=location.uri)
+    try:
+        return TrainReceipt.model_validate_json(location.read_bytes())
+    except ValidationError as error:
+        first = error.errors()[0]
+        place = ".".join(str(part) for part in first["loc"]) or "document"
+        raise ReceiptError("receipt_invalid", f"{RECEIPT_FILE} is not a kiln-flows train receipt: field `{place}`: "
+                           f"{first['msg']}", file=location.uri, field=place) from None
+
+
+def receipt_status(where: Location | str) -> str | None:
+    """The ``status`` of a run's receipt, or None when there is none. Reads only that field, so a
+    receipt written by an older kiln-flows still answers."""
+    location = _receipt_location(where)
+    if not location.exists():
+        return None
+    try:
+        status = json.loads(location.read_bytes()).get("status")
+    except (ValueError, AttributeError):
+        return None
+    return status if isinstance(status, str) else None
+
+
 def library_versions() -> dict[str, str]:
-    """Versions that decide the numerics of a run (recorded, and part of the resume identity)."""
+    """Versions that decide the numerics of a run (recorded in receipts and the execution provenance)."""
     import peft
     import safetensors
     import torch

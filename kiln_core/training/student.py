@@ -36,10 +36,9 @@ import torch
 
 from kiln_core.canonical import sha256_hex
 
-__all__ = ["LORA_TARGET_MODULES", "Student", "load_student", "student_identity", "precision_policy", "resolve_device"]
+__all__ = ["LORA_TARGET_MODULES", "Student", "load_student", "student_identity", "kiln_parameter_key", "resolve_device"]
 
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-LORA_INIT_ALGORITHM = "kiln.seeded-lora-init.v1"
 ADAPTER_NAME = "default"  # PEFT's adapter slot; part of the stable parameter names
 
 
@@ -58,19 +57,19 @@ def resolve_precision(device: torch.device, precision: str | None = None) -> str
     return precision
 
 
-def precision_policy(device: torch.device, precision: str) -> dict[str, Any]:
-    """The checkpoint's ``precision_policy``: what each kind of tensor is stored and computed in."""
-    activation = "bfloat16" if precision == "bf16" else "float32"
-    return {
-        "parameter_dtype": "float32",
-        "base_weight_dtype": activation,
-        "optimizer_state_dtype": "float32",
-        "activation_dtype": activation,
-        "gradient_dtype": "float32",
-        "loss_dtype": "float32",
-        "device_type": device.type,
-        "stochastic_rounding": {"enabled": False},
-    }
+def kiln_parameter_key(name: str) -> str:
+    """Kiln's checkpoint key of a LoRA parameter: PEFT's name without the adapter slot.
+
+    ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight`` becomes
+    ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``, the form Kiln's
+    ``trainer/lora_parameters.rs`` ``checkpoint_parameter_key`` writes.
+    """
+    return name.replace(f".lora_A.{ADAPTER_NAME}.", ".lora_A.").replace(f".lora_B.{ADAPTER_NAME}.", ".lora_B.")
+
+
+def lora_module(name: str) -> str:
+    """The projection a LoRA parameter adapts (``q_proj``, ``down_proj``, ...)."""
+    return name.split(".lora_")[0].rsplit(".", 1)[-1]
 
 
 @dataclass
@@ -114,22 +113,35 @@ class Student:
             out = decoder(input_ids=input_ids[None], use_cache=False)
         return out.last_hidden_state[0]
 
+    def checkpoint_keys(self) -> dict[str, torch.nn.Parameter]:
+        """The LoRA parameters under Kiln's checkpoint keys, in sorted order."""
+        return {kiln_parameter_key(name): p for name, p in self.lora_parameters.items()}
+
     def adapter_tensors(self) -> dict[str, torch.Tensor]:
-        """CPU copies of the LoRA parameters keyed by stable name (for ``adapter.safetensors``)."""
-        return {name: p.detach().to("cpu", copy=True).contiguous() for name, p in self.lora_parameters.items()}
+        """CPU copies of the LoRA parameters under Kiln's keys (``adapter.safetensors``)."""
+        return {key: p.detach().to("cpu", copy=True).contiguous() for key, p in self.checkpoint_keys().items()}
 
     def load_adapter_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Overwrite the LoRA parameters with checkpointed values (names and shapes must match)."""
-        if set(tensors) != set(self.lora_parameters):
-            missing = sorted(set(self.lora_parameters) - set(tensors))[:3]
-            extra = sorted(set(tensors) - set(self.lora_parameters))[:3]
-            raise ValueError(f"adapter tensors do not match the student's LoRA parameters (missing {missing}, extra {extra})")
+        """Overwrite the LoRA parameters with checkpointed values (exact names, shapes and dtypes).
+
+        Raises:
+            ResumeError: ``resume_adapter_tensors`` (Kiln: "checkpoint adapter parameter set mismatch").
+        """
+        from kiln_core.training.checkpoint.format import ResumeError
+
+        keys = self.checkpoint_keys()
+        if set(tensors) != set(keys):
+            missing, extra = sorted(set(keys) - set(tensors))[:3], sorted(set(tensors) - set(keys))[:3]
+            raise ResumeError("resume_adapter_tensors", f"checkpoint adapter parameter set mismatch (missing {missing}, "
+                              f"unexpected {extra})", file="adapter.safetensors")
+        for key, param in keys.items():
+            value = tensors[key]
+            if tuple(value.shape) != tuple(param.shape) or value.dtype != param.dtype:
+                raise ResumeError("resume_adapter_tensors", f"checkpoint adapter tensor {key} is {value.dtype} "
+                                  f"{tuple(value.shape)}, expected {param.dtype} {tuple(param.shape)}", file="adapter.safetensors")
         with torch.no_grad():
-            for name, param in self.lora_parameters.items():
-                value = tensors[name]
-                if tuple(value.shape) != tuple(param.shape):
-                    raise ValueError(f"adapter tensor {name} has shape {tuple(value.shape)}, expected {tuple(param.shape)}")
-                param.copy_(value.to(device=param.device, dtype=param.dtype))
+            for key, param in keys.items():
+                param.copy_(tensors[key].to(device=param.device))
 
     def peft_adapter_files(self) -> dict[str, bytes]:
         """``adapter_model.safetensors`` and ``adapter_config.json`` as PEFT writes them.
@@ -238,13 +250,12 @@ def _seeded_lora_init(params: dict[str, torch.nn.Parameter], seed: int) -> None:
 
 
 def student_identity(student_dir: str | os.PathLike[str]) -> dict[str, str]:
-    """Digests that pin the student model and tokenizer (raw hex), for checkpoints and receipts.
+    """Digests that pin the student's config and tokenizer (raw hex), for checkpoints and receipts.
 
     ``model_config_sha256`` hashes the exact ``config.json`` bytes; the tokenizer digests follow
-    ``StudentTokenizer.identity`` (backend JSON, chat template text); the base weights use Kiln's
-    ``kiln.base-model-content.v1`` shard digest (§1.6), so renaming or moving the files keeps it.
+    ``StudentTokenizer.identity`` (backend JSON, chat template text). The base weights are pinned
+    separately, shard by shard (``run_identity.base_weight_shard_manifest``).
     """
-    from kiln_core.identity.hashing import base_model_sha256
     from kiln_core.tokenization import load_student_tokenizer
 
     tokenizer = load_student_tokenizer(student_dir).identity()
@@ -253,5 +264,4 @@ def student_identity(student_dir: str | os.PathLike[str]) -> dict[str, str]:
         "tokenizer_config_sha256": tokenizer["tokenizer_config_sha256"],
         "tokenizer_vocab_sha256": tokenizer["tokenizer_vocab_sha256"],
         "chat_template_sha256": tokenizer["chat_template_sha256"],
-        "base_model_weights_sha256": base_model_sha256(student_dir),
     }

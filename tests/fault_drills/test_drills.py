@@ -101,6 +101,7 @@ def test_the_pipeline_train_task_refuses_a_corrupted_latest_checkpoint(tmp_path,
     from kiln_core.training.checkpoint import ADAPTER_FILE, CheckpointError, latest_checkpoint
     from tasks.retry import retry_unless_rejected
     from tasks.train import train_task
+    from test_trainer import Crash, crash_after
 
     torch.set_num_threads(1)
     inputs = prepare_training_inputs(tmp_path / "fixture")
@@ -119,22 +120,12 @@ def test_the_pipeline_train_task_refuses_a_corrupted_latest_checkpoint(tmp_path,
                      config={**request["config"], "output_name": "pipeline"})
     arguments = (plan, corpus, manifest, str(inputs.student))
 
-    class Crash(RuntimeError):
-        pass
-
-    original = trainer.train_opd
-
-    def crash_after_step_5(**kwargs):
-        def progress(step, total, loss):
-            kwargs["on_progress"](step, total, loss)
-            if step == 5:
-                raise Crash("simulated crash after step 5")
-        return original(**{**kwargs, "on_progress": progress})
-
-    monkeypatch.setattr(trainer, "train_opd", crash_after_step_5)
+    real_train_opd = trainer.train_opd
+    monkeypatch.setattr(trainer, "train_opd",
+                        lambda **kwargs: real_train_opd(**{**kwargs, "on_step_committed": crash_after(5)}))
     with pytest.raises(Crash):
         train_task.fn(*arguments)
-    monkeypatch.setattr(trainer, "train_opd", original)
+    monkeypatch.setattr(trainer, "train_opd", real_train_opd)
     latest = latest_checkpoint(run_uri, "pipeline")
     assert latest == "pipeline-checkpoint-step-00000004.kiln-checkpoint"
     damaged = tmp_path / "root" / "runs" / "pipeline" / "run" / latest / ADAPTER_FILE

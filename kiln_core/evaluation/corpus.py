@@ -1,0 +1,107 @@
+"""The held-out corpus: admitted with training's rules and masks, plus the rules of held-out data.
+
+``admit_eval_corpus`` runs ``kiln_core.admission.admit_corpus`` (the same parser, row rules and mask
+builder as training; a pinned teacher manifest makes a corpus scored by another teacher an
+``identity_mismatch``), then adds what makes a held-out score meaningful:
+
+* **same vocabulary** — the corpus teacher's ``tokenizer_vocab_sha256`` must be the student's
+  (admission checks only the logit width): ``vocabulary_mismatch``;
+* **no overlap with training** — when a training corpus is given, no held-out example may have the
+  same prompt as a training example: ``eval_train_overlap``. Two examples have the same prompt when
+  their ``messages`` are equal message by message after admission's normalization (role, content as
+  text, every other field), i.e. the same conversation up to the teacher's answer.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from kiln_core.evaluation.models import EvalInputError
+
+__all__ = ["admit_eval_corpus", "prompt_key", "check_no_overlap"]
+
+
+def admit_eval_corpus(corpus_uri: str, student_dir: str, *, top_k: int = 32, teacher_manifest: str | None = None,
+                      train_corpus_uri: str | None = None) -> Any:
+    """Admit a held-out corpus for ``student_dir`` and apply the held-out rules.
+
+    Args:
+        corpus_uri: The held-out teacher-scored JSONL.
+        student_dir: The student being evaluated (its tokenizer and template make the masks).
+        top_k: Requested K, resolved as admission does (32 or 16).
+        teacher_manifest: The expected teacher's manifest line; another teacher is refused.
+        train_corpus_uri: The corpus the student was trained on; overlapping prompts are refused.
+
+    Returns:
+        The ``AdmissionResult`` (validated in memory, not materialized).
+
+    Raises:
+        AdmissionError: any admission rule (``identity_mismatch`` for another teacher).
+        EvalInputError: ``vocabulary_mismatch``, ``eval_train_overlap``.
+    """
+    from kiln_core.admission import admit_corpus
+    from kiln_core.tokenization import load_student_tokenizer
+
+    student = load_student_tokenizer(student_dir)
+    _check_vocabulary(corpus_uri, student)  # before admission: its token rules would fail less clearly
+    admission = admit_corpus(corpus_uri, student_dir, top_k=top_k, pinned_manifest=teacher_manifest, student=student)
+    if train_corpus_uri is not None:
+        check_no_overlap(corpus_uri, train_corpus_uri)
+    return admission
+
+
+def _check_vocabulary(corpus_uri: str, student: Any) -> None:
+    """The manifest's tokenizer must be the student's (a corpus without a usable manifest is left to admission)."""
+    from kiln_core.admission.source import read_corpus
+    from kiln_core.contracts.identity import ManifestError, parse_manifest_line
+    from kiln_core.identity.hashing import tokenizer_vocab_sha256
+
+    data = read_corpus(corpus_uri).data
+    first = next((line for line in data.split(b"\n") if line.strip()), b"")
+    try:
+        identity = parse_manifest_line(first.decode("utf-8").strip()).teacher_identity
+    except (ManifestError, UnicodeDecodeError, ValueError):
+        return
+    student_vocab = tokenizer_vocab_sha256(student.tokenizer)
+    if identity.tokenizer_vocab_sha256 != student_vocab:
+        raise EvalInputError(
+            "vocabulary_mismatch",
+            f"the corpus was scored with tokenizer_vocab_sha256 {identity.tokenizer_vocab_sha256}, the student "
+            f"{student.model_dir} has {student_vocab}: its token ids would not mean the teacher's tokens",
+            file=corpus_uri)
+
+
+def prompt_key(messages: list[dict[str, Any]]) -> str:
+    """The canonical text of a normalized prompt: two examples share a prompt iff their keys are equal."""
+    return json.dumps(messages, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+
+
+def check_no_overlap(eval_uri: str, train_uri: str) -> None:
+    """Refuse a held-out corpus that shares a prompt with the training corpus.
+
+    Raises:
+        EvalInputError: ``eval_train_overlap`` naming the first held-out line and its training line.
+        AdmissionError: the training corpus cannot be read or parsed.
+    """
+    train_prompts = {}
+    for line, messages in _prompts(train_uri):
+        train_prompts.setdefault(prompt_key(messages), line)
+    for line, messages in _prompts(eval_uri):
+        train_line = train_prompts.get(prompt_key(messages))
+        if train_line is not None:
+            raise EvalInputError(
+                "eval_train_overlap",
+                f"held-out example has the same prompt messages as line {train_line} of the training corpus "
+                f"{train_uri}; a held-out score must come from prompts the student never trained on",
+                line=line, file=eval_uri)
+
+
+def _prompts(uri: str):
+    """``(physical line, normalized messages)`` of every example, parsed by admission's parser."""
+    from kiln_core.admission.records import parse_corpus
+    from kiln_core.admission.source import read_corpus
+
+    parsed = parse_corpus(read_corpus(uri).data)
+    for line, conversation in zip(parsed.example_lines.tolist(), parsed.conversations):
+        yield int(line), list(conversation.messages)

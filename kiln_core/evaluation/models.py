@@ -1,0 +1,115 @@
+"""Models to evaluate: a student directory with or without a PEFT adapter, and greedy answers.
+
+``load_eval_model`` gives an ``EvalModel`` with the interface the metrics need (``hidden_states``,
+``head_weight``, ``head_bias``, ``device``), the same post-final-norm hidden states the trainer's
+``Student`` computes. An adapter that does not fit the student (other shapes, other target modules)
+is a rejection, not a crash.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from kiln_core.errors import Rejection
+
+__all__ = ["EvalModel", "EvalInputError", "load_eval_model", "generate_answers"]
+
+
+class EvalInputError(Rejection):
+    """An evaluation input that cannot be used (exit 2): ``invalid_student``, ``adapter_mismatch``,
+    ``vocabulary_mismatch``, ``eval_train_overlap``, ``invalid_option``."""
+
+
+@dataclass
+class EvalModel:
+    """A causal LM ready for evaluation (eval mode, no gradients needed)."""
+
+    model: Any
+    device: torch.device
+    tokenizer: Any
+
+    @property
+    def _base(self) -> Any:
+        return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+
+    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Final normed hidden states of one unpadded sequence: ``[L] -> [L, H]``."""
+        return self._base.model(input_ids=input_ids[None], use_cache=False).last_hidden_state[0]
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self._base.get_output_embeddings().weight
+
+    @property
+    def head_bias(self) -> torch.Tensor | None:
+        return getattr(self._base.get_output_embeddings(), "bias", None)
+
+
+def load_eval_model(student_dir: str | os.PathLike[str], adapter_dir: str | os.PathLike[str] | None = None, *,
+                    device: str | None = None) -> EvalModel:
+    """Load a student (fp32) and, when given, apply a PEFT adapter to it.
+
+    Raises:
+        EvalInputError: ``invalid_student`` (not loadable) or ``adapter_mismatch``.
+
+    Example:
+        >>> model = load_eval_model("models/student", "kiln-data/runs/demo/adapter")  # doctest: +SKIP
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(student_dir), dtype=torch.float32, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(str(student_dir), local_files_only=True)
+    except (OSError, ValueError, KeyError) as error:
+        raise EvalInputError("invalid_student", f"cannot load the model in {student_dir}: {error}",
+                             file=str(student_dir)) from None
+    if adapter_dir is not None:
+        from peft import PeftModel
+
+        if not os.path.isfile(os.path.join(adapter_dir, "adapter_config.json")):
+            raise EvalInputError("adapter_mismatch", f"{adapter_dir} is not a PEFT adapter directory "
+                                 "(no adapter_config.json)", file=str(adapter_dir))
+        try:
+            model = PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=False)
+        except (RuntimeError, ValueError, KeyError, OSError) as error:  # shape or module mismatch
+            raise EvalInputError("adapter_mismatch", f"adapter {adapter_dir} does not fit student {student_dir}: "
+                                 f"{str(error).splitlines()[0]}", file=str(adapter_dir)) from None
+    model.to(dev)
+    model.eval()
+    return EvalModel(model=model, device=dev, tokenizer=tokenizer)
+
+
+def generate_answers(model: EvalModel, prompts: Sequence[list[dict[str, Any]]], *, max_new_tokens: int = 64,
+                     batch_size: int = 8) -> list[str]:
+    """Greedy answers of ``model`` to chat ``prompts`` (lists of messages), rendered with its template.
+
+    Batches are left-padded; generation stops at the tokenizer's end-of-sequence token.
+
+    Example:
+        >>> generate_answers(model, [[{"role": "user", "content": "Name a color."}]])  # doctest: +SKIP
+        ['Blue.']
+    """
+    tokenizer = model.tokenizer
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    answers: list[str] = []
+    with torch.no_grad():
+        for start in range(0, len(prompts), batch_size):
+            texts = [tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+                     for messages in prompts[start : start + batch_size]]
+            encoded = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+            width = max(len(ids) for ids in encoded)
+            ids = torch.full((len(encoded), width), pad_id, dtype=torch.long)
+            mask = torch.zeros((len(encoded), width), dtype=torch.long)
+            for row, seq in enumerate(encoded):
+                ids[row, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
+                mask[row, width - len(seq):] = 1
+            out = model.model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+                                       max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_id)
+            for row in range(len(encoded)):
+                answers.append(tokenizer.decode(out[row, width:], skip_special_tokens=True).strip())
+    return answers

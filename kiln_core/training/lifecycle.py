@@ -1,0 +1,208 @@
+"""What both training loops share around the loop itself: starting from a plan, publishing
+checkpoints, deterministic kernels, stop signals, and the result they return.
+
+``train_opd`` (an admitted corpus) and ``train_on_policy`` (prompts and their rollouts) differ only
+inside the loop; everything before the first step and after the last is here, once:
+
+* ``start_student`` — the seeded student and optimizer; on resume the checkpoint's LoRA weights,
+  optimizer state, generator states and loop counters replace the fresh ones;
+* ``outcome_recorded`` — how the loop ended: an expected stop, or an error after its failed receipt;
+* ``CheckpointPublisher`` — publishes the state at the current step (never twice for one step);
+* ``deterministic`` / ``stop_signals`` — deterministic CPU kernels, SIGTERM/SIGINT as a cooperative stop;
+* ``TrainResult`` — what a run returns (receipts hold the full record).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import signal
+import threading
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from pydantic import BaseModel
+from safetensors.torch import save as save_safetensors
+
+from kiln_core.training import checkpoint as ckpt
+from kiln_core.training.checkpoint.format import KilnFlowsState, RankRngState
+from kiln_core.training.finish import finish_run
+from kiln_core.training.optim import build_optimizer, load_optimizer_state, optimizer_state_tensors
+from kiln_core.training.plan import RunPlan
+from kiln_core.training.progress import Clock, LoopProgress
+from kiln_core.training.receipt import RunOutcome
+from kiln_core.training.step import StopTraining
+from kiln_core.training.student import Student, load_student
+
+__all__ = ["CANCEL_MESSAGE", "TrainResult", "CheckpointPublisher", "new_progress", "start_student", "outcome_recorded",
+           "write_checkpoint", "run_status", "result_fields", "deterministic", "stop_signals"]
+
+CANCEL_MESSAGE = "training cancelled by user (stop requested at OPD step boundary)"
+
+
+class TrainResult(BaseModel):
+    """What a training run returns (receipts hold the full record)."""
+
+    status: Literal["success", "failed", "cancelled"]
+    failure_reason: str | None = None
+    failure_message: str | None = None
+    adapter: str | None = None
+    receipt: str
+    latest_checkpoint: str | None = None
+    resumed_from: str | None = None
+    final_loss: float | None = None
+    loss_history: list[float]
+    steps: int
+    total_steps: int
+    effective_seed: int
+    phase_timings_ms: dict[str, float]
+    world_size: int = 1
+
+
+def new_progress(plan: RunPlan) -> LoopProgress:
+    """Progress before the first step; on-policy runs count consumed candidates apart from steps."""
+    return LoopProgress(consumed=0 if plan.contract.on_policy else None)
+
+
+def start_student(plan: RunPlan, student_dir: str, progress: LoopProgress, *, gradient_checkpointing: bool,
+                  clock: Clock) -> tuple[Student, torch.optim.Optimizer]:
+    """Load the student with its seeded LoRA and build the optimizer; on resume, restore every state
+    (``progress`` takes the checkpoint's loop counters in place).
+
+    Raises:
+        ResumeError: the checkpoint's tensors do not fit this student.
+    """
+    config = plan.config
+    with clock.phase("setup"):
+        student = load_student(student_dir, rank=config.lora_rank, alpha=config.lora_alpha, seed=plan.seed,
+                               device=plan.device.type, precision=plan.precision,
+                               gradient_checkpointing=gradient_checkpointing)
+        optimizer = build_optimizer(config.optimizer, student.lora_parameters, plan.learning_rate)
+        _seed_everything(plan.seed)
+        loaded = plan.loaded
+        if loaded is not None:
+            student.load_adapter_tensors(loaded.adapter_tensors)
+            load_optimizer_state(optimizer, student.checkpoint_keys(), loaded.optimizer_tensors,
+                                 loaded.loop_state.global_step)
+            ckpt.restore_rng_state(loaded.extension.rank_rng[plan.world.rank])
+            progress.restore(loaded.loop_state, plan.schedule.candidates_per_epoch)
+    return student, optimizer
+
+
+@contextlib.contextmanager
+def outcome_recorded(plan: RunPlan, outcome: RunOutcome, progress: LoopProgress, clock: Clock):
+    """How the loop ended, into ``outcome``: a ``StopTraining`` (cancel, non-finite loss) is an expected
+    end and is not raised further; any other error writes the failed receipt, then propagates."""
+    try:
+        yield
+    except StopTraining as stop:
+        outcome.failure_reason, outcome.failure_message = stop.reason, stop.message
+    except BaseException as error:
+        outcome.failure_reason = "oom" if isinstance(error, torch.OutOfMemoryError) else "training_error"
+        outcome.failure_message = f"{type(error).__name__}: {error}"
+        finish_run(plan, outcome, progress, clock)
+        raise
+
+
+class CheckpointPublisher:
+    """Publishes the run's state after ``progress.global_step`` committed steps, once per step.
+
+    Example:
+        >>> checkpoints = CheckpointPublisher(plan, student, optimizer, progress, clock)  # doctest: +SKIP
+        >>> checkpoints.publish()  # doctest: +SKIP
+        'demo-checkpoint-step-00000025.kiln-checkpoint'
+    """
+
+    def __init__(self, plan: RunPlan, student: Student, optimizer: torch.optim.Optimizer, progress: LoopProgress,
+                 clock: Clock) -> None:
+        self.plan, self.student, self.optimizer, self.progress, self.clock = plan, student, optimizer, progress, clock
+        self.published = plan.loaded.basename if plan.loaded else None
+
+    def publish(self) -> str:
+        """The basename of the checkpoint at the current step, written unless it already was."""
+        if self.published != ckpt.checkpoint_basename(self.plan.adapter_name, self.progress.global_step):
+            with self.clock.phase("checkpoint"):
+                self.published = write_checkpoint(self.plan, self.student, self.optimizer, self.progress)
+        return self.published
+
+
+def write_checkpoint(plan: RunPlan, student: Student, optimizer: torch.optim.Optimizer, progress: LoopProgress) -> str:
+    """Publish the state after ``progress.global_step`` committed steps; returns the basename.
+
+    Every rank calls this: their generator states are gathered, rank 0 writes the checkpoint and the
+    others wait until it is committed.
+    """
+    world, contract = plan.world, plan.contract
+    states = world.gather_bytes(ckpt.capture_rng_state().model_dump_json().encode("utf-8"))
+
+    def write() -> str:
+        from kiln_core import __version__
+
+        extension = KilnFlowsState(
+            kiln_flows_version=__version__, world_size=world.size, backend=world.backend,
+            sequences_per_step=contract.sequences_per_step, optimizer_steps_total=contract.optimizer_steps_total,
+            loss=contract.loss, rank_rng=[RankRngState.model_validate_json(state) for state in states])
+        keys = student.checkpoint_keys()
+        optimizer_bytes = save_safetensors(optimizer_state_tensors(optimizer, keys)) if contract.stateful_optimizer else None
+        loop_state = progress.loop_state(plan.schedule, contract.examples_read, contract.examples_filtered)
+        return ckpt.write_checkpoint(plan.run_dir, contract, loop_state,
+                                     adapter_bytes=save_safetensors(student.adapter_tensors()),
+                                     optimizer_bytes=optimizer_bytes, extension=extension)
+
+    world.publish_on_main(write)
+    return ckpt.checkpoint_basename(plan.adapter_name, progress.global_step)
+
+
+def run_status(outcome: RunOutcome) -> Literal["success", "failed", "cancelled"]:
+    """``TrainResult.status``: a cancelled run is ``failed`` + ``cancelled`` in the receipt, as in Kiln."""
+    if outcome.status == "success":
+        return "success"
+    return "cancelled" if outcome.failure_reason == "cancelled" else "failed"
+
+
+def result_fields(plan: RunPlan, outcome: RunOutcome, progress: LoopProgress, clock: Clock,
+                  receipt_uri: str) -> dict[str, Any]:
+    """``TrainResult``'s fields once the receipt is written."""
+    return dict(
+        status=run_status(outcome), failure_reason=outcome.failure_reason, failure_message=outcome.failure_message,
+        adapter=outcome.adapter_uri, receipt=receipt_uri,
+        latest_checkpoint=ckpt.latest_checkpoint(plan.run_dir, plan.adapter_name), resumed_from=outcome.resumed_from,
+        final_loss=progress.loss_history[-1] if progress.loss_history else None, loss_history=list(progress.loss_history),
+        steps=progress.global_step, total_steps=plan.schedule.total_steps, effective_seed=plan.seed,
+        phase_timings_ms=dict(clock.totals_ms), world_size=plan.world.size)
+
+
+def _seed_everything(seed: int) -> None:
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)  # also initializes CUDA, so its generator states are captured
+
+
+@contextlib.contextmanager
+def deterministic(device: torch.device):
+    """Deterministic kernels on CPU for the duration of the run (restored afterwards)."""
+    previous = torch.are_deterministic_algorithms_enabled()
+    if device.type == "cpu":
+        torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous)
+
+
+@contextlib.contextmanager
+def stop_signals(enabled: bool):
+    """SIGTERM/SIGINT → a flag the loop polls at step boundaries (only from the main thread)."""
+    flag = threading.Event()
+    if not enabled or threading.current_thread() is not threading.main_thread():
+        yield flag
+        return
+    previous = {sig: signal.signal(sig, lambda *_: flag.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield flag
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,259 @@
+"""The on-policy OPD loop: the student samples, the teacher scores its tokens, top-K reverse KL trains.
+
+Read ``train_on_policy`` top to bottom; it runs in the order of Kiln's on-policy ``opd_train``
+(``crates/kiln-train/src/opd.rs`` · ``opd_train_to_with_checkpoint_root_and_runtime``; reference B.4–B.9):
+
+1. plan (``on_policy_plan``): prompts prepared, effective top-K and samples per prompt, the identities
+   a checkpoint binds, every refusal — before any model loads;
+2. setup (``lifecycle.start_student``): the seeded student and optimizer, restored exactly on resume;
+   then the teacher is loaded;
+3. the loop, one candidate at a time in Kiln's order (prompt-major, then sample, no shuffle):
+   * a prompt without a prompt/assistant split: the candidate is consumed, nothing else;
+   * otherwise the candidate's rollout (``kiln_core.on_policy.collect``): read back from the rollout
+     store, or sampled by the student with its current LoRA (seed ``seed + global_step + source ·
+     1,000,003 + sample · 1,000,033``), scored top-K by the teacher and committed first;
+   * an empty rollout (EOS first) is consumed without an update, loss, progress report, checkpoint
+     or cancellation check ("student produced 0 new tokens; skipping step");
+   * otherwise one optimizer step on it (``step.train_examples``, the same loss as off-policy), then
+     the progress report, a checkpoint when ``global_step % checkpoint_interval == 0`` and candidates
+     remain, ``on_step_committed``, and the cancellation check;
+4. finish (``finish``): the PEFT adapter, then ``train_receipt.json`` (also written on failure).
+
+Three counters, kept apart and all restored on resume: ``global_step`` (committed optimizer steps),
+the candidate cursor (``epoch_index``/``cursor_in_epoch``, consumed candidates, empty ones included)
+and the ``rollout-sampling`` stream position, which is the consumed-candidate count.
+
+Exactness: a candidate's tokens depend only on the LoRA weights, its seed (from the restored
+``global_step``) and the prompt; its teacher rows only on the tokens; the step only on those and the
+restored optimizer state — so a run interrupted anywhere and resumed from its checkpoint ends with the
+same adapter bytes on CPU. Rollouts committed before an interruption are read back, not sampled again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from kiln_core.contracts.opd_config import OpdConfig
+from kiln_core.contracts.opd_prompt import OpdPrompt
+from kiln_core.on_policy.collect import RolloutCollector, RolloutCounters
+from kiln_core.on_policy.sampler import RolloutBackend, SamplingParams, sample_rollout
+from kiln_core.on_policy.schedule import candidate_seed, iter_candidates
+from kiln_core.on_policy.teacher import TeacherSource
+from kiln_core.training.distributed.world import World
+from kiln_core.training.finish import finish_run, publish_final_adapter
+from kiln_core.training.lifecycle import (
+    CANCEL_MESSAGE,
+    CheckpointPublisher,
+    TrainResult,
+    deterministic,
+    new_progress,
+    outcome_recorded,
+    result_fields,
+    start_student,
+    stop_signals,
+)
+from kiln_core.training.on_policy_plan import plan_on_policy_run
+from kiln_core.training.progress import Clock
+from kiln_core.training.receipt import RunOutcome
+from kiln_core.training.step import StopTraining, train_examples
+from kiln_core.training.student import Student
+
+__all__ = ["OnPolicyProgress", "OnPolicyTrainResult", "StudentRollouts", "train_on_policy"]
+
+LOG = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class OnPolicyProgress:
+    """What ``on_progress`` receives after each committed step (never for a consumed-only candidate).
+
+    Counts of rollout work cover this process (a resumed run starts them at zero); ``step`` and the
+    candidate counts cover the whole run.
+    """
+
+    step: int
+    """Committed optimizer steps."""
+    consumed_candidates: int
+    """Candidates consumed, empty rollouts and skipped prompts included."""
+    total_candidates: int
+    loss: float
+    """This step's loss."""
+    rollouts_sampled: int
+    rollouts_reused: int
+    """Rollouts read back from the store instead of sampled again."""
+    sampled_tokens: int
+    teacher_tokens_scored: int
+    elapsed_s: float
+    """This process's time in the loop so far."""
+
+    @property
+    def fraction(self) -> float:
+        """Kiln's progress: consumed candidates / total candidates."""
+        return self.consumed_candidates / max(self.total_candidates, 1)
+
+    @property
+    def rollouts_per_second(self) -> float:
+        return self.rollouts_sampled / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def teacher_tokens_per_second(self) -> float:
+        return self.teacher_tokens_scored / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+
+class OnPolicyTrainResult(TrainResult):
+    """``TrainResult`` plus the rollout work (``total_steps`` counts candidates: an upper bound of steps)."""
+
+    consumed_candidates: int
+    rollout_run_key: str
+    rollout_root: str
+    rollouts_sampled: int
+    rollouts_reused: int
+    sampled_tokens: int
+    teacher_tokens_scored: int
+
+
+class StudentRollouts:
+    """The default rollout backend: the student being trained samples with its current LoRA weights,
+    under the same autocast as its training forward."""
+
+    def __init__(self, student: Student) -> None:
+        self.student = student
+
+    def sample(self, prompt_ids: Sequence[int], *, params: SamplingParams, max_tokens: int,
+               eos_token_ids: Sequence[int], seed: int) -> list[int]:
+        with self.student.autocast():
+            return sample_rollout(self.student.model, prompt_ids, params=params, max_tokens=max_tokens,
+                                  eos_token_ids=eos_token_ids, seed=seed)
+
+
+def train_on_policy(
+    *,
+    prompts: Sequence[OpdPrompt],
+    student_dir: str,
+    teacher: TeacherSource,
+    adapter_name: str,
+    config: OpdConfig,
+    run_root: str,
+    rollout_root: str | None = None,
+    resume_checkpoint: str | None = None,
+    should_cancel: Callable[[], bool] | None = None,
+    on_progress: Callable[[OnPolicyProgress], None] | None = None,
+    on_step_committed: Callable[[int], None] | None = None,
+    rollout_backend: Callable[[Student], RolloutBackend] | None = None,
+    device: str | None = None,
+    precision: str | None = None,
+    gradient_checkpointing: bool = False,
+    handle_signals: bool = False,
+) -> OnPolicyTrainResult:
+    """Train a LoRA student on its own rollouts of ``prompts``, scored by ``teacher``; publish under ``run_root``.
+
+    Args:
+        prompts: The request's prompts (``OpdRequest.prompts`` or a prompt file), in order.
+        student_dir: Local student model directory.
+        teacher: The pinned teacher (``TeacherSource.local`` for a registered local teacher); it loads
+            after every refusal, with the effective top-K.
+        adapter_name: Adapter name; checkpoints are ``<adapter>-checkpoint-step-<8d>.kiln-checkpoint``.
+        config: The validated on-policy ``OpdConfig`` (``kiln_core.on_policy.submit`` checks passed).
+        run_root: URI of the run directory ``<root>/runs/<adapter>`` (local path or fsspec URI).
+        rollout_root: Where rollouts are stored (default ``<run_root>/rollouts``).
+        resume_checkpoint: Basename of a checkpoint in ``run_root`` to resume from exactly.
+        should_cancel: Polled after each committed step; True stops after publishing a checkpoint.
+        on_progress: Called with an ``OnPolicyProgress`` after each committed step.
+        on_step_committed: Called with the step number once a step and its checkpoint (when one is due)
+            are published; whatever it raises ends the run like any other error.
+        rollout_backend: Builds the sampler from the loaded student (default ``StudentRollouts``).
+        device: ``cpu``/``cuda`` (default: CUDA when available).
+        precision: ``fp32``/``bf16`` (default: bf16 on CUDA, fp32 on CPU).
+        gradient_checkpointing: Recompute activations in backward to save memory.
+        handle_signals: Turn SIGTERM/SIGINT into a cooperative cancel (main thread only).
+
+    Returns:
+        ``OnPolicyTrainResult``; status ``failed`` (nan_loss) and ``cancelled`` are returned, not raised.
+
+    Raises:
+        ConfigError, Rejection, CheckpointError, ResumeError: rejected input, before any model loads.
+        Exception: anything unexpected, after a ``failed`` receipt was written.
+
+    Example:
+        >>> result = train_on_policy(prompts=request.prompts, student_dir="student",
+        ...     teacher=TeacherSource.local("tiny-teacher", identity, "teacher"), adapter_name="demo",
+        ...     config=request.config, run_root="kiln-data/runs/demo")  # doctest: +SKIP
+        >>> result.status, result.rollouts_sampled  # doctest: +SKIP
+        ('success', 128)
+    """
+    clock = Clock()
+    # ---- 1. plan: every refusal (prompts, teacher, resume checkpoint, published adapter) happens here
+    plan, rollouts = plan_on_policy_run(
+        prompts=prompts, student_dir=student_dir, teacher=teacher, adapter_name=adapter_name, config=config,
+        run_root=run_root, rollout_root=rollout_root, resume_checkpoint=resume_checkpoint, device=device,
+        precision=precision, gradient_checkpointing=gradient_checkpointing, world=World.current())
+    schedule, prepared = plan.schedule, rollouts.prepared
+    outcome = RunOutcome(resumed_from=plan.loaded.basename if plan.loaded else None)
+    progress = new_progress(plan)
+    counters = RolloutCounters()
+
+    with (deterministic(plan.device), stop_signals(handle_signals) as signalled,
+          outcome_recorded(plan, outcome, progress, clock)):
+        # ---- 2. setup: the student (restored exactly on resume), its sampler, the teacher
+        student, optimizer = start_student(plan, student_dir, progress, gradient_checkpointing=gradient_checkpointing,
+                                           clock=clock)
+        checkpoints = CheckpointPublisher(plan, student, optimizer, progress, clock)
+        with clock.phase("setup"):
+            scorer = teacher.load(plan.facts.top_k)
+        collector = RolloutCollector(
+            rollouts.store, rollouts.run_key, (rollout_backend or StudentRollouts)(student), scorer,
+            params=rollouts.sampling, max_tokens=rollouts.max_tokens, eos_token_ids=rollouts.eos_token_ids,
+            top_k=plan.facts.top_k, vocab_size=teacher.identity.vocab_size, teacher_id=teacher.alias,
+            metadata={"teacher_content_revision": plan.facts.teacher_content_revision, "adapter_name": adapter_name})
+        counters = collector.counters
+
+        # ---- 3. the loop: one candidate at a time; only non-empty rollouts make an optimizer step
+        total = schedule.total_candidates
+        loop_started = time.perf_counter()
+        epoch, cursor = progress.position(schedule)
+        for candidate in iter_candidates(prepared, schedule.samples_per_prompt, schedule.epochs,
+                                         start_epoch=epoch, start_cursor=cursor):
+            prompt = prepared.prompts[candidate.prepared_index]
+            rollout = None
+            if not candidate.skipped:
+                seed = candidate_seed(plan.seed, progress.global_step, candidate.source_index, candidate.sample_index)
+                with clock.phase("rollout"):
+                    rollout = collector.rollout(candidate, prompt, global_step=progress.global_step, seed=seed)
+            progress.consumed = candidate.consumed_after(schedule.candidates_per_epoch)
+            if rollout is None or rollout.empty:
+                if rollout is not None:
+                    LOG.warning("prompt %d sample %d: student produced 0 new tokens; skipping step",
+                                candidate.source_index, candidate.sample_index)
+                continue  # consumed without an update
+            loss = train_examples(student, optimizer, [(candidate.cursor + 1, rollout.training_example)], plan,
+                                  progress, clock)
+            remaining = progress.consumed < total
+            if on_progress is not None:
+                on_progress(OnPolicyProgress(
+                    step=progress.global_step, consumed_candidates=progress.consumed, total_candidates=total, loss=loss,
+                    rollouts_sampled=counters.sampled, rollouts_reused=counters.reused,
+                    sampled_tokens=counters.sampled_tokens, teacher_tokens_scored=counters.teacher_tokens_scored,
+                    elapsed_s=time.perf_counter() - loop_started))
+            interval = config.checkpoint_interval
+            if interval and progress.global_step % interval == 0 and remaining:
+                checkpoints.publish()
+            if on_step_committed is not None:
+                on_step_committed(progress.global_step)
+            if remaining and (signalled.is_set() or (should_cancel is not None and should_cancel())):
+                checkpoints.publish()
+                raise StopTraining("cancelled", CANCEL_MESSAGE)
+        clock.totals_ms["train_loop"] = (time.perf_counter() - loop_started) * 1e3
+        clock.totals_ms["rollout_sampling"] = counters.sampling_s * 1e3
+        clock.totals_ms["teacher_scoring"] = counters.scoring_s * 1e3
+
+        # ---- 4. publish the PEFT adapter (the receipt follows in finish_run)
+        publish_final_adapter(plan, outcome, student, clock)
+    receipt_uri = finish_run(plan, outcome, progress, clock)
+    return OnPolicyTrainResult(
+        **result_fields(plan, outcome, progress, clock, receipt_uri), consumed_candidates=progress.consumed or 0,
+        rollout_run_key=rollouts.run_key, rollout_root=rollouts.store.root.uri, rollouts_sampled=counters.sampled,
+        rollouts_reused=counters.reused, sampled_tokens=counters.sampled_tokens,
+        teacher_tokens_scored=counters.teacher_tokens_scored)

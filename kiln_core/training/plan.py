@@ -1,0 +1,269 @@
+"""Planning a training run: everything decided, and every refusal made, before the model loads.
+
+``plan_run`` settles what an admitted corpus decides (``DataPlan``: schedule, top-K, the data
+binding, the teacher's revision); ``build_plan`` — shared with the on-policy planner
+(``on_policy_plan``) — resolves the device and precision, the learning rate and the seed, computes
+the identities a checkpoint binds (``run_identity``, ``data_identity``), loads and checks the
+checkpoint to resume from, and settles the run directory. A rejected input costs no model load and
+writes nothing.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from kiln_core.contracts.opd_config import ConfigError, OpdConfig, effective_samples_per_prompt, resolve_learning_rate, resolve_top_k
+from kiln_core.corpus import CorpusTables
+from kiln_core.storage import Location, move_aside, remove_tree, resolve
+from kiln_core.training import checkpoint as ckpt
+from kiln_core.training import run_identity
+from kiln_core.training.data_identity import fixture_content_revision, teacher_capabilities
+from kiln_core.training.distributed.world import World
+from kiln_core.training.objectives import step_loss
+from kiln_core.training.receipt import TRAINING_DATA_SOURCE, RunFacts, library_versions, receipt_status
+from kiln_core.training.receipt_model import DistributedReceipt
+from kiln_core.training.student import resolve_device, resolve_precision, student_identity
+
+__all__ = ["ADAPTER_DIR", "Schedule", "RunPlan", "DataPlan", "plan_run", "build_plan"]
+
+ADAPTER_DIR = "adapter"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """File-order candidate schedule. Candidate c (0-based over the whole run) is example
+    ``(c % candidates_per_epoch) // samples_per_prompt``: each example repeated consecutively. Step s
+    takes the next ``sequences_per_step`` candidates of that flat order (a group may span an epoch
+    boundary; the last group may be shorter)."""
+
+    examples: int
+    samples_per_prompt: int
+    epochs: int
+    sequences_per_step: int
+
+    @property
+    def candidates_per_epoch(self) -> int:
+        return self.examples * self.samples_per_prompt
+
+    @property
+    def total_candidates(self) -> int:
+        return self.epochs * self.candidates_per_epoch
+
+    @property
+    def total_steps(self) -> int:
+        return -(-self.total_candidates // self.sequences_per_step)
+
+    def candidates_of_step(self, step: int) -> range:
+        return range(step * self.sequences_per_step, min((step + 1) * self.sequences_per_step, self.total_candidates))
+
+    def example_of(self, candidate: int) -> int:
+        return (candidate % self.candidates_per_epoch) // self.samples_per_prompt
+
+    def cursor_after(self, step: int) -> tuple[int, int]:
+        """(epoch_index, cursor_in_epoch) of the next candidate once ``step`` steps are committed."""
+        return divmod(min(step * self.sequences_per_step, self.total_candidates), self.candidates_per_epoch)
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """The resolved run: schedule, seed, the checkpoint contract, and the checkpoint being resumed."""
+
+    run_dir: Location
+    adapter_name: str
+    config: OpdConfig
+    schedule: Schedule
+    seed: int
+    learning_rate: float
+    device: torch.device
+    precision: str
+    contract: ckpt.RunContract
+    facts: RunFacts
+    loaded: ckpt.LoadedCheckpoint | None
+    world: World
+
+    @property
+    def loss_fn(self) -> Callable:
+        return step_loss(self.config.loss)
+
+
+@dataclass(frozen=True)
+class DataPlan:
+    """What the training data decides about a run: the only part off-policy and on-policy plans differ in.
+
+    Attributes:
+        schedule: The candidate schedule (on-policy: ``total_steps`` is the candidate count, an upper
+            bound of the optimizer steps, since empty rollouts train nothing).
+        top_k: Effective top-K.
+        samples_per_prompt: Effective samples per prompt.
+        binding: The checkpoint's ``data`` record (source kind, prompt-list digest, candidates per epoch).
+        capabilities: Kiln's ``LogitSourceCaps`` of the teacher source.
+        teacher_identity: The pinned ``TeacherIdentity``, or None.
+        teacher_content_revision: Kiln's ``authoritative_content_revision`` of the source.
+        prepared_source_indices: Request indices of the prepared examples/prompts, in order.
+        examples_read: Examples or prompts in the request.
+        examples_filtered: Prompts dropped at tokenization (0 off-policy: admission refuses them).
+        training_data: The receipt's ``training_data`` as ``(source, path, sha256)``.
+        on_policy: Whether checkpoints carry Kiln's ``rollout-sampling`` stream.
+    """
+
+    schedule: Schedule
+    top_k: int
+    samples_per_prompt: int
+    binding: ckpt.DataBinding
+    capabilities: dict[str, Any]
+    teacher_identity: Any | None
+    teacher_content_revision: str
+    prepared_source_indices: list[int]
+    examples_read: int
+    examples_filtered: int
+    training_data: tuple[str, str | None, str]
+    on_policy: bool = False
+
+
+def plan_run(*, tables: CorpusTables, dataset_sha256: str, dataset_path: str, student_dir: str, adapter_name: str,
+             config: OpdConfig, run_root: str, teacher_identity: Any | None, teacher_alias: str,
+             resume_checkpoint: str | None, device: str | None, precision: str | None, gradient_checkpointing: bool,
+             world: World) -> RunPlan:
+    """Resolve an off-policy run and apply every refusal before any model loads (cheapest checks first).
+
+    Raises:
+        ConfigError, CheckpointError, ResumeError: rejected input; nothing is written.
+    """
+    from kiln_core.identity.hashing import model_vocab_size
+
+    run_dir = resolve(run_root)
+    basename = ckpt.check_resume_basename(resume_checkpoint, run_dir, adapter_name) if resume_checkpoint else None
+    top_k = resolve_top_k(config.top_k)
+    if tables.num_examples == 0 or tables.top_k != top_k:
+        raise ConfigError(f"corpus has {tables.num_examples} examples at top_k {tables.top_k}; the config resolves "
+                          f"top_k to {top_k}", "config.top_k")
+    samples = effective_samples_per_prompt(config)
+    schedule = Schedule(tables.num_examples, samples, config.epochs,
+                        config.sequences_per_step * world.size)  # candidates per optimizer step, all ranks together
+    caps = teacher_capabilities(teacher_alias, model_vocab_size(student_dir), top_k,
+                                teacher_identity.tokenizer_vocab_sha256 if teacher_identity is not None else None)
+    # Kiln's data.content_sha256 is the prompt-list digest; a hand-built table has none, so it is
+    # bound by the corpus file's digest instead.
+    content = tables.kiln_prompts_sha256 or dataset_sha256.removeprefix("sha256:")
+    data = DataPlan(
+        schedule=schedule, top_k=top_k, samples_per_prompt=samples,
+        binding=ckpt.DataBinding(source_kind=ckpt.OFF_POLICY_SOURCE_KIND, content_sha256=content,
+                                 item_count=schedule.candidates_per_epoch),
+        capabilities=caps, teacher_identity=teacher_identity,
+        teacher_content_revision=fixture_content_revision(tables, caps),
+        # every admitted example has an action token (admission refuses the others)
+        prepared_source_indices=list(range(tables.num_examples)), examples_read=tables.num_examples,
+        examples_filtered=0, training_data=(TRAINING_DATA_SOURCE, dataset_path, dataset_sha256))
+    return build_plan(data=data, run_dir=run_dir, basename=basename, student_dir=student_dir,
+                      adapter_name=adapter_name, config=config, teacher_alias=teacher_alias, device=device,
+                      precision=precision, gradient_checkpointing=gradient_checkpointing, world=world)
+
+
+def build_plan(*, data: DataPlan, run_dir: Location, basename: str | None, student_dir: str, adapter_name: str,
+               config: OpdConfig, teacher_alias: str, device: str | None, precision: str | None,
+               gradient_checkpointing: bool, world: World) -> RunPlan:
+    """The plan of a run whose data side is settled: identities, the checkpoint contract, the resume checks.
+
+    Shared by both training modes; ``data`` carries what differs. ``basename`` is an already checked
+    resume checkpoint name, or None for a fresh run.
+
+    Raises:
+        ConfigError, CheckpointError, ResumeError: rejected input; nothing is written.
+    """
+    from kiln_core.identity.hashing import read_model_config
+
+    schedule, top_k, samples = data.schedule, data.top_k, data.samples_per_prompt
+    dev = resolve_device(device)
+    prec = resolve_precision(dev, precision)
+    lr = resolve_learning_rate(config)
+    versions = library_versions()
+
+    identity = student_identity(student_dir)
+    shards = run_identity.base_weight_shard_manifest(student_dir)
+    provenance = run_identity.execution_provenance(device=dev, precision=prec, identity=identity, versions=versions)
+    num_layers = int(read_model_config(student_dir)[1].get("num_hidden_layers", 0))
+    teacher_identity = data.teacher_identity
+    teacher = teacher_identity.as_ordered_dict() if teacher_identity is not None else None
+    aux = run_identity.auxiliary_state(
+        identity=identity, shard_manifest=shards, provenance=provenance, device_type=dev.type,
+        kiln_flows_version=versions["kiln-flows"], prepared_source_indices=data.prepared_source_indices,
+        capabilities=data.capabilities, teacher_identity=teacher, teacher_content_revision=data.teacher_content_revision,
+        precision=prec, chat_template_rollouts=config.rollout_prompt_rendering == "chat_template",
+        planning=run_identity.checkpoint_planning(device=dev, gradient_checkpointing=gradient_checkpointing, num_layers=num_layers))
+    precision_record = run_identity.precision_policy(prec, config.optimizer.kind)
+
+    def contract_for_seed(seed: int) -> ckpt.RunContract:
+        return ckpt.RunContract(
+            adapter_name=adapter_name,
+            effective_config=run_identity.checkpoint_effective_config(config, learning_rate=lr, seed=seed, top_k=top_k,
+                                                                      samples_per_prompt=samples),
+            precision_policy=precision_record, data=data.binding, init_seed=seed, optimizer_kind=config.optimizer.kind,
+            optimizer_json=run_identity.kiln_optimizer_json(config.optimizer), learning_rate=lr, epochs=config.epochs,
+            auxiliary_state=aux, examples_read=data.examples_read, examples_filtered=data.examples_filtered,
+            on_policy=data.on_policy, world_size=world.size, backend=world.backend,
+            sequences_per_step=config.sequences_per_step, optimizer_steps_total=schedule.total_steps,
+            loss="teacher_top_k_tail" if config.loss == "teacher_top_k_tail" else "teacher_top_k")
+
+    loaded = None
+    if basename is not None:
+        loaded = ckpt.load_checkpoint(run_dir, basename)
+        contract = ckpt.validate_resume(loaded, contract_for_seed, config.seed)
+    else:  # Kiln draws the seed once when the request leaves it null; it is recorded everywhere (rank 0's)
+        contract = contract_for_seed(config.seed if config.seed is not None else world.broadcast_int(secrets.randbits(63)))
+    _preflight_outputs(run_dir, adapter_name, config.checkpoint_interval,
+                       loaded.manifest.progress.global_step if loaded else 0, schedule.total_steps,
+                       may_change=world.is_main)
+    source, path, sha256 = data.training_data
+    facts = RunFacts(
+        adapter_name=adapter_name, student_dir=str(student_dir), student_identity=identity, shard_manifest=shards,
+        execution_provenance=provenance, precision_policy=precision_record, dataset_path=path,
+        dataset_sha256=sha256, training_data_source=source, config=config.model_dump(mode="json", by_alias=True),
+        effective_config=contract.effective_config, seed=contract.init_seed, learning_rate=lr, top_k=top_k,
+        samples_per_prompt=samples, sequences_per_step=config.sequences_per_step, teacher_alias=teacher_alias,
+        teacher_identity=teacher, teacher_identity_revision=teacher_identity.identity_revision() if teacher_identity else None,
+        teacher_content_revision=data.teacher_content_revision, examples_read=data.examples_read,
+        examples_filtered=data.examples_filtered, candidates_per_epoch=schedule.candidates_per_epoch,
+        total_steps=schedule.total_steps, device=dev.type, library_versions=versions,
+        distributed=None if world.size == 1 else DistributedReceipt(
+            world_size=world.size, backend=world.backend, strategy=world.strategy,
+            sequences_per_step_per_rank=config.sequences_per_step, sequences_per_optimizer_step=schedule.sequences_per_step))
+    return RunPlan(run_dir=run_dir, adapter_name=adapter_name, config=config, schedule=schedule, seed=contract.init_seed,
+                   learning_rate=lr, device=dev, precision=prec, contract=contract, facts=facts, loaded=loaded, world=world)
+
+
+def _preflight_outputs(run_dir: Location, adapter_name: str, interval: int | None, start: int, total: int,
+                       *, may_change: bool = True) -> None:
+    """Settle the run directory before any work.
+
+    * A published adapter with a successful receipt is a finished run: refuse (new adapter name).
+    * A published adapter *without* one is a publication cut short between the adapter commit and the
+      receipt (a crash, a storage outage): it is removed and republished by this run, which recomputes
+      the same bytes from the newest checkpoint.
+    * A fresh run into a directory that already holds checkpoints it would write: refuse.
+    * A resume from an *earlier* checkpoint the user chose (the newest one is damaged): the later
+      checkpoints it would write again are moved aside as hidden ``.<name>.superseded-<id>``
+      directories — never deleted, never overwritten — so the run can publish its own.
+
+    Only one process (rank 0) changes the directory; the others just check.
+    """
+    adapter = run_dir.child(ADAPTER_DIR)
+    if adapter.child("adapter_config.json").exists():
+        if receipt_status(run_dir) == "success":
+            raise ConfigError(f"adapter {adapter_name!r} is already published at {adapter.uri}; "
+                              "choose a new adapter name", "adapter", code="adapter_exists")
+        if may_change:
+            remove_tree(adapter)
+    if not interval:
+        return
+    clashes = [name for step, name in ckpt.committed_checkpoints(run_dir, adapter_name)
+               if step > start and step % interval == 0 and step < total]
+    if clashes and start == 0:
+        raise ConfigError(f"run directory {run_dir.uri} already holds checkpoint {clashes[0]} that this run would "
+                          "write; resume from the newest checkpoint or use a new adapter name", "resume_checkpoint",
+                          code="checkpoint_exists")
+    for name in clashes if may_change else ():
+        move_aside(run_dir.child(name), f".{name}.superseded-{secrets.token_hex(4)}")

