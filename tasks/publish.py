@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 from prefect import task
 
 from kiln_core.engine.refs import PublishRef, TrainRef
@@ -17,8 +15,9 @@ def record_artifacts(train: TrainRef, adapter: str, published: PublishRef | None
 
     from kiln_core.engine.publish import receipt_summary
     from kiln_core.storage import resolve
+    from kiln_core.training.receipt import read_receipt
 
-    receipt = json.loads(resolve(train.receipt_uri).read_bytes())
+    receipt = read_receipt(train.receipt_uri)
     create_table_artifact(
         table_rows(receipt_summary(receipt)),
         key=artifact_key("receipt", adapter),

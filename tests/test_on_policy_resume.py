@@ -147,8 +147,10 @@ def test_sigkill_mid_run_then_resume_is_bit_exact_and_reuses_committed_rollouts(
     (tmp_path / "request.json").write_text(json.dumps(request_body()))
     killed = tmp_path / "killed"
     tests_dir = Path(__file__).parent
+    # Event-driven, not timed: after step 5 (checkpoint 4 and a later rollout are committed by then) the
+    # driver blocks on its stdin, which nothing writes, so the SIGKILL always lands in an unfinished run.
     driver = (
-        "import json, sys, time, torch\n"
+        "import json, sys, torch\n"
         "torch.set_num_threads(1)\n"
         f"sys.path.insert(0, {str(tests_dir)!r})\n"
         "from on_policy_support import CountingRollouts\n"
@@ -162,7 +164,7 @@ def test_sigkill_mid_run_then_resume_is_bit_exact_and_reuses_committed_rollouts(
         f"train_on_policy(prompts=req.prompts, student_dir={str(tiny_student)!r}, teacher=teacher,\n"
         f"    adapter_name={ADAPTER!r}, config=req.config, run_root={str(killed)!r},\n"
         f"    rollout_backend=CountingRollouts({EOS_FIRST_MODULUS}).factory,\n"
-        "    on_progress=lambda event: time.sleep(0.4))\n"
+        "    on_progress=lambda event: event.step >= 5 and sys.stdin.readline())\n"
     )
     run_key = reference["result"].rollout_run_key
     checkpoint = killed / f"{ADAPTER}-checkpoint-step-00000004.kiln-checkpoint"
