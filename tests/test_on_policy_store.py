@@ -96,7 +96,10 @@ def test_the_training_example_has_the_shapes_of_an_admitted_example(store):
     admitted = CorpusTables.from_examples([example], top_k=4).example(0).to_torch()
     batch = example.to_torch()
     assert batch.keys() == admitted.keys()
+    assert batch["observation_tokens"] == admitted["observation_tokens"] == 0  # |O|: a plain int, no env tokens
     for name, tensor in batch.items():
+        if name == "observation_tokens":
+            continue
         assert (tensor.dtype, tuple(tensor.shape)) == (admitted[name].dtype, tuple(admitted[name].shape)), name
         assert bool((tensor == admitted[name]).all()), name
     assert batch["teacher_ids"].shape == (3, 4) and batch["env_positions"].numel() == 0
