@@ -24,7 +24,7 @@ TIERS: list[tuple[str, set[str]]] = [
     ("parts", {
         "kiln_core.training", "kiln_core.training.loss", "kiln_core.training.objectives", "kiln_core.training.student",
         "kiln_core.training.optim", "kiln_core.training.data_identity", "kiln_core.training.run_identity",
-        "kiln_core.training.receipt_model", "kiln_core.training.receipt",
+        "kiln_core.training.receipt_model", "kiln_core.training.receipt", "kiln_core.training.eval_curve",
         "kiln_core.training.checkpoint", "kiln_core.training.checkpoint.format",
         "kiln_core.training.checkpoint.names", "kiln_core.training.checkpoint.rules",
         "kiln_core.training.checkpoint.contract", "kiln_core.training.checkpoint.rng",
@@ -32,7 +32,8 @@ TIERS: list[tuple[str, set[str]]] = [
         "kiln_core.training.distributed", "kiln_core.training.distributed.world",
     }),
     ("loop pieces", {"kiln_core.training.plan", "kiln_core.training.progress", "kiln_core.training.step",
-                     "kiln_core.training.finish", "kiln_core.training.lifecycle", "kiln_core.training.on_policy_plan"}),
+                     "kiln_core.training.finish", "kiln_core.training.lifecycle", "kiln_core.training.on_policy_plan",
+                     "kiln_core.training.watch"}),
     ("loop", {"kiln_core.training.trainer", "kiln_core.training.on_policy_trainer"}),
     ("launcher", {"kiln_core.training.distributed.launcher"}),
     ("entries", {"kiln_core.training.run_request", "kiln_core.training.distributed.worker"}),

@@ -9,17 +9,19 @@ builder as training; a pinned teacher manifest makes a corpus scored by another 
 * **no overlap with training** — when a training corpus is given, no held-out example may have the
   same prompt as a training example: ``eval_train_overlap``. Two examples have the same prompt when
   their ``messages`` are equal message by message after admission's normalization (role, content as
-  text, every other field), i.e. the same conversation up to the teacher's answer.
+  text, every other field), i.e. the same conversation up to the teacher's answer. Against on-policy
+  prompts (``check_no_prompt_overlap``), a prompt's conversation is its ``messages`` without the
+  trailing assistant turn that marks where the rollout starts, as the on-policy preparation reads it.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Sequence
 
 from kiln_core.evaluation.models import EvalInputError
 
-__all__ = ["admit_eval_corpus", "prompt_key", "check_no_overlap"]
+__all__ = ["admit_eval_corpus", "prompt_key", "check_no_overlap", "check_no_prompt_overlap"]
 
 
 def admit_eval_corpus(corpus_uri: str, student_dir: str, *, top_k: int = 32, teacher_manifest: str | None = None,
@@ -84,17 +86,38 @@ def check_no_overlap(eval_uri: str, train_uri: str) -> None:
         EvalInputError: ``eval_train_overlap`` naming the first held-out line and its training line.
         AdmissionError: the training corpus cannot be read or parsed.
     """
-    train_prompts = {}
+    train_prompts: dict[str, str] = {}
     for line, messages in _prompts(train_uri):
-        train_prompts.setdefault(prompt_key(messages), line)
+        train_prompts.setdefault(prompt_key(messages), f"line {line} of the training corpus {train_uri}")
+    _refuse_shared_prompts(eval_uri, train_prompts)
+
+
+def check_no_prompt_overlap(eval_uri: str, prompts: Sequence[Any]) -> None:
+    """Refuse a held-out corpus that shares a prompt with on-policy training prompts (``OpdPrompt``).
+
+    Raises:
+        EvalInputError: ``eval_train_overlap`` naming the first held-out line and the prompt's index.
+    """
+    from kiln_core.contracts.opd_prompt import kiln_prompt_value
+
+    train_prompts: dict[str, str] = {}
+    for index, prompt in enumerate(prompts):
+        messages = kiln_prompt_value(prompt)["messages"]
+        last_assistant = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=len(messages))
+        train_prompts.setdefault(prompt_key(messages[:last_assistant]), f"training prompt {index}")
+    _refuse_shared_prompts(eval_uri, train_prompts)
+
+
+def _refuse_shared_prompts(eval_uri: str, train_prompts: dict[str, str]) -> None:
+    """``eval_train_overlap`` at the first held-out example whose prompt key is in ``train_prompts``
+    (key → where that prompt is in the training data)."""
     for line, messages in _prompts(eval_uri):
-        train_line = train_prompts.get(prompt_key(messages))
-        if train_line is not None:
+        where = train_prompts.get(prompt_key(messages))
+        if where is not None:
             raise EvalInputError(
                 "eval_train_overlap",
-                f"held-out example has the same prompt messages as line {train_line} of the training corpus "
-                f"{train_uri}; a held-out score must come from prompts the student never trained on",
-                line=line, file=eval_uri)
+                f"held-out example has the same prompt messages as {where}; a held-out score must come from "
+                "prompts the student never trained on", line=line, file=eval_uri)
 
 
 def _prompts(uri: str):

@@ -18,7 +18,7 @@ import contextlib
 import random
 import signal
 import threading
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import numpy as np
 import torch
@@ -27,6 +27,7 @@ from safetensors.torch import save as save_safetensors
 
 from kiln_core.training import checkpoint as ckpt
 from kiln_core.training.checkpoint.format import KilnFlowsState, RankRngState
+from kiln_core.training.eval_curve import EvalCurve
 from kiln_core.training.finish import finish_run
 from kiln_core.training.optim import build_optimizer, load_optimizer_state, optimizer_state_tensors
 from kiln_core.training.plan import RunPlan
@@ -58,6 +59,10 @@ class TrainResult(BaseModel):
     effective_seed: int
     phase_timings_ms: dict[str, float]
     world_size: int = 1
+    stop_reason: str | None = None
+    """The held-out watch rule that stopped the run (``diverged``, ``stalled``, ``flat``), or None."""
+    eval_curve: EvalCurve | None = None
+    """The held-out curve of a watched run (points and alarms), or None."""
 
 
 def new_progress(plan: RunPlan) -> LoopProgress:
@@ -98,6 +103,7 @@ def outcome_recorded(plan: RunPlan, outcome: RunOutcome, progress: LoopProgress,
         yield
     except StopTraining as stop:
         outcome.failure_reason, outcome.failure_message = stop.reason, stop.message
+        outcome.stop_reason = stop.stop_reason
     except BaseException as error:
         outcome.failure_reason = "oom" if isinstance(error, torch.OutOfMemoryError) else "training_error"
         outcome.failure_message = f"{type(error).__name__}: {error}"
@@ -108,6 +114,8 @@ def outcome_recorded(plan: RunPlan, outcome: RunOutcome, progress: LoopProgress,
 class CheckpointPublisher:
     """Publishes the run's state after ``progress.global_step`` committed steps, once per step.
 
+    ``eval_curve`` gives the held-out curve so far of a watched run (kept in the extension file).
+
     Example:
         >>> checkpoints = CheckpointPublisher(plan, student, optimizer, progress, clock)  # doctest: +SKIP
         >>> checkpoints.publish()  # doctest: +SKIP
@@ -115,19 +123,22 @@ class CheckpointPublisher:
     """
 
     def __init__(self, plan: RunPlan, student: Student, optimizer: torch.optim.Optimizer, progress: LoopProgress,
-                 clock: Clock) -> None:
+                 clock: Clock, eval_curve: Callable[[], EvalCurve | None] | None = None) -> None:
         self.plan, self.student, self.optimizer, self.progress, self.clock = plan, student, optimizer, progress, clock
+        self.eval_curve = eval_curve
         self.published = plan.loaded.basename if plan.loaded else None
 
     def publish(self) -> str:
         """The basename of the checkpoint at the current step, written unless it already was."""
         if self.published != ckpt.checkpoint_basename(self.plan.adapter_name, self.progress.global_step):
             with self.clock.phase("checkpoint"):
-                self.published = write_checkpoint(self.plan, self.student, self.optimizer, self.progress)
+                curve = self.eval_curve() if self.eval_curve is not None else None
+                self.published = write_checkpoint(self.plan, self.student, self.optimizer, self.progress, eval_curve=curve)
         return self.published
 
 
-def write_checkpoint(plan: RunPlan, student: Student, optimizer: torch.optim.Optimizer, progress: LoopProgress) -> str:
+def write_checkpoint(plan: RunPlan, student: Student, optimizer: torch.optim.Optimizer, progress: LoopProgress, *,
+                     eval_curve: EvalCurve | None = None) -> str:
     """Publish the state after ``progress.global_step`` committed steps; returns the basename.
 
     Every rank calls this: their generator states are gathered, rank 0 writes the checkpoint and the
@@ -142,7 +153,8 @@ def write_checkpoint(plan: RunPlan, student: Student, optimizer: torch.optim.Opt
         extension = KilnFlowsState(
             kiln_flows_version=__version__, world_size=world.size, backend=world.backend,
             sequences_per_step=contract.sequences_per_step, optimizer_steps_total=contract.optimizer_steps_total,
-            loss=contract.loss, rank_rng=[RankRngState.model_validate_json(state) for state in states])
+            loss=contract.loss, rank_rng=[RankRngState.model_validate_json(state) for state in states],
+            eval_curve=eval_curve)
         keys = student.checkpoint_keys()
         optimizer_bytes = save_safetensors(optimizer_state_tensors(optimizer, keys)) if contract.stateful_optimizer else None
         loop_state = progress.loop_state(plan.schedule, contract.examples_read, contract.examples_filtered)
@@ -170,7 +182,8 @@ def result_fields(plan: RunPlan, outcome: RunOutcome, progress: LoopProgress, cl
         latest_checkpoint=ckpt.latest_checkpoint(plan.run_dir, plan.adapter_name), resumed_from=outcome.resumed_from,
         final_loss=progress.loss_history[-1] if progress.loss_history else None, loss_history=list(progress.loss_history),
         steps=progress.global_step, total_steps=plan.schedule.total_steps, effective_seed=plan.seed,
-        phase_timings_ms=dict(clock.totals_ms), world_size=plan.world.size)
+        phase_timings_ms=dict(clock.totals_ms), world_size=plan.world.size, stop_reason=outcome.stop_reason,
+        eval_curve=outcome.eval_curve)
 
 
 def _seed_everything(seed: int) -> None:

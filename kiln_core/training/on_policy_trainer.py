@@ -15,8 +15,9 @@ Read ``train_on_policy`` top to bottom; it runs in the order of Kiln's on-policy
    * an empty rollout (EOS first) is consumed without an update, loss, progress report, checkpoint
      or cancellation check ("student produced 0 new tokens; skipping step");
    * otherwise one optimizer step on it (``step.train_examples``, the same loss as off-policy), then
-     the progress report, a checkpoint when ``global_step % checkpoint_interval == 0`` and candidates
-     remain, ``on_step_committed``, and the cancellation check;
+     the progress report, a held-out evaluation when due (``watch``, only with ``eval_watch``), a
+     checkpoint when ``global_step % checkpoint_interval == 0`` and candidates remain,
+     ``on_step_committed``, a watch stop, and the cancellation check;
 4. finish (``finish``): the PEFT adapter, then ``train_receipt.json`` (also written on failure).
 
 Three counters, kept apart and all restored on resume: ``global_step`` (committed optimizer steps),
@@ -60,6 +61,7 @@ from kiln_core.training.progress import Clock
 from kiln_core.training.receipt import RunOutcome
 from kiln_core.training.step import StopTraining, train_examples
 from kiln_core.training.student import Student
+from kiln_core.training.watch import EvalReport, HeldOutSlice, HeldOutWatch, check_watch
 
 __all__ = ["OnPolicyProgress", "OnPolicyTrainResult", "StudentRollouts", "train_on_policy"]
 
@@ -147,6 +149,8 @@ def train_on_policy(
     precision: str | None = None,
     gradient_checkpointing: bool = False,
     handle_signals: bool = False,
+    eval_watch: HeldOutSlice | None = None,
+    on_eval: Callable[[EvalReport], None] | None = None,
 ) -> OnPolicyTrainResult:
     """Train a LoRA student on its own rollouts of ``prompts``, scored by ``teacher``; publish under ``run_root``.
 
@@ -169,6 +173,9 @@ def train_on_policy(
         precision: ``fp32``/``bf16`` (default: bf16 on CUDA, fp32 on CPU).
         gradient_checkpointing: Recompute activations in backward to save memory.
         handle_signals: Turn SIGTERM/SIGINT into a cooperative cancel (main thread only).
+        eval_watch: Held-out evaluation during training, as in ``train_opd`` (``HeldOutSlice.admit``
+            with ``train_prompts=prompts``); evaluations follow committed optimizer steps.
+        on_eval: Called with an ``EvalReport`` after each held-out evaluation.
 
     Returns:
         ``OnPolicyTrainResult``; status ``failed`` (nan_loss) and ``cancelled`` are returned, not raised.
@@ -185,11 +192,13 @@ def train_on_policy(
         ('success', 128)
     """
     clock = Clock()
+    world = World.current()
+    check_watch(eval_watch, world)
     # ---- 1. plan: every refusal (prompts, teacher, resume checkpoint, published adapter) happens here
     plan, rollouts = plan_on_policy_run(
         prompts=prompts, student_dir=student_dir, teacher=teacher, adapter_name=adapter_name, config=config,
         run_root=run_root, rollout_root=rollout_root, resume_checkpoint=resume_checkpoint, device=device,
-        precision=precision, gradient_checkpointing=gradient_checkpointing, world=World.current())
+        precision=precision, gradient_checkpointing=gradient_checkpointing, world=world)
     schedule, prepared = plan.schedule, rollouts.prepared
     outcome = RunOutcome(resumed_from=plan.loaded.basename if plan.loaded else None)
     progress = new_progress(plan)
@@ -200,7 +209,11 @@ def train_on_policy(
         # ---- 2. setup: the student (restored exactly on resume), its sampler, the teacher
         student, optimizer = start_student(plan, student_dir, progress, gradient_checkpointing=gradient_checkpointing,
                                            clock=clock)
-        checkpoints = CheckpointPublisher(plan, student, optimizer, progress, clock)
+        watch = None
+        if eval_watch is not None:  # a baseline evaluation now, or the curve of the checkpoint resumed
+            watch = HeldOutWatch.start(eval_watch, plan.loaded, outcome, student, progress, clock, on_eval)
+        checkpoints = CheckpointPublisher(plan, student, optimizer, progress, clock,
+                                          eval_curve=(lambda: watch.curve) if watch is not None else None)
         with clock.phase("setup"):
             scorer = teacher.load(plan.facts.top_k)
         collector = RolloutCollector(
@@ -237,14 +250,20 @@ def train_on_policy(
                     rollouts_sampled=counters.sampled, rollouts_reused=counters.reused,
                     sampled_tokens=counters.sampled_tokens, teacher_tokens_scored=counters.teacher_tokens_scored,
                     elapsed_s=time.perf_counter() - loop_started))
+            halt = watch.after_step(student, progress, clock, steps_left=remaining) if watch is not None else None
             interval = config.checkpoint_interval
             if interval and progress.global_step % interval == 0 and remaining:
                 checkpoints.publish()
             if on_step_committed is not None:
                 on_step_committed(progress.global_step)
+            if halt is not None:  # the held-out watch stops the run: its state is saved first
+                checkpoints.publish()
+                raise halt
             if remaining and (signalled.is_set() or (should_cancel is not None and should_cancel())):
                 checkpoints.publish()
                 raise StopTraining("cancelled", CANCEL_MESSAGE)
+        if watch is not None:
+            watch.finish(student, progress, clock)
         clock.totals_ms["train_loop"] = (time.perf_counter() - loop_started) * 1e3
         clock.totals_ms["rollout_sampling"] = counters.sampling_s * 1e3
         clock.totals_ms["teacher_scoring"] = counters.scoring_s * 1e3

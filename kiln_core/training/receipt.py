@@ -2,7 +2,9 @@
 
 The receipt is written at the end of every run that got past input validation: ``status: success``
 with the adapter's digest, or ``status: failed`` with a ``failure_reason`` from Kiln's enum (a
-cancelled run is ``failed`` + ``cancelled``, as in Kiln). Pretty JSON, no trailing newline. Every
+cancelled run is ``failed`` + ``cancelled``, as in Kiln). A run the held-out watch stopped is
+``failed`` + ``training_error`` — Kiln's enum has no value for it, and an unknown one would stop
+Kiln's reader — with a ``failure_message`` naming the rule and our ``stop_reason`` field. Pretty JSON, no trailing newline. Every
 digest is ``sha256:``-prefixed except inside ``teacher_identity``, which keeps Kiln's raw hex.
 
 On a resumed run, counters, ``loss_history``, ``token_counts`` and the gradient-norm summaries cover
@@ -26,6 +28,7 @@ from pydantic import ValidationError
 from kiln_core.canonical import canonical_sha256
 from kiln_core.errors import Rejection
 from kiln_core.storage import Location, resolve, write_bytes_atomic
+from kiln_core.training.eval_curve import EvalCurve
 from kiln_core.training.receipt_model import (
     FAILURE_REASONS,
     RECEIPT_FILE,
@@ -120,6 +123,10 @@ class RunOutcome:
     peak_rss_mib: float | None = None
     peak_vram_mib: float | None = None
     resumed_from: str | None = None
+    stop_reason: str | None = None
+    """Ours: the held-out watch rule that stopped the run (``diverged``, ``stalled``, ``flat``)."""
+    eval_curve: EvalCurve | None = None
+    """Ours: the held-out curve of a watched run."""
 
 
 def _prefixed(raw_hex: str | None) -> str | None:
@@ -190,6 +197,8 @@ def build_receipt(facts: RunFacts, outcome: RunOutcome) -> TrainReceipt:
         phase_timings_ms={key: round(value, 3) for key, value in timings.items()},
         library_versions=dict(facts.library_versions),
         distributed=facts.distributed,
+        stop_reason=outcome.stop_reason,
+        eval_curve=outcome.eval_curve,
     )
 
 

@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from kiln_core.training.checkpoint.format import TokenCounts
+from kiln_core.training.eval_curve import EvalCurve, StopRule
 
 RECEIPT_FILE = "train_receipt.json"
 FAILURE_REASONS = ("data_schema_error", "adapter_load_failed", "zero_groups", "zero_action_tokens", "zero_env_tokens",
@@ -270,3 +271,8 @@ class TrainReceipt(_Receipt):
     library_versions: dict[str, str] = Field(default_factory=dict)
     """Ours."""
     distributed: DistributedReceipt | None = Field(default=None, exclude_if=_omit_none)
+    stop_reason: StopRule | None = Field(default=None, exclude_if=_omit_none)
+    """Ours: the held-out watch rule that stopped the run (then ``failure_reason`` is ``training_error``:
+    Kiln's ``failure_reason`` enum has no value for it)."""
+    eval_curve: EvalCurve | None = Field(default=None, exclude_if=_omit_none)
+    """Ours: the held-out curve of a watched run (``kiln_core.training.eval_curve``)."""

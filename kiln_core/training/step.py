@@ -26,11 +26,12 @@ __all__ = ["StopTraining", "sequence_loss", "train_step", "train_examples", "tra
 
 
 class StopTraining(Exception):
-    """An expected end of training that is not success (``nan_loss``, ``cancelled``)."""
+    """An expected end of training that is not success (``nan_loss``, ``cancelled``, a held-out watch
+    stop: ``training_error`` with ``stop_reason`` ``diverged``/``stalled``/``flat``)."""
 
-    def __init__(self, reason: str, message: str) -> None:
+    def __init__(self, reason: str, message: str, *, stop_reason: str | None = None) -> None:
         super().__init__(message)
-        self.reason, self.message = reason, message
+        self.reason, self.message, self.stop_reason = reason, message, stop_reason
 
 
 def sequence_loss(student: Student, batch: dict[str, torch.Tensor], loss_fn: Callable, config: OpdConfig):

@@ -9,7 +9,8 @@ Read ``train_opd`` top to bottom; it runs in the order the work happens:
    streams; on resume, the checkpoint's LoRA weights, optimizer state, generator states and loop
    counters replace the fresh ones;
 3. the loop (``step``): forward → loss → finite check → backward → optimizer step → finite check →
-   checkpoint when due → ``on_step_committed`` → cancellation check at the step boundary;
+   held-out evaluation when due (``watch``, only with ``eval_watch``) → checkpoint when due →
+   ``on_step_committed`` → a watch stop, or the cancellation check at the step boundary;
 4. finish (``finish``): the PEFT adapter directory, then ``train_receipt.json`` (also written on failure).
 
 Exactness (DESIGN.md decision 8): a step depends only on the LoRA weights, the optimizer state and the
@@ -45,6 +46,7 @@ from kiln_core.training.plan import Schedule, plan_run
 from kiln_core.training.progress import Clock, LoopProgress
 from kiln_core.training.receipt import RunOutcome
 from kiln_core.training.step import StopTraining, train_step, train_step_distributed
+from kiln_core.training.watch import EvalReport, HeldOutSlice, HeldOutWatch, check_watch
 
 __all__ = ["TrainResult", "Schedule", "LoopProgress", "Clock", "train_opd", "CANCEL_MESSAGE"]
 
@@ -69,6 +71,8 @@ def train_opd(
     gradient_checkpointing: bool = False,
     handle_signals: bool = False,
     world: World | None = None,
+    eval_watch: HeldOutSlice | None = None,
+    on_eval: Callable[[EvalReport], None] | None = None,
 ) -> TrainResult:
     """Train a LoRA student on an admitted corpus and publish the adapter and receipt under ``run_root``.
 
@@ -94,12 +98,18 @@ def train_opd(
         handle_signals: Turn SIGTERM/SIGINT into a cooperative cancel (main thread only).
         world: This process's rank and world size (default: the initialized ``torch.distributed``
             process group, else one process). Every rank calls ``train_opd`` with the same arguments.
+        eval_watch: Held-out evaluation during training (``HeldOutSlice.admit``; off by default): a
+            baseline, then every ``every_steps`` steps and after the last; alarms in the log and the
+            receipt's ``eval_curve``; with ``stop_on_divergence`` a firing rule stops the run (a
+            checkpoint, a ``failed`` receipt with ``stop_reason``). Single process only.
+        on_eval: Called with an ``EvalReport`` after each held-out evaluation.
 
     Returns:
         ``TrainResult``; status ``failed`` (nan_loss) and ``cancelled`` are returned, not raised.
 
     Raises:
-        ConfigError, CheckpointError, ResumeError: rejected input, before any training work.
+        ConfigError, CheckpointError, ResumeError: rejected input, before any training work
+            (``eval_watch_distributed``, ``eval_watch_empty``: a watch this run cannot keep).
         Exception: anything unexpected, after a ``failed`` receipt was written.
 
     Example:
@@ -112,6 +122,7 @@ def train_opd(
     """
     clock = Clock()
     world = world if world is not None else World.current()
+    check_watch(eval_watch, world)
     # ---- 1. plan: every refusal (bad resume name, mismatching checkpoint, published adapter) happens here
     plan = plan_run(tables=tables, dataset_sha256=dataset_sha256, dataset_path=dataset_path, student_dir=student_dir,
                     adapter_name=adapter_name, config=config, run_root=run_root, teacher_identity=teacher_identity,
@@ -126,7 +137,11 @@ def train_opd(
         # ---- 2. setup: fresh seeded student and optimizer; a resume then overwrites every state
         student, optimizer = start_student(plan, student_dir, progress, gradient_checkpointing=gradient_checkpointing,
                                            clock=clock)
-        checkpoints = CheckpointPublisher(plan, student, optimizer, progress, clock)
+        watch = None
+        if eval_watch is not None:  # a baseline evaluation now, or the curve of the checkpoint resumed
+            watch = HeldOutWatch.start(eval_watch, loaded, outcome, student, progress, clock, on_eval)
+        checkpoints = CheckpointPublisher(plan, student, optimizer, progress, clock,
+                                          eval_curve=(lambda: watch.curve) if watch is not None else None)
 
         # ---- 3. the loop: one optimizer step per group of `sequences_per_step` (× world size) candidates
         step_fn = train_step if world.size == 1 else train_step_distributed
@@ -142,11 +157,18 @@ def train_opd(
             loss = step_fn(student, optimizer, tables, plan, progress, clock)
             if on_progress is not None:
                 on_progress(progress.global_step, schedule.total_steps, loss)
+            steps_left = progress.global_step < schedule.total_steps
+            halt = watch.after_step(student, progress, clock, steps_left=steps_left) if watch is not None else None
             interval = config.checkpoint_interval
-            if interval and progress.global_step % interval == 0 and progress.global_step < schedule.total_steps:
+            if interval and progress.global_step % interval == 0 and steps_left:
                 checkpoints.publish()
             if on_step_committed is not None:
                 on_step_committed(progress.global_step)
+            if halt is not None:  # the held-out watch stops the run: its state is saved first
+                checkpoints.publish()
+                raise halt
+        if watch is not None:
+            watch.finish(student, progress, clock)
         clock.totals_ms["train_loop"] = (time.perf_counter() - loop_started) * 1e3
 
         # ---- 4. publish the PEFT adapter (rank 0 only; the receipt follows in finish_run)

@@ -23,6 +23,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator
 
 from kiln_core.errors import Rejection
+from kiln_core.training.eval_curve import EvalCurve
 
 MANIFEST_TYPE = "kiln.training-checkpoint.v1"
 LOOP_STATE_TYPE = "kiln.opd-loop-state.v1"
@@ -313,6 +314,8 @@ class KilnFlowsState(BaseModel):
         loss: The loss actually trained (``teacher_top_k_tail`` is our extension; the manifest's
             effective config names the Kiln loss it extends).
         rank_rng: Every rank's generator states, rank 0 first.
+        eval_curve: The held-out curve so far of a watched run (``kiln_core.training.watch``); absent
+            otherwise, so an unwatched run writes the same file as before the watch existed.
     """
 
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
@@ -326,3 +329,4 @@ class KilnFlowsState(BaseModel):
     optimizer_steps_total: int = Field(ge=1)
     loss: Literal["teacher_top_k", "teacher_top_k_tail"]
     rank_rng: list[RankRngState]
+    eval_curve: EvalCurve | None = Field(default=None, exclude_if=_omit_none)

@@ -1,0 +1,65 @@
+"""The held-out watch from a real teacher-scored corpus, and on an on-policy run.
+
+``HeldOutSlice.admit`` is how a caller builds the watch: the held-out JSONL admitted with
+``admit_eval_corpus``'s rules, plus the on-policy rule added here — a held-out prompt must not be one
+of the training prompts (their messages without the trailing assistant turn). An on-policy run
+watched on that slice trains exactly what it trains unwatched.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kiln_core.contracts.eval_watch import EvalWatch
+from kiln_core.evaluation import EvalInputError
+from kiln_core.training.watch import HeldOutSlice
+from on_policy_support import chat
+from test_eval_watch import adapter_bytes
+from test_evaluation import score
+from test_on_policy_trainer import _one_thread, identity, make_request, run, teacher  # noqa: F401  (fixtures)
+
+HELD_OUT = [
+    ("What is the capital of France?", "Paris."),
+    ("Name a color.", "Blue."),
+    ("Count to three.", "1 2 3"),
+]
+
+
+@pytest.fixture(scope="module")
+def held_out_corpus(tmp_path_factory, tiny_teacher, tiny_student):
+    return score(tmp_path_factory.mktemp("watch"), "heldout", HELD_OUT, tiny_teacher, tiny_student)
+
+
+def watch(corpus, **overrides) -> EvalWatch:
+    return EvalWatch(**{"corpus": str(corpus), "every_steps": 2, "stop_on_divergence": False, **overrides})
+
+
+def test_admit_builds_the_slice_from_the_scored_corpus(held_out_corpus, tiny_student):
+    held_out = HeldOutSlice.admit(watch(held_out_corpus, max_examples=2), str(tiny_student), top_k=16)
+    record = held_out.record()
+    assert held_out.tables.num_examples == 3 and held_out.corpus_sha256.startswith("sha256:")
+    assert record.example_indices == [0, 1] and record.corpus == str(held_out_corpus)
+    assert record.tokens == int(held_out.tables.action_offsets[2])
+
+
+def test_a_held_out_prompt_that_is_a_training_prompt_is_refused(held_out_corpus, tiny_student):
+    prompts = make_request([chat("Tell me a joke."), chat("Name a color.")]).prompts  # the second is held out
+    with pytest.raises(EvalInputError) as refused:
+        HeldOutSlice.admit(watch(held_out_corpus), str(tiny_student), top_k=16, train_prompts=prompts)
+    # line 3: the manifest is line 1, "Name a color." the second example
+    assert (refused.value.code, refused.value.line) == ("eval_train_overlap", 3) and "training prompt 1" in refused.value.message
+    # the same prompt with another system turn is another conversation
+    other = make_request([chat("Name a color.", system="Be brief.")]).prompts
+    assert HeldOutSlice.admit(watch(held_out_corpus), str(tiny_student), top_k=16, train_prompts=other).tables.num_examples == 3
+
+
+def test_an_on_policy_run_watched_trains_what_it_trains_unwatched(held_out_corpus, tiny_student, teacher, tmp_path):
+    req = make_request(checkpoint_interval=None)
+    held_out = HeldOutSlice.admit(watch(held_out_corpus), str(tiny_student), top_k=16, train_prompts=req.prompts)
+    plain = run(tiny_student, teacher, tmp_path / "plain", req)
+    watched = run(tiny_student, teacher, tmp_path / "watched", req, eval_watch=held_out)
+    assert watched.status == plain.status == "success" and watched.steps == plain.steps > 2
+    assert adapter_bytes(tmp_path / "watched") == adapter_bytes(tmp_path / "plain")
+    steps = [p.step for p in watched.eval_curve.points]  # before training, every 2 steps, and after the last
+    expected = sorted({0, *range(2, plain.steps + 1, 2), plain.steps})
+    assert steps == expected and plain.eval_curve is None
