@@ -6,10 +6,13 @@ Stages, each with a progress bar on stderr:
 2. **derive** its half-depth student (every other layer);
 3. **answer** the shipped prompts with the teacher (greedy), a training and a held-out set;
 4. **score** both with the teacher into Kiln-admissible corpora;
-5. **admit, train, publish** with ``opd_distill`` (the same flow as every pipeline run), using the
-   ``quality`` preset (``config.preset``);
-6. **evaluate** teacher, base student and distilled student on the held-out corpus (admitted with the
-   training rules, same teacher, no shared prompt), and answer three held-out prompts side by side.
+5. **admit, train, gate, publish** with ``opd_distill`` (the same flow as every pipeline run), using
+   the ``quality`` preset (``config.preset``); the gate is the spec's ``quality_gate`` on the held-out
+   corpus (admitted with the training rules, same teacher, no shared prompt): the distilled student's
+   top-K reverse KL must be below the base student's, else the adapter is demoted (renamed
+   ``demo-real.failed``, ``latest.json`` untouched);
+6. **evaluate** the teacher on the same corpus (the gate measured both students), and answer three
+   held-out prompts side by side.
 
 Steps 1-4 are cached under ``<workdir>/real-cache`` by content, so a second run starts at training.
 """
@@ -67,8 +70,10 @@ def check_prerequisites() -> None:
         raise ModelImportError("missing_extra", f"the real demo reads GGUF files; {INSTALL_HINT}") from None
 
 
-def real_spec(workdir: Path, teacher: Path, student: Path, corpus: Path, epochs: int) -> PipelineSpec:
-    """Local teacher, pre-scored corpus, the ``quality`` preset; everything else as Kiln's defaults."""
+def real_spec(workdir: Path, teacher: Path, student: Path, corpus: Path, epochs: int,
+              heldout: Path | None = None) -> PipelineSpec:
+    """Local teacher, pre-scored corpus, the ``quality`` preset, a quality gate on ``heldout``; everything
+    else as Kiln's defaults."""
     return PipelineSpec.model_validate({
         "teacher": {"kind": "local_dir", "path": str(teacher)},
         "corpus": str(corpus),
@@ -78,16 +83,8 @@ def real_spec(workdir: Path, teacher: Path, student: Path, corpus: Path, epochs:
         "config": {"training_mode": "off_policy", "preset": "quality", "top_k": 32, "epochs": epochs,
                    "checkpoint_interval": 50, "seed": 7},
         "options": {"progress_every_seconds": 5.0},
+        "quality_gate": {"corpus": str(heldout), "require_improvement": True} if heldout is not None else None,
     })
-
-
-def post_eval_gate(summary: dict[str, Any], metrics: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
-    """Hook for Kiln's post-training gate (issue 14 item 3): decides promotion from the held-out evidence.
-
-    Not wired yet: the gate module (``kiln_core.post_eval``) lands separately; until then the demo
-    reports the metrics and promotes nothing beyond what ``opd_distill`` publishes. Returns None.
-    """
-    return None
 
 
 @flow(name="kiln-flows-demo-real", flow_run_name="demo-real")
@@ -113,26 +110,29 @@ def demo_real(workdir: str = "./kiln-data", train_examples: int = 96, heldout_ex
         with stage(f"score {LABELS[split]}", len(splits[split]), "ex") as update:
             corpora[split] = scored_corpus(examples[split], teacher, student, cache, on_progress=update)
 
-    summary = opd_distill(real_spec(root, teacher, student, corpora["train"], epochs))  # admit, train, publish
+    # admit, train, gate (base vs distilled on the held-out corpus), publish if promoted
+    summary = opd_distill(real_spec(root, teacher, student, corpora["train"], epochs, heldout=corpora["heldout"]))
 
     manifest = corpora["train"].read_text(encoding="utf-8").split("\n", 1)[0]
     heldout = admit_eval_corpus(str(corpora["heldout"]), str(student), top_k=32, teacher_manifest=manifest,
                                 train_corpus_uri=str(corpora["train"]))
+    measured = summary["gate"]["quality_gate"]  # the gate already scored both students on this corpus
     models: dict[str, Callable[[], Any]] = {
         "teacher": lambda: load_eval_model(teacher, device="cpu"),
         "base student": lambda: load_eval_model(student, device="cpu"),
         "distilled student": lambda: load_eval_model(student, summary["adapter"], device="cpu"),
     }
     prompts = [[{"role": "user", "content": row["prompt"]}] for row in splits["heldout"][:SIDE_BY_SIDE]]
-    metrics, answers = {}, {}
+    metrics = {"teacher": None, "base student": measured["base"], "distilled student": measured["distilled"]}
+    answers = {}
     with stage("evaluate", len(models), "model") as update:
         for done, (name, load) in enumerate(models.items(), 1):
             model = load()
-            metrics[name] = evaluate_tables(model, heldout.tables).to_json()
+            if metrics[name] is None:
+                metrics[name] = evaluate_tables(model, heldout.tables).to_json()
             answers[name] = generate_answers(model, prompts, max_new_tokens=max_new_tokens)
             update(done)
-    gate = post_eval_gate(summary, metrics)
-    return {**summary, "metrics": metrics, "gate": gate,
+    return {**summary, "metrics": metrics,
             "answers": [{"prompt": p[0]["content"], **{name: answers[name][i] for name in answers}}
                         for i, p in enumerate(prompts)],
             "heldout_corpus": str(corpora["heldout"]), "train_corpus": str(corpora["train"]),
@@ -150,6 +150,11 @@ def report(result: dict[str, Any], wall: float) -> str:
     for name, m in result["metrics"].items():
         lines.append(f"  {name:<18} {m['reverse_kl']:>12.4f} {m['top1_agreement']:>12.1%} "
                      f"{m['teacher_token_nll']:>8.3f} {m['teacher_token_nll'] / teacher_nll:>11.2f}x")
+    from kiln_core.engine.gate import describe_gate
+
+    lines += ["", *(f"  {line}" for line in describe_gate(result["gate"]))]
+    if result["gate"]["outcome"] != "promoted":
+        lines.append(f"  latest.json not moved; the adapter stays at {result.get('adapter')}")
     for i, row in enumerate(result["answers"], 1):
         lines += ["", f"  [{i}] {row['prompt']}"]
         lines += [f"      {name:<18} {text!r}" for name, text in row.items() if name != "prompt"]

@@ -8,7 +8,7 @@ training deployment (``options.train_deployment``, e.g. a GPU work pool).
 from __future__ import annotations
 
 from kiln_core.contracts.pipeline import PipelineSpec, TeacherSource
-from kiln_core.engine.refs import CorpusRef, InputsRef, ManifestRef, PublishRef, TrainPlan, TrainRef
+from kiln_core.engine.refs import CorpusRef, GateRef, InputsRef, ManifestRef, PublishRef, TrainPlan, TrainRef
 
 
 class PrefectStages:
@@ -77,6 +77,12 @@ class PrefectStages:
         }
         return dispatch_training(options.train_deployment, parent_run_id=str(flow_run.get_id()),
                                  run_key=plan.run_key, parameters=parameters)
+
+    def gate(self, trained: TrainRef, spec: PipelineSpec, ready) -> GateRef:
+        from tasks.gate import gate_task
+
+        return gate_task(trained, spec, ready.manifest, ready.student_dir, ready.plan.config.get("seed"),
+                         ready.corpus.source_uri, ready.plan.device)
 
     def publish(self, trained: TrainRef, spec: PipelineSpec) -> PublishRef:
         from tasks.publish import publish_task

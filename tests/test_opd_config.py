@@ -206,4 +206,4 @@ def test_request_rules():
         parse_opd_request({"dataset_path": "/d.jsonl"})  # teacher is required
     warned = validate_request_for_offline_training(
         parse_opd_request({"teacher": "t", "dataset_path": "/d", "config": OFF, "post_eval": {"suite": "x"}}))
-    assert warned == ["post_eval is recorded but not run by kiln-flows"]
+    assert warned == []  # post_eval runs after training now (kiln_core.engine.gate): nothing to warn about

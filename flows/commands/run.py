@@ -6,8 +6,9 @@ run then shows in that server's UI), otherwise against a temporary local API tha
 duration of the command in a session of its own (``flows.local_api``), with Prefect's analytics and
 telemetry off.
 
-Exit codes: 0 success; 2 rejected (invalid spec, config, teacher, corpus or student: nothing was
-trained); 3 the run failed or was cancelled. Ctrl-C stops training at the next step boundary after
+Exit codes: 0 success; 2 rejected (invalid spec, config, ``post_eval``, teacher, corpus or student:
+nothing was trained); 3 the run failed or was cancelled; 4 trained, but the spec's gate (``post_eval``
+or ``quality_gate``) held the adapter back — ``latest.json`` did not move (``kiln-flows train``'s rule). Ctrl-C stops training at the next step boundary after
 a checkpoint (the receipt says ``cancelled``, exit 3); a second Ctrl-C stops at once. With ``--json``
 the last stdout line is one JSON object: the run summary, or ``{"status": "rejected"|"failed"|
 "cancelled", "code", ...}``.
@@ -53,7 +54,9 @@ def run(args: argparse.Namespace) -> int:
     state = opd_distill(spec, return_state=True)
     if state.is_completed():
         summary = state.result()
-        return _emit(args, 0, summary, _report(spec.adapter, summary))
+        gate = summary.get("gate") or {}
+        held_back = gate.get("outcome") not in (None, "promoted", "kept")
+        return _emit(args, 4 if held_back else 0, summary, _report(spec.adapter, summary), ok=True)
     if state.is_cancelled():
         record = {"status": "cancelled", "code": "cancelled", "line": None, "field": None, "message": state.message}
         return _emit(args, 3, record, f"cancelled: {state.message}")
@@ -64,11 +67,11 @@ def run(args: argparse.Namespace) -> int:
     return _emit(args, 3, record, f"failed: {message}")
 
 
-def _emit(args: argparse.Namespace, code: int, record: dict, human: str) -> int:
+def _emit(args: argparse.Namespace, code: int, record: dict, human: str, ok: bool = False) -> int:
     if args.json:
         print(json.dumps(record, ensure_ascii=False, default=str), flush=True)
     elif not args.quiet or code != 0:
-        print(human, file=sys.stdout if code == 0 else sys.stderr, flush=True)
+        print(human, file=sys.stdout if code == 0 or ok else sys.stderr, flush=True)
     return code
 
 
@@ -82,4 +85,8 @@ def _report(adapter: str, summary: dict) -> str:
             lines.append(f"  {label:<12} {summary[key]}")
     for checkpoint in summary.get("checkpoints") or []:
         lines.append(f"  {'checkpoint':<12} {checkpoint}")
+    if summary.get("gate"):
+        from kiln_core.engine.gate import describe_gate
+
+        lines += describe_gate(summary["gate"])
     return "\n".join(lines)

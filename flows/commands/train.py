@@ -10,8 +10,19 @@ go under ``<out>/runs/<adapter>/<run key>/`` (periodic ``.kiln-checkpoint`` dire
 published run. Running the same request again returns the finished run; a run interrupted part-way
 is resumed with ``--resume-checkpoint`` (the refusal without it prints the exact command). With
 ``--json`` the last stdout line is the run summary (``status``, ``adapter``, ``receipt``, ``run``,
-``latest``, ``latest_checkpoint``, ``final_loss``, …) or the error object. Exit codes: 0 success,
-2 rejected input (request, config, admission, resume checkpoint), 3 failed or cancelled run.
+``latest``, ``latest_checkpoint``, ``final_loss``, ``gate``, …) or the error object. Exit codes: 0 success
+(published, or kept by the gate), 2 rejected input (request, config, ``post_eval``, admission, resume
+checkpoint), 3 failed or cancelled run, 4 trained but held back by the gate (``post_eval`` or
+``quality_gate``: regression, demoted, inconclusive, error — the run did not fail, its adapter and
+receipt with the evidence are kept, ``latest.json`` did not move; ``--json`` says ``"status":
+"success"`` with ``gate.outcome``).
+
+With the request's ``post_eval`` (Kiln's field), the adapter is evaluated on the registered suite
+after training and only a promoted one moves ``latest.json`` (docs/post-eval.md). A held-out watch
+(docs/eval-watch.md) is set on the command line::
+
+    $ kiln-flows train --request opd-request.json --adapter demo --student ./student \
+          --eval-corpus heldout.jsonl --eval-every 25 --stop-on-divergence
 Ctrl-C (or SIGTERM) stops the run at the next step boundary after publishing a checkpoint (exit 3);
 a second Ctrl-C stops at once.
 
@@ -51,6 +62,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "optimizer step takes N × sequences_per_step candidates")
     parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
                         help="torch.distributed backend with --nproc > 1 (default: gloo on cpu, nccl on cuda)")
+    parser.add_argument("--eval-corpus", metavar="FILE",
+                        help="held-out teacher-scored JSONL to score during training (the watch; off by default)")
+    parser.add_argument("--eval-every", type=int, metavar="N", help="score the held-out slice every N optimizer steps")
+    parser.add_argument("--stop-on-divergence", action="store_true",
+                        help="stop cleanly (checkpoint, failed receipt) when a watch rule fires")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON line on stdout")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -66,6 +82,10 @@ def resume_command(args: argparse.Namespace, checkpoint: str) -> str:
             argv += [flag, value]
     if args.gradient_checkpointing:
         argv.append("--gradient-checkpointing")
+    if args.eval_corpus:
+        argv += ["--eval-corpus", args.eval_corpus, "--eval-every", str(args.eval_every)]
+        if args.stop_on_divergence:
+            argv.append("--stop-on-divergence")
     if args.nproc != 1:
         argv += ["--nproc", str(args.nproc), "--backend", args.backend]
     return shlex.join(argv + ["--resume-checkpoint", checkpoint])
@@ -79,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
     from kiln_core.engine import LocalStages, ResumeRequired, run_pipeline, spec_from_request
 
     prepared = spec_from_request(args.request, adapter=args.adapter, student_dir=args.student, out_root=args.out,
-                                 resume_checkpoint=args.resume_checkpoint, nproc=args.nproc, backend=args.backend)
+                                 resume_checkpoint=args.resume_checkpoint, nproc=args.nproc, backend=args.backend,
+                                 eval_watch=watch_from_arguments(args))
     for warning in prepared.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     bar = _ProgressBar(enabled=not (args.quiet or args.json))
@@ -98,13 +119,41 @@ def run(args: argparse.Namespace) -> int:
     elif result.status == "success":
         verb = "already trained" if result.reused else "trained"
         print(f"{verb} {args.adapter}: {result.steps} steps, final loss {result.final_loss:.6f}\n"
-              f"  adapter: {result.adapter}\n  receipt: {result.receipt}\n  latest.json: {result.latest}")
+              f"  adapter: {result.adapter}\n  receipt: {result.receipt}\n  latest.json: {result.latest or 'not moved'}")
+        if result.gate is not None:
+            from kiln_core.engine.gate import describe_gate
+
+            print("\n".join(describe_gate(result.gate)))
     else:
         print(f"{result.status} ({result.failure_reason}): {result.failure_message}\n"
               f"  latest checkpoint: {result.latest_checkpoint}\n  receipt: {result.receipt}", file=sys.stderr)
         if result.latest_checkpoint:
             print(f"  resume with: {resume_command(args, result.latest_checkpoint)}", file=sys.stderr)
-    return 0 if result.status == "success" else 3
+    return exit_code(result)
+
+
+def exit_code(result) -> int:
+    """0 success, 3 failed or cancelled, 4 trained but held back by the gate (not a failure)."""
+    if result.status != "success":
+        return 3
+    return 4 if result.held_back else 0
+
+
+def watch_from_arguments(args: argparse.Namespace) -> dict | None:
+    """The spec's ``eval:`` block from ``--eval-corpus/--eval-every/--stop-on-divergence`` (None: no watch).
+
+    Raises:
+        ConfigError: ``--eval-every`` or ``--stop-on-divergence`` without ``--eval-corpus`` and vice versa.
+    """
+    from kiln_core.contracts.opd_config import ConfigError
+
+    if args.eval_corpus is None:
+        if args.eval_every is not None or args.stop_on_divergence:
+            raise ConfigError("--eval-every and --stop-on-divergence need --eval-corpus FILE", "eval.corpus")
+        return None
+    if args.eval_every is None:
+        raise ConfigError("--eval-corpus needs --eval-every N", "eval.every_steps")
+    return {"corpus": args.eval_corpus, "every_steps": args.eval_every, "stop_on_divergence": args.stop_on_divergence}
 
 
 class _ProgressBar:

@@ -511,10 +511,7 @@ def validate_request_for_offline_training(request: OpdRequest) -> list[str]:
             "prompts",
             code="unsupported",
         )
-    warnings = validate_for_offline_training(request.config)
-    if request.post_eval is not None:
-        warnings.append("post_eval is recorded but not run by kiln-flows")
-    return warnings
+    return validate_for_offline_training(request.config)
 
 
 def _check_lora_scale(config: OpdConfig) -> None:

@@ -29,6 +29,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from kiln_core.contracts.eval_watch import EvalWatch
 from kiln_core.contracts.names import NAME_RULE, is_valid_name
 from kiln_core.contracts.opd_config import (
     EchoConfig,
@@ -37,7 +38,9 @@ from kiln_core.contracts.opd_config import (
     StableOpdManual,
     StableOpdOff,
 )
+from kiln_core.contracts.quality_gate import QualityGate
 from kiln_core.errors import Rejection
+from kiln_core.post_eval.config import PostEvalConfig
 
 
 class SpecError(Rejection, ValueError):
@@ -202,6 +205,25 @@ class PipelineSpec(BaseModel):
         description="Optional: train on several processes with torch.distributed (nproc, backend).",
         json_schema_extra={"position": 8},
     )
+    post_eval: PostEvalConfig | None = Field(
+        default=None,
+        description="Kiln's post-training eval (suite, data_scope, generation, min_accuracy, include_baseline). "
+        "With min_accuracy, only a promoted adapter moves runs/<adapter>/latest.json; a losing one is renamed "
+        "<adapter>.failed (docs/post-eval.md).",
+        json_schema_extra={"position": 9},
+    )
+    quality_gate: QualityGate | None = Field(
+        default=None,
+        description="Optional second gate: thresholds on the adapter's held-out distillation metrics "
+        "(reverse KL, top-1 agreement, teacher-token NLL).",
+        json_schema_extra={"position": 10},
+    )
+    eval: EvalWatch | None = Field(
+        default=None,
+        description="Optional held-out watch during training: score a held-out slice every N steps, warn on "
+        "divergence, optionally stop (docs/eval-watch.md). Off by default.",
+        json_schema_extra={"position": 11},
+    )
 
     @field_validator("config", mode="before")
     @classmethod
@@ -229,7 +251,21 @@ class PipelineSpec(BaseModel):
         except ConfigError as error:
             field = error.field if error.field and error.field.startswith("config") else f"config.{error.field or ''}".rstrip(".")
             raise ValueError(f"`{field}`: {error.message}") from None
+        self._check_gates()
         return self
+
+    def _check_gates(self) -> None:
+        """Kiln's submit-time ``post_eval`` rules, and the watch's one-process rule, before any work."""
+        from kiln_core.post_eval.config import validate_post_eval_config
+        from kiln_core.post_eval.errors import PostEvalRejection
+
+        try:
+            validate_post_eval_config(self.post_eval, None)  # the installed-suite check needs storage: engine
+        except PostEvalRejection as error:
+            raise ValueError(f"`{error.field}`: {error.message}") from None
+        if self.eval is not None and self.distributed is not None and self.distributed.nproc > 1:
+            raise ValueError("`eval`: held-out evaluation during training runs in a single process; "
+                             "remove `distributed` or the `eval` block")
 
 
 _STABLE_OPD_MODES = {"off": StableOpdOff, "auto": StableOpdAuto, "manual": StableOpdManual}

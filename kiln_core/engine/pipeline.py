@@ -1,6 +1,9 @@
 """``run_pipeline``: the one path from a ``PipelineSpec`` to a published adapter.
 
-    manifest → (score) → fingerprint → admit → verify → plan → train → publish
+    manifest → (score) → fingerprint → admit → verify → plan → train → (gate) → publish
+
+The gate runs when the spec has ``post_eval`` or ``quality_gate`` (``kiln_core.engine.gate``): only
+an adapter it promotes (or an informational eval's) is published to ``latest.json``.
 
 ``kiln-flows train`` runs it with ``LocalStages`` (plain function calls); the ``opd_distill`` flow runs
 the very same function with stages that are Prefect tasks (``tasks.stages.PrefectStages``: retries,
@@ -16,7 +19,9 @@ from typing import Callable, Protocol
 from kiln_core.contracts.pipeline import PipelineSpec, TeacherSource
 import kiln_core.engine.stages as stages
 from kiln_core.engine.publish import publish
-from kiln_core.engine.refs import CorpusRef, InputsRef, ManifestRef, PipelineResult, PublishRef, TrainPlan, TrainRef
+from kiln_core.engine.gate import check_gate_inputs, has_gate, run_gate
+from kiln_core.engine.refs import (CorpusRef, GateRef, InputsRef, ManifestRef, PipelineResult, PublishRef, TrainPlan,
+                                   TrainRef)
 from kiln_core.engine.runs import plan_run
 from kiln_core.engine.training import train
 
@@ -36,10 +41,13 @@ class Stages(Protocol):
 
     def train(self, plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir: str) -> TrainRef: ...
 
+    def gate(self, trained: TrainRef, spec: PipelineSpec, ready: "PreparedRun") -> GateRef:
+        """Evaluate a successful run's adapter (``post_eval``, ``quality_gate``) and act on the outcome."""
+
     def publish(self, trained: TrainRef, spec: PipelineSpec) -> PublishRef: ...
 
     def ended(self, trained: TrainRef, spec: PipelineSpec) -> None:
-        """Called when training did not succeed (nothing is published)."""
+        """Called when nothing is published (training did not succeed, or a gate held the adapter back)."""
 
 
 class LocalStages:
@@ -79,6 +87,9 @@ class LocalStages:
                      should_cancel=self.should_cancel, on_step_committed=self.on_step_committed,
                      handle_signals=self.handle_signals)
 
+    def gate(self, trained: TrainRef, spec: PipelineSpec, ready: "PreparedRun") -> GateRef:
+        return gate_stage(trained, spec, ready)
+
     def publish(self, trained: TrainRef, spec: PipelineSpec) -> PublishRef:
         return publish(trained, spec.storage_root, spec.adapter)
 
@@ -109,6 +120,12 @@ def prepare(spec: PipelineSpec, stages_: Stages | None = None, *, resume: str | 
     corpus_uri = spec.corpus if spec.examples is None else stages_.score(spec, manifest, student_dir)
     inputs = stages_.fingerprint(corpus_uri, student_dir, spec.config.top_k)
     corpus = stages_.verify(stages_.admit(inputs, manifest, spec))
+    check_gate_inputs(spec, corpus, manifest, student_dir)  # Kiln checks post_eval overlap at admission
+    if spec.eval is not None:  # the held-out watch's corpus is refused here, not after the model loads
+        from kiln_core.training.watch import HeldOutSlice
+
+        HeldOutSlice.admit(spec.eval, student_dir, top_k=spec.config.top_k, teacher_manifest=manifest.manifest_line,
+                           train_corpus_uri=corpus.source_uri).record()
     plan = plan_run(spec, corpus, manifest, student_dir, resume=resume, device=device, precision=precision,
                     gradient_checkpointing=gradient_checkpointing)
     return PreparedRun(spec=spec, manifest=manifest, corpus=corpus, plan=plan, student_dir=student_dir)
@@ -145,7 +162,12 @@ def run_pipeline(spec: PipelineSpec, stages_: Stages | None = None, *, resume: s
     ready = prepare(spec, stages_, resume=resume, device=device, precision=precision,
                     gradient_checkpointing=gradient_checkpointing)
     trained = stages_.train(ready.plan, ready.corpus, ready.manifest, ready.student_dir)
-    published = stages_.publish(trained, spec) if trained.status == "success" else None
+    gated = stages_.gate(trained, spec, ready) if trained.status == "success" and has_gate(spec) else None
+    if gated is not None:  # a renamed run: its adapter and receipt are where the gate left them
+        trained = trained.model_copy(update={"run_uri": gated.run_uri, "receipt_uri": gated.receipt_uri,
+                                             "adapter_uri": gated.adapter_uri})
+    publishing = trained.status == "success" and (gated is None or gated.publish)
+    published = stages_.publish(trained, spec) if publishing else None
     if published is None:
         stages_.ended(trained, spec)
     return PipelineResult(
@@ -154,4 +176,11 @@ def run_pipeline(spec: PipelineSpec, stages_: Stages | None = None, *, resume: s
         loss_history=trained.loss_history, steps=trained.steps, total_steps=trained.total_steps,
         dataset_sha256=ready.corpus.dataset_sha256,
         latest=published.latest_uri if published else None, checkpoints=published.checkpoints if published else [],
-        failure_reason=trained.failure_reason, failure_message=trained.failure_message, reused=trained.reused)
+        failure_reason=trained.failure_reason, failure_message=trained.failure_message, reused=trained.reused,
+        gate=gated.summary() if gated is not None else None)
+
+
+def gate_stage(trained: TrainRef, spec: PipelineSpec, ready: PreparedRun, *, device: str | None = None) -> GateRef:
+    """``run_gate`` with what the prepared run knows (seed, teacher, training corpus, device)."""
+    return run_gate(trained, spec, ready.manifest, ready.student_dir, seed=ready.plan.config.get("seed"),
+                    train_corpus_uri=ready.corpus.source_uri, device=device or ready.plan.device)

@@ -80,6 +80,9 @@ class TrainPlan(_Ref):
     device: Literal["cpu", "cuda"] | None = None
     precision: Literal["fp32", "bf16"] | None = None
     gradient_checkpointing: bool = False
+    eval_watch: dict[str, Any] | None = None
+    """The spec's ``eval:`` block (``EvalWatch`` as JSON) when the run is watched; not part of the run's
+    identity, since a watched run trains the same bytes."""
 
     @property
     def run_key(self) -> str:
@@ -103,6 +106,32 @@ class TrainRef(_Ref):
     resumed_from: str | None = None
     reused: bool = False
     """True when the run had already finished (committed adapter and successful receipt)."""
+
+
+class GateRef(_Ref):
+    """How the gate stage (``kiln_core.engine.gate``) judged a trained adapter, and where it is now."""
+
+    outcome: str | None
+    """``promoted | kept | regression | demoted | inconclusive | error``; None when nothing gated
+    (an informational ``post_eval`` without ``min_accuracy``)."""
+    verdict: str | None
+    publish: bool
+    """Whether the publish stage moves ``latest.json``: promoted, or nothing gated."""
+    run_uri: str
+    """The run directory now (``<adapter>.failed`` when a losing adapter was renamed)."""
+    receipt_uri: str
+    adapter_uri: str | None
+    post_eval: dict[str, Any] | None = None
+    """The receipt's ``post_eval`` block (Kiln's field names)."""
+    quality_gate: dict[str, Any] | None = None
+    """The receipt's ``quality_gate`` block (ours)."""
+    reused: bool = False
+    """True when an earlier attempt already decided (the outcome is read back from the receipt)."""
+
+    def summary(self) -> dict[str, Any]:
+        """The ``gate`` object of ``kiln-flows train/run --json``."""
+        return {"outcome": self.outcome, "verdict": self.verdict, "promoted": self.outcome == "promoted",
+                "post_eval": self.post_eval, "quality_gate": self.quality_gate}
 
 
 class PublishRef(_Ref):
@@ -133,6 +162,14 @@ class PipelineResult(_Ref):
     failure_reason: str | None = None
     failure_message: str | None = None
     reused: bool = False
+    gate: dict[str, Any] | None = None
+    """``GateRef.summary()`` when the spec has ``post_eval`` or ``quality_gate`` and training succeeded."""
+
+    @property
+    def held_back(self) -> bool:
+        """Trained, but a gate kept the adapter from becoming the active one (``latest.json`` not moved)."""
+        return self.status == "success" and self.gate is not None and self.gate["outcome"] not in (None, "promoted",
+                                                                                                     "kept")
 
     def summary(self) -> dict[str, Any]:
         """The JSON summary of ``kiln-flows run``/``train --json`` and of the ``opd_distill`` flow."""

@@ -5,7 +5,10 @@
 2. ``teacher`` is a file whose first line is the pinned manifest (relative to the request file), or
    an alias in the local registry under the storage root;
 3. ``dataset_path`` (relative paths are taken relative to the request file, so a request and its
-   corpus can move together; Kiln resolves it on its server) becomes the spec's corpus.
+   corpus can move together; Kiln resolves it on its server) becomes the spec's corpus;
+4. ``post_eval`` (Kiln's ``OpdRequest.post_eval``, crates/kiln-train/src/opd.rs) is parsed and checked
+   with Kiln's submit-time rules, the installed suite included (crates/kiln-server/src/api/training.rs ·
+   validate_post_eval_suite), and becomes the spec's gate (``kiln_core.engine.gate``).
 
 The spec then runs through ``run_pipeline`` like any other: admitted, planned (run directory
 ``<root>/runs/<adapter>/<run key>/``), trained in this process or under ``torchrun``, published.
@@ -17,9 +20,12 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from kiln_core.contracts.eval_watch import parse_eval_watch
 from kiln_core.contracts.names import check_name
 from kiln_core.contracts.opd_config import ConfigError, OpdRequest, parse_opd_request, validate_request_for_offline_training
 from kiln_core.contracts.pipeline import DistributedOptions, PipelineSpec, TeacherSource, parse_spec
+from kiln_core.post_eval.config import parse_post_eval_config, validate_post_eval_config
+from kiln_core.post_eval.registry import SuiteRegistry
 from kiln_core.storage import resolve
 
 
@@ -82,12 +88,17 @@ def teacher_source(teacher: str, request_path: str, registry_root: str) -> Teach
 
 
 def spec_from_request(request_path: str, *, adapter: str, student_dir: str, out_root: str = "./kiln-data",
-                      resume_checkpoint: str | None = None, nproc: int = 1, backend: str = "auto") -> RequestRun:
+                      resume_checkpoint: str | None = None, nproc: int = 1, backend: str = "auto",
+                      eval_watch: dict | None = None) -> RequestRun:
     """Validate a request file and build the spec ``run_pipeline`` trains (nothing is read but the request).
 
+    ``eval_watch`` is the held-out watch (``EvalWatch`` fields, from ``kiln-flows train --eval-corpus``);
+    a Kiln request has no such field, so it is off unless the caller sets it.
+
     Raises:
-        ConfigError: the request, the adapter name (``invalid_adapter_name``), ``nproc``; CheckpointError:
-            ``invalid_checkpoint_name`` for a resume checkpoint that is not one of the adapter's.
+        ConfigError: the request, the adapter name (``invalid_adapter_name``), ``nproc``, the watch
+            (``eval.*``); CheckpointError: ``invalid_checkpoint_name`` for a resume checkpoint that is not one of
+            the adapter's; PostEvalRejection: a ``post_eval`` Kiln would refuse at submit time.
 
     Example:
         >>> prepared = spec_from_request("opd-request.json", adapter="demo", student_dir="./student")  # doctest: +SKIP
@@ -106,6 +117,9 @@ def spec_from_request(request_path: str, *, adapter: str, student_dir: str, out_
     resume = resume_checkpoint or config.resume_checkpoint
     if resume is not None:  # traversal and foreign names are refused before any admission work
         check_resume_name(resume, out_root, adapter)
+    post_eval = parse_post_eval_config(request.post_eval)
+    validate_post_eval_config(post_eval, SuiteRegistry.for_storage_root(out_root) if post_eval else None)
+    watch = parse_eval_watch(eval_watch) if eval_watch is not None else None
     spec = parse_spec({
         "teacher": teacher_source(request.teacher, request_path, out_root),
         "corpus": _anchored(request.dataset_path or "", request_path),
@@ -114,6 +128,8 @@ def spec_from_request(request_path: str, *, adapter: str, student_dir: str, out_
         "adapter": adapter,
         "config": config,  # already validated with Kiln's rules (unknown keys ignored, as Kiln does)
         "distributed": DistributedOptions(nproc=nproc, backend=backend) if nproc > 1 else None,
+        "post_eval": post_eval,
+        "eval": watch,
     }, file=request_path)
     return RequestRun(spec=spec, resume=resume, warnings=warnings)
 

@@ -4,7 +4,8 @@
 
 1. a run whose adapter and successful receipt are committed is finished: its outputs are returned;
 2. ``plan.resume == "latest"`` becomes the newest committed checkpoint of the run directory, if any;
-3. with ``plan.nproc == 1`` the trainer runs here (``kiln_core.training.trainer.train_opd``); above 1
+3. with ``plan.nproc == 1`` the trainer runs here (``kiln_core.training.trainer.train_opd``, with the
+   held-out watch when ``plan.eval_watch`` is set); above 1
    the job is launched under ``torchrun`` (``kiln_core.training.distributed.launcher.launch``): the
    ranks read the committed materialization and write into the same run directory, rank 0 publishes;
 4. Ctrl-C / SIGTERM (``kiln_core.engine.interrupt``) and ``should_cancel`` stop the run at the next
@@ -84,13 +85,20 @@ def _train_here(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, stude
     from kiln_core.training import trainer
 
     materialization = read_materialization(corpus.uri)
+    held_out = None
+    if plan.eval_watch is not None:  # the spec's `eval:` block (docs/eval-watch.md)
+        from kiln_core.contracts.eval_watch import parse_eval_watch
+        from kiln_core.training.watch import HeldOutSlice
+
+        held_out = HeldOutSlice.admit(parse_eval_watch(plan.eval_watch), student_dir, top_k=plan.config["top_k"],
+                                      teacher_manifest=manifest.manifest_line, train_corpus_uri=corpus.source_uri)
     return trainer.train_opd(
         tables=materialization.tables, dataset_sha256=corpus.dataset_sha256, dataset_path=corpus.source_uri,
         student_dir=student_dir, adapter_name=plan.adapter, config=OpdConfig.model_validate(plan.config),
         run_root=plan.run_uri, teacher_identity=parse_manifest_line(manifest.manifest_line).teacher_identity,
         teacher_alias=manifest.teacher, resume_checkpoint=resume, should_cancel=should_cancel,
         on_progress=on_progress, on_step_committed=on_step_committed, device=plan.device, precision=plan.precision,
-        gradient_checkpointing=plan.gradient_checkpointing, handle_signals=False)
+        gradient_checkpointing=plan.gradient_checkpointing, handle_signals=False, eval_watch=held_out)
 
 
 def distributed_job(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir: str, resume: str | None):

@@ -276,3 +276,10 @@ class TrainReceipt(_Receipt):
     Kiln's ``failure_reason`` enum has no value for it)."""
     eval_curve: EvalCurve | None = Field(default=None, exclude_if=_omit_none)
     """Ours: the held-out curve of a watched run (``kiln_core.training.eval_curve``)."""
+    gate_outcome: str | None = Field(default=None, exclude_if=_omit_none)
+    """Ours (Kiln keeps it on the training job): the gate's outcome, the stronger of ``post_eval`` and
+    ``quality_gate`` when both ran (``kiln_core.engine.gate``)."""
+    post_eval: dict[str, Any] | None = Field(default=None, exclude_if=_omit_none)
+    """Ours: the post-training eval and its gate evidence (``kiln_core.post_eval.post_eval_receipt_block``)."""
+    quality_gate: dict[str, Any] | None = Field(default=None, exclude_if=_omit_none)
+    """Ours: the distillation-metrics gate (thresholds, base and distilled metrics, outcome)."""

@@ -1,0 +1,244 @@
+"""The gate stage: after a successful train, before publish, decide whether the adapter goes live.
+
+    … → train → **gate** → publish (only ``promoted``, or nothing gated)
+
+A spec gates with Kiln's ``post_eval`` (``kiln_core.post_eval``: a suite, paired evidence against
+the base student, ``min_accuracy``), with our ``quality_gate`` (held-out distillation metrics,
+``kiln_core.contracts.quality_gate``), or both — then the stronger outcome wins, Kiln's rule for
+several gates on one training job. What each outcome does:
+
+| outcome | ``latest.json`` | run directory |
+| --- | --- | --- |
+| ``promoted`` | moved by the publish stage (``kiln_core.engine.publish``, the one writer) | stays |
+| ``kept``, ``inconclusive``, ``error`` | not moved | stays |
+| ``demoted``, ``regression`` | not moved | renamed ``<adapter>.failed`` (``kiln_core.post_eval.fate``) |
+| none (``post_eval`` without ``min_accuracy``) | moved, as without a gate | stays |
+
+The baseline arm is the base student: Kiln compares against the active adapter unless it has the
+candidate's name, and in kiln-flows the active adapter of ``runs/<adapter>/`` always has it
+[crates/kiln-server/src/training_queue.rs · enqueue_post_training_eval]. Evidence goes into the
+run's ``train_receipt.json`` (``gate_outcome``, ``post_eval``, ``quality_gate``) *before* the
+pointer moves, so ``latest.json``'s receipt digest covers it. A retry finds the outcome in the
+receipt and does not evaluate again.
+
+``check_gate_inputs`` runs in the validation phase, before training: the suite must be installed, a
+``held-out`` suite must not overlap the training corpus (``post_eval_overlap``), and the quality
+gate's corpus must be admissible (same teacher, same vocabulary, no shared prompt).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Iterator
+
+from kiln_core.contracts.pipeline import PipelineSpec
+from kiln_core.engine.refs import CorpusRef, GateRef, ManifestRef, TrainRef
+from kiln_core.storage import localize_directory, resolve
+
+__all__ = ["has_gate", "check_gate_inputs", "run_gate", "before_after_rows", "describe_gate"]
+
+PUBLISHING_OUTCOMES = (None, "promoted")
+
+
+def has_gate(spec: PipelineSpec) -> bool:
+    """Whether the spec asks for a post-training evaluation of either kind."""
+    return spec.post_eval is not None or spec.quality_gate is not None
+
+
+def _corpus_conversations(corpus_uri: str) -> Iterator[Any]:
+    """The training corpus's examples as conversations (line 1 is the manifest)."""
+    from kiln_core.post_eval import conversation_from_opd_example
+
+    location = resolve(corpus_uri)
+    with location.fs.open(location.path, "rb") as handle:
+        handle.readline()
+        for line in handle:
+            if line.strip():
+                yield conversation_from_opd_example(json.loads(line))
+
+
+def check_gate_inputs(spec: PipelineSpec, corpus: CorpusRef, manifest: ManifestRef, student_dir: str) -> None:
+    """Refuse, before training, a gate that cannot run or a corpus it forbids.
+
+    Raises:
+        PostEvalRejection: ``post_eval_suite_not_installed``, ``post_eval_overlap`` (Kiln's message).
+        AdmissionError, EvalInputError: the quality gate's corpus (``identity_mismatch``,
+            ``vocabulary_mismatch``, ``eval_train_overlap``, any admission rule).
+    """
+    if spec.post_eval is not None:
+        from kiln_core.post_eval import SuiteRegistry, check_training_overlap, validate_post_eval_config
+
+        registry = SuiteRegistry.for_storage_root(spec.storage_root)
+        validate_post_eval_config(spec.post_eval, registry)
+        check_training_overlap(spec.post_eval, registry.load(spec.post_eval.suite),
+                               _corpus_conversations(corpus.source_uri))
+    if spec.quality_gate is not None:
+        from kiln_core.evaluation import admit_eval_corpus
+
+        admit_eval_corpus(spec.quality_gate.corpus, student_dir, top_k=spec.config.top_k,
+                          teacher_manifest=manifest.manifest_line, train_corpus_uri=corpus.source_uri)
+
+
+def _quality_gate(spec: PipelineSpec, manifest: ManifestRef, student_dir: str, adapter_dir: str,
+                  train_corpus_uri: str, device: str | None) -> dict[str, Any]:
+    """Evaluate the base and the distilled student on the quality gate's corpus and decide."""
+    from kiln_core.evaluation import admit_eval_corpus, evaluate_tables, load_eval_model
+
+    gate = spec.quality_gate
+    admission = admit_eval_corpus(gate.corpus, student_dir, top_k=spec.config.top_k,
+                                  teacher_manifest=manifest.manifest_line, train_corpus_uri=train_corpus_uri)
+    base = evaluate_tables(load_eval_model(student_dir, device=device), admission.tables).to_json()
+    distilled = evaluate_tables(load_eval_model(student_dir, adapter_dir, device=device), admission.tables).to_json()
+    failures = []
+    for name, limit in gate.thresholds().items():
+        metric = name.removeprefix("max_").removeprefix("min_")
+        value = distilled[metric]
+        ok = math.isfinite(value) and (value <= limit if name.startswith("max_") else value >= limit)
+        if not ok:
+            failures.append(f"{metric} {value:.4f} {'>' if name.startswith('max_') else '<'} {limit:g}")
+    if gate.require_improvement and not distilled["reverse_kl"] < base["reverse_kl"]:
+        failures.append(f"reverse_kl {distilled['reverse_kl']:.4f} not below the base student's {base['reverse_kl']:.4f}")
+    if failures:
+        outcome, verdict = "demoted", f"FAILED quality gate: {'; '.join(failures)}; adapter `{spec.adapter}` NOT promoted"
+    elif spec.config.auto_load:
+        outcome, verdict = "promoted", f"PASSED quality gate ({_thresholds_text(gate)}); adapter `{spec.adapter}` promoted"
+    else:
+        outcome = "kept"
+        verdict = f"PASSED quality gate ({_thresholds_text(gate)}); adapter `{spec.adapter}` kept (auto_load not requested)"
+    return {"corpus": gate.corpus, "corpus_sha256": admission.dataset_sha256, "thresholds": gate.thresholds(),
+            "require_improvement": gate.require_improvement, "base": base, "distilled": distilled,
+            "failures": failures, "outcome": outcome, "verdict": verdict}
+
+
+def _thresholds_text(gate: Any) -> str:
+    parts = [f"{name} {value:g}" for name, value in gate.thresholds().items()]
+    return ", ".join(parts + (["require_improvement"] if gate.require_improvement else []))
+
+
+def _decided(trained: TrainRef, receipt: Any) -> GateRef:
+    outcome = receipt.gate_outcome
+    verdict = (receipt.post_eval or {}).get("post_eval_verdict") or (receipt.quality_gate or {}).get("verdict")
+    return GateRef(outcome=outcome, verdict=verdict, publish=outcome in PUBLISHING_OUTCOMES, run_uri=trained.run_uri,
+                   receipt_uri=trained.receipt_uri, adapter_uri=trained.adapter_uri, post_eval=receipt.post_eval,
+                   quality_gate=receipt.quality_gate, reused=True)
+
+
+def run_gate(trained: TrainRef, spec: PipelineSpec, manifest: ManifestRef, student_dir: str, *, seed: int | None,
+             train_corpus_uri: str, device: str | None = None) -> GateRef:
+    """Evaluate a successfully trained adapter, record the evidence, and act on the outcome.
+
+    Args:
+        trained: The successful training run (``status == "success"``).
+        spec: The spec (its ``post_eval`` / ``quality_gate``, ``adapter``, ``config.auto_load``).
+        manifest: The training teacher's manifest (the quality gate's corpus must match it).
+        student_dir: Local base student directory.
+        seed: The run's seed (the eval's effective seed, as Kiln derives it from the job).
+        train_corpus_uri: The training corpus (the quality gate's corpus must not share a prompt).
+        device: ``cpu``/``cuda`` (default: CUDA when available).
+
+    Returns:
+        ``GateRef``; ``publish`` says whether the publish stage moves ``latest.json``.
+
+    Raises:
+        EnvironmentFailure: storage refused the receipt update or the rename (retried by the flow).
+
+    Example:
+        >>> ref = run_gate(trained, spec, manifest, "./student", seed=7, train_corpus_uri="train.jsonl")  # doctest: +SKIP
+        >>> ref.outcome, ref.publish  # doctest: +SKIP
+        ('demoted', False)
+    """
+    from kiln_core.engine.publish import latest_location
+    from kiln_core.post_eval import GateFate, aggregate_gate_outcome, apply_gate_outcome, post_eval_receipt_block
+    from kiln_core.training.receipt import read_receipt
+
+    run = resolve(trained.run_uri)
+    receipt = read_receipt(run)
+    if receipt.gate_outcome is not None or receipt.post_eval is not None:
+        return _decided(trained, receipt)  # an earlier attempt decided and recorded it
+    post = quality = None
+    outcome = verdict = None
+    if spec.post_eval is not None:
+        from kiln_core.post_eval import SuiteRegistry, run_post_eval
+
+        suite = SuiteRegistry.for_storage_root(spec.storage_root).load(spec.post_eval.suite)
+        post = run_post_eval(spec.post_eval, suite, student_dir=student_dir, candidate_adapter=trained.adapter_uri,
+                             candidate_name=spec.adapter, auto_load_on_pass=spec.config.auto_load, seed=seed,
+                             device=device)
+        outcome, verdict = post.outcome, post.verdict
+    if spec.quality_gate is not None:
+        quality = _quality_gate(spec, manifest, student_dir, localize_directory(trained.adapter_uri), train_corpus_uri,
+                                device)
+        outcome, verdict = aggregate_gate_outcome(outcome, quality["outcome"], quality["verdict"])
+    if outcome == "promoted":
+        fate = GateFate(outcome, verdict, _stamped(post, outcome), run.uri, latest_uri=latest_location(run).uri)
+    elif outcome is not None:
+        fate = apply_gate_outcome(run, spec.adapter, outcome, post.evidence if post else None, verdict=verdict)
+        verdict = fate.verdict
+    else:
+        fate = None
+    where = resolve(fate.run_uri) if fate is not None else run
+    update = {"gate_outcome": outcome, "quality_gate": quality, "post_eval": None}
+    if post is not None:  # an ungated post_eval is informational: the quality gate's outcome is not its own
+        update["post_eval"] = post_eval_receipt_block(post, fate if post.gated else None)
+        if post.gated:
+            update["post_eval"]["gate_outcome"], update["post_eval"]["post_eval_verdict"] = outcome, verdict
+    from kiln_core.training.receipt import write_receipt
+
+    receipt_uri = write_receipt(where, read_receipt(where).model_copy(update=update))
+    adapter_uri = where.child("adapter").uri if trained.adapter_uri else None
+    return GateRef(outcome=outcome, verdict=verdict, publish=outcome in PUBLISHING_OUTCOMES, run_uri=where.uri,
+                   receipt_uri=receipt_uri, adapter_uri=adapter_uri, post_eval=update["post_eval"],
+                   quality_gate=quality)
+
+
+def _stamped(post: Any, outcome: str) -> dict[str, Any] | None:
+    if post is None or post.evidence is None:
+        return None
+    return {**post.evidence.model_dump(), "outcome": outcome}
+
+
+def before_after_rows(gate: dict[str, Any]) -> list[dict[str, Any]]:
+    """Base vs distilled, one row per metric the gate measured (the flow's table artifact, the CLI's table).
+
+    Example:
+        >>> before_after_rows({"post_eval": None, "quality_gate": {"base": {"reverse_kl": 2.0},
+        ...     "distilled": {"reverse_kl": 1.0}, "thresholds": {"max_reverse_kl": 1.5}}})
+        [{'metric': 'reverse_kl', 'base': 2.0, 'distilled': 1.0, 'threshold': '≤ 1.5'}]
+    """
+    rows = []
+    evidence = ((gate.get("post_eval") or {}).get("post_eval_gate_evidence") or [None])[0]
+    if evidence:
+        rows.append({"metric": f"accuracy on suite {evidence['suite_name']}", "base": evidence["baseline_accuracy"],
+                     "distilled": evidence["candidate_accuracy"], "threshold": f"≥ {evidence['minimum_accuracy']:g} "
+                     "(95% Wilson bound)"})
+    quality = gate.get("quality_gate")
+    if quality:
+        limits = {name.removeprefix("max_").removeprefix("min_"): ("≤ " if name.startswith("max_") else "≥ ") + f"{v:g}"
+                  for name, v in quality["thresholds"].items()}
+        for metric in ("reverse_kl", "top1_agreement", "teacher_token_nll"):
+            if metric in quality["distilled"]:
+                rows.append({"metric": metric, "base": quality["base"][metric], "distilled": quality["distilled"][metric],
+                             "threshold": limits.get(metric, "")})
+    return rows
+
+
+def describe_gate(gate: dict[str, Any]) -> list[str]:
+    """The gate's outcome and evidence as the CLI prints it (improved/regressed/tied, p-value, Wilson bounds)."""
+    lines = [f"gate: {gate['outcome'] or 'not gated (informational eval)'}"]
+    if gate.get("verdict"):
+        lines.append(f"  {gate['verdict']}")
+    evidence = ((gate.get("post_eval") or {}).get("post_eval_gate_evidence") or [None])[0]
+    if evidence:
+        lines.append(f"  paired examples {evidence['paired_examples']}: improved {evidence['improved']}, regressed "
+                     f"{evidence['regressed']}, tied {evidence['tied']}; exact sign test p = "
+                     f"{evidence['exact_sign_test_p_value']:.4g}")
+        lines.append(f"  accuracy: base {evidence['baseline_accuracy']:.3f} [{evidence['baseline_accuracy_lower_bound']:.3f}, "
+                     f"{evidence['baseline_accuracy_upper_bound']:.3f}], adapter {evidence['candidate_accuracy']:.3f} "
+                     f"[{evidence['candidate_accuracy_lower_bound']:.3f}, {evidence['candidate_accuracy_upper_bound']:.3f}] "
+                     f"(95% Wilson), floor {evidence['minimum_accuracy']:g}")
+    rows = before_after_rows(gate)
+    if rows:
+        lines.append(f"  {'metric':<28} {'base':>10} {'distilled':>10}  threshold")
+        lines += [f"  {row['metric']:<28} {row['base']:>10.4f} {row['distilled']:>10.4f}  {row['threshold']}" for row in rows]
+    return lines
