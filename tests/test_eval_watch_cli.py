@@ -1,0 +1,105 @@
+"""The held-out watch from the command line: ``kiln-flows train --eval-corpus FILE --eval-every N
+[--stop-on-divergence]`` reaches the trainer through the engine; off by default; bad flags exit 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from flows.cli import main
+from kiln_core.synthetic import synthesize_corpus
+
+CONFIG = {"training_mode": "off_policy", "top_k": 16, "lora_rank": 4, "lora_alpha": 8.0, "seed": 3,
+          "learning_rate": 0.02, "checkpoint_interval": 2, "epochs": 2}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def request_file(tiny_student, tmp_path_factory):
+    directory = tmp_path_factory.mktemp("watch-cli")
+    synthesize_corpus(tiny_student, directory / "corpus.jsonl", n_examples=4, top_k=16, seed=0)
+    synthesize_corpus(tiny_student, directory / "heldout.jsonl", n_examples=3, top_k=16, seed=11)
+    (directory / "manifest.jsonl").write_text((directory / "corpus.jsonl").read_text().splitlines()[0] + "\n")
+    (directory / "request.json").write_text(json.dumps({"dataset_path": "corpus.jsonl", "teacher": "manifest.jsonl",
+                                                        "config": CONFIG}))
+    return directory / "request.json"
+
+
+def train(capsys, request_file, student, out, *flags):
+    code = main(["train", "--request", str(request_file), "--adapter", "watched", "--student", str(student),
+                 "--out", str(out), "--json", *flags])
+    return code, json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_eval_flags_watch_the_run(tiny_student, request_file, tmp_path, capsys):
+    heldout = str(request_file.parent / "heldout.jsonl")
+    code, result = train(capsys, request_file, tiny_student, tmp_path, "--eval-corpus", heldout, "--eval-every", "3")
+    assert code == 0, result
+    receipt = json.loads(open(result["receipt"]).read())
+    curve = receipt["eval_curve"]
+    assert [p["step"] for p in curve["points"]] == [0, 3, 6, 8]  # before the first step, every 3, after the last
+    assert curve["watch"]["corpus"] == heldout and curve["watch"]["stop_on_divergence"] is False
+    assert curve["held_out"]["tokens"] > 0 and receipt["phase_timings_ms"]["eval"] > 0
+
+
+def test_no_flags_no_watch(tiny_student, request_file, tmp_path, capsys):
+    code, result = train(capsys, request_file, tiny_student, tmp_path)
+    assert code == 0
+    receipt = json.loads(open(result["receipt"]).read())
+    assert "eval_curve" not in receipt and "stop_reason" not in receipt
+
+
+def test_stop_on_divergence_stops_with_the_rule_named(tiny_student, request_file, tmp_path, capsys):
+    # the default rules (patience 3) at a learning rate far too high: the held-out KL stops improving
+    body = json.loads(request_file.read_text())
+    body["config"] = {**CONFIG, "learning_rate": 3.0, "epochs": 6}
+    hot = tmp_path / "hot.json"
+    hot.write_text(json.dumps(body).replace('"corpus.jsonl"', json.dumps(str(request_file.parent / "corpus.jsonl")))
+                   .replace('"manifest.jsonl"', json.dumps(str(request_file.parent / "manifest.jsonl"))))
+    code, result = train(capsys, hot, tiny_student, tmp_path / "out", "--eval-corpus",
+                         str(request_file.parent / "heldout.jsonl"), "--eval-every", "1", "--stop-on-divergence")
+    assert code == 3 and result["status"] == "failed", result
+    receipt = json.loads(open(result["receipt"]).read())
+    assert (receipt["stop_reason"], receipt["failure_reason"]) == ("stalled", "training_error")
+    assert "rule stalled, eval.stop_on_divergence" in receipt["failure_message"]
+    assert result["steps"] == 18 < 24 and result["latest_checkpoint"].endswith("-step-00000018.kiln-checkpoint")
+
+
+@pytest.mark.parametrize("flags, field", [
+    (["--eval-every", "2"], "eval.corpus"),
+    (["--stop-on-divergence"], "eval.corpus"),
+    (["--eval-corpus", "heldout.jsonl"], "eval.every_steps"),
+    (["--eval-corpus", "heldout.jsonl", "--eval-every", "0"], "eval.every_steps"),
+])
+def test_bad_eval_flags_exit_2_naming_the_field(tiny_student, request_file, tmp_path, capsys, flags, field):
+    code, result = train(capsys, request_file, tiny_student, tmp_path, *flags)
+    assert code == 2 and result["field"] == field, result
+    assert not (tmp_path / "runs").exists()
+
+
+def test_eval_corpus_of_another_teacher_is_refused_before_training(tiny_student, request_file, tmp_path, capsys):
+    from kiln_core.contracts.identity import build_manifest_line, parse_manifest_line
+
+    other = tmp_path / "other.jsonl"
+    lines = (request_file.parent / "heldout.jsonl").read_text().splitlines()
+    identity = parse_manifest_line(lines[0]).teacher_identity
+    manifest = build_manifest_line(identity.model_copy(update={"served_model_id": "another-teacher"}))
+    other.write_text("\n".join([manifest, *lines[1:]]) + "\n")
+    code, result = train(capsys, request_file, tiny_student, tmp_path, "--eval-corpus", str(other), "--eval-every", "2")
+    assert code == 2 and result["code"] == "identity_mismatch", result
+    assert not (tmp_path / "runs").exists()
+
+
+def test_eval_with_several_processes_is_refused(tiny_student, request_file, tmp_path, capsys):
+    code, result = train(capsys, request_file, tiny_student, tmp_path, "--eval-corpus", "h.jsonl", "--eval-every", "2",
+                         "--nproc", "2")
+    assert code == 2 and result["field"] == "eval", result
