@@ -1,11 +1,12 @@
-"""``opd_distill``: manifest → admit → materialize → train → publish, from one ``PipelineSpec``.
+"""``opd_distill``: manifest → admit → materialize → train → (gate) → publish, from one ``PipelineSpec``.
 
 Run it on a schedule or from the UI's Run button (deployments/prefect.yaml), or from the command line
 with ``kiln-flows run pipeline.yaml``. The flow is the engine's ``run_pipeline`` with each stage as a
 Prefect task (``tasks.stages.PrefectStages``), so it does exactly what ``kiln-flows train`` does: the
 same run directory ``<root>/runs/<adapter>/<run key>/`` (derived from the input digests, so a retry —
 in the same process, from the UI, or on new infrastructure — resumes from the same checkpoints), the
-same ``latest.json``. A rejected input fails the run at once (never retried); a storage or network
+same ``latest.json``, the same gate (``post_eval`` / ``quality_gate``: only a promoted adapter is
+published; the decision is a ``kiln-flows.adapter.*`` event, ``tasks/gate.py``). A rejected input fails the run at once (never retried); a storage or network
 failure is retried by the stage's task.
 """
 

