@@ -131,3 +131,27 @@ def test_the_spec_eval_block_watches_the_run(data, tiny_student, prefect_harness
     assert (Path(plain["adapter"]) / "adapter_model.safetensors").read_bytes() == \
         (Path(summary["adapter"]) / "adapter_model.safetensors").read_bytes()
     assert "eval_curve" not in json.loads(Path(plain["receipt"]).read_text())
+
+
+def test_kiln_flows_run_exits_4_when_the_gate_holds_the_adapter_back(data, tiny_student, prefect_harness, tmp_path):
+    """``kiln-flows run``: the run did not fail (``status: success``), but nothing was promoted: exit 4."""
+    import os
+    import subprocess
+    import sys
+
+    import prefect.settings
+    import yaml
+
+    kiln_flows = Path(sys.executable).with_name("kiln-flows")
+    assert kiln_flows.exists(), f"no kiln-flows console script beside {sys.executable}: pip install -e ."
+    spec_path = tmp_path / "pipeline.yaml"
+    spec_path.write_text(yaml.safe_dump(spec(data, tiny_student, tmp_path, "cli-held",
+                                             quality_gate={"corpus": str(data / "heldout.jsonl"), "max_reverse_kl": 0.0})))
+    env = {**os.environ, "PREFECT_API_URL": prefect.settings.PREFECT_API_URL.value()}
+    done = subprocess.run([str(kiln_flows), "run", str(spec_path), "--json"], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert done.returncode == 4, done.stdout[-2000:] + done.stderr[-2000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["status"] == "success" and summary["latest"] is None
+    assert summary["gate"]["outcome"] == "demoted" and summary["gate"]["promoted"] is False
+    assert summary["run"] == str(tmp_path / "runs" / "cli-held" / "cli-held.failed")
