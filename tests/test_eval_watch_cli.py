@@ -6,29 +6,18 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from flows.cli import main
-from kiln_core.synthetic import synthesize_corpus
+from gate_support import training_and_held_out
+from test_trainer import _one_thread  # noqa: F401  (the fixture: one thread for tiny matrices)
 
 CONFIG = {"training_mode": "off_policy", "top_k": 16, "lora_rank": 4, "lora_alpha": 8.0, "seed": 3,
           "learning_rate": 0.02, "checkpoint_interval": 2, "epochs": 2}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def request_file(tiny_student, tmp_path_factory):
-    directory = tmp_path_factory.mktemp("watch-cli")
-    synthesize_corpus(tiny_student, directory / "corpus.jsonl", n_examples=4, top_k=16, seed=0)
-    synthesize_corpus(tiny_student, directory / "heldout.jsonl", n_examples=3, top_k=16, seed=11)
-    (directory / "manifest.jsonl").write_text((directory / "corpus.jsonl").read_text().splitlines()[0] + "\n")
+    directory = training_and_held_out(tiny_student, tmp_path_factory.mktemp("watch-cli"))
     (directory / "request.json").write_text(json.dumps({"dataset_path": "corpus.jsonl", "teacher": "manifest.jsonl",
                                                         "config": CONFIG}))
     return directory / "request.json"

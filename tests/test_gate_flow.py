@@ -13,10 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from kiln_core.post_eval import SuiteRegistry
-from kiln_core.synthetic import synthesize_corpus
+from gate_support import training_and_held_out
+from test_trainer import _one_thread  # noqa: F401  (the fixture: one thread for tiny matrices)
 
 pytestmark = pytest.mark.integration
 
@@ -25,21 +25,9 @@ CONFIG = {"training_mode": "off_policy", "top_k": 16, "epochs": 2, "checkpoint_i
 PROMPTS = [f"Name {i} colors." for i in range(24)]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def data(tiny_student, tmp_path_factory):
-    directory = tmp_path_factory.mktemp("gate-flow")
-    synthesize_corpus(tiny_student, directory / "corpus.jsonl", n_examples=4, top_k=16, seed=0)
-    synthesize_corpus(tiny_student, directory / "heldout.jsonl", n_examples=3, top_k=16, seed=11)
-    (directory / "manifest.jsonl").write_text((directory / "corpus.jsonl").read_text().splitlines()[0] + "\n")
-    return directory
+    return training_and_held_out(tiny_student, tmp_path_factory.mktemp("gate-flow"))
 
 
 def spec(data: Path, student, root: Path, adapter: str, **extra) -> dict:

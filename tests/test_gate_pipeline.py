@@ -18,11 +18,11 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from flows.cli import main
 from kiln_core.post_eval import SuiteRegistry
-from kiln_core.synthetic import synthesize_corpus
+from gate_support import training_and_held_out
+from test_trainer import _one_thread  # noqa: F401  (the fixture: one thread for tiny matrices)
 
 CONFIG = {"training_mode": "off_policy", "objective": "reverse_kl", "loss": "teacher_top_k", "top_k": 16, "lora_rank": 4,
           "lora_alpha": 8.0, "seed": 3, "learning_rate": 0.05, "checkpoint_interval": 4, "epochs": 2}
@@ -30,28 +30,14 @@ PROMPTS = [f"What is {i} plus {i + 3}?" for i in range(24)]
 MAX_TOKENS = 3
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def corpus_dir(tiny_student, tmp_path_factory):
     """A 4-example training corpus, a disjoint 3-example held-out corpus, the manifest file."""
-    directory = tmp_path_factory.mktemp("gate-corpus")
-    synthesize_corpus(tiny_student, directory / "corpus.jsonl", n_examples=4, top_k=16, seed=0)
-    synthesize_corpus(tiny_student, directory / "heldout.jsonl", n_examples=3, top_k=16, seed=11)
-    manifest = (directory / "corpus.jsonl").read_text().splitlines()[0]
-    assert (directory / "heldout.jsonl").read_text().splitlines()[0] == manifest
-    (directory / "teacher-manifest.jsonl").write_text(manifest + "\n")
-    return directory
+    return training_and_held_out(tiny_student, tmp_path_factory.mktemp("gate-corpus"))
 
 
 def write_request(directory: Path, name: str, post_eval=None, **config) -> str:
-    body = {"dataset_path": "corpus.jsonl", "teacher": "teacher-manifest.jsonl", "config": {**CONFIG, **config},
+    body = {"dataset_path": "corpus.jsonl", "teacher": "manifest.jsonl", "config": {**CONFIG, **config},
             "post_eval": post_eval}
     (directory / name).write_text(json.dumps(body))
     return str(directory / name)
@@ -164,7 +150,7 @@ def test_quality_gate_decides_on_held_out_metrics(tiny_student, corpus_dir, tmp_
     from kiln_core.engine import run_pipeline
 
     def spec(root, **gate):
-        return parse_spec({"teacher": {"kind": "manifest_file", "path": str(corpus_dir / "teacher-manifest.jsonl")},
+        return parse_spec({"teacher": {"kind": "manifest_file", "path": str(corpus_dir / "manifest.jsonl")},
                            "corpus": str(corpus_dir / "corpus.jsonl"), "student": str(tiny_student),
                            "storage_root": str(root), "adapter": "quality", "config": CONFIG,
                            "quality_gate": {"corpus": str(corpus_dir / "heldout.jsonl"), **gate}})
@@ -188,7 +174,7 @@ def test_a_retried_gate_reads_its_decision_back(tiny_student, corpus_dir, tmp_pa
     from kiln_core.contracts.pipeline import parse_spec
     from kiln_core.engine import run_pipeline
 
-    spec = parse_spec({"teacher": {"kind": "manifest_file", "path": str(corpus_dir / "teacher-manifest.jsonl")},
+    spec = parse_spec({"teacher": {"kind": "manifest_file", "path": str(corpus_dir / "manifest.jsonl")},
                        "corpus": str(corpus_dir / "corpus.jsonl"), "student": str(tiny_student),
                        "storage_root": str(tmp_path), "adapter": "again", "config": CONFIG,
                        "quality_gate": {"corpus": str(corpus_dir / "heldout.jsonl"), "max_reverse_kl": 1e6}})
