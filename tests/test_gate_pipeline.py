@@ -250,3 +250,21 @@ def test_bad_quality_gate_names_the_field(tiny_student, block, field):
     with pytest.raises(SpecError) as caught:
         parse_spec({"corpus": "c.jsonl", "student": str(tiny_student), "adapter": "a", "quality_gate": block})
     assert caught.value.field == field
+
+
+def test_an_eval_that_does_not_complete_is_outcome_error(tiny_student, corpus_dir, tmp_path, capsys, monkeypatch):
+    """Kiln: an eval job that fails is outcome ``error`` — the adapter stays where it is, not promoted."""
+    register_suite(tmp_path, "tuned", ["x"] * len(PROMPTS))
+
+    def broken_model(*args, **kwargs):
+        raise RuntimeError("CUDA error: device-side assert triggered")
+
+    monkeypatch.setattr("kiln_core.post_eval.runner.load_arm", broken_model)
+    request = write_request(corpus_dir, "error.json", post_eval={"suite": "tuned", "min_accuracy": 0.5})
+    code, result = train(capsys, request, tmp_path, tiny_student)
+    assert code == 4 and result["status"] == "success" and result["latest"] is None
+    assert result["gate"]["outcome"] == "error" and "NOT promoted" in result["gate"]["verdict"]
+    assert Path(result["run"]).parent == tmp_path / "runs" / "gated" and Path(result["run"]).name != "gated.failed"
+    receipt = json.loads(Path(result["receipt"]).read_text())
+    assert receipt["gate_outcome"] == "error" and "device-side assert" in receipt["post_eval"]["error"]
+    assert receipt["post_eval"]["post_eval_gate_evidence"] == []

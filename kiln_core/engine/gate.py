@@ -34,6 +34,7 @@ from typing import Any, Iterator
 
 from kiln_core.contracts.pipeline import PipelineSpec
 from kiln_core.engine.refs import CorpusRef, GateRef, ManifestRef, TrainRef
+from kiln_core.errors import EnvironmentFailure
 from kiln_core.storage import localize_directory, resolve
 
 __all__ = ["has_gate", "check_gate_inputs", "run_gate", "before_after_rows", "describe_gate"]
@@ -161,10 +162,15 @@ def run_gate(trained: TrainRef, spec: PipelineSpec, manifest: ManifestRef, stude
     if spec.post_eval is not None:
         from kiln_core.post_eval import SuiteRegistry, run_post_eval
 
-        suite = SuiteRegistry.for_storage_root(spec.storage_root).load(spec.post_eval.suite)
-        post = run_post_eval(spec.post_eval, suite, student_dir=student_dir, candidate_adapter=trained.adapter_uri,
-                             candidate_name=spec.adapter, auto_load_on_pass=spec.config.auto_load, seed=seed,
-                             device=device)
+        try:
+            suite = SuiteRegistry.for_storage_root(spec.storage_root).load(spec.post_eval.suite)
+            post = run_post_eval(spec.post_eval, suite, student_dir=student_dir, candidate_adapter=trained.adapter_uri,
+                                 candidate_name=spec.adapter, auto_load_on_pass=spec.config.auto_load, seed=seed,
+                                 device=device)
+        except EnvironmentFailure:
+            raise  # storage: the task retries
+        except Exception as error:  # noqa: BLE001 - Kiln: an eval that did not complete is outcome `error`
+            post = _incomplete_post_eval(spec, seed, error)
         outcome, verdict = post.outcome, post.verdict
     if spec.quality_gate is not None:
         quality = _quality_gate(spec, manifest, student_dir, localize_directory(trained.adapter_uri), train_corpus_uri,
@@ -190,6 +196,22 @@ def run_gate(trained: TrainRef, spec: PipelineSpec, manifest: ManifestRef, stude
     return GateRef(outcome=outcome, verdict=verdict, publish=outcome in PUBLISHING_OUTCOMES, run_uri=where.uri,
                    receipt_uri=receipt_uri, adapter_uri=adapter_uri, post_eval=update["post_eval"],
                    quality_gate=quality)
+
+
+def _incomplete_post_eval(spec: PipelineSpec, seed: int | None, error: Exception) -> Any:
+    """The result of a post-training eval that did not complete (a model that would not load, a suite
+    deleted since submission, a crash while generating): Kiln's ``error`` outcome — the adapter is left
+    where it is, not promoted [crates/kiln-server/src/eval/worker.rs · apply_post_eval_gate]."""
+    from kiln_core.post_eval import PostEvalResult
+
+    config = spec.post_eval
+    result = PostEvalResult(config.suite, config.data_scope, config.min_accuracy_f32, config.gated, "",
+                            seed if seed is not None else 0, error=f"{type(error).__name__}: {error}")
+    if config.gated:
+        result.outcome = "error"
+        result.verdict = (f"post-eval did not complete (state: Failed) — adapter `{spec.adapter}` left on disk, "
+                          "NOT promoted")
+    return result
 
 
 def _stamped(post: Any, outcome: str) -> dict[str, Any] | None:
