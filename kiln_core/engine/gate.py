@@ -149,48 +149,63 @@ def run_gate(trained: TrainRef, spec: PipelineSpec, manifest: ManifestRef, stude
         >>> ref.outcome, ref.publish  # doctest: +SKIP
         ('demoted', False)
     """
-    from kiln_core.engine.publish import latest_location
-    from kiln_core.post_eval import GateFate, aggregate_gate_outcome, apply_gate_outcome, post_eval_receipt_block
     from kiln_core.training.receipt import read_receipt
 
     run = resolve(trained.run_uri)
     receipt = read_receipt(run)
     if receipt.gate_outcome is not None or receipt.post_eval is not None:
         return _decided(trained, receipt)  # an earlier attempt decided and recorded it
-    post = quality = None
-    outcome = verdict = None
-    if spec.post_eval is not None:
-        from kiln_core.post_eval import SuiteRegistry, run_post_eval
-
-        try:
-            suite = SuiteRegistry.for_storage_root(spec.storage_root).load(spec.post_eval.suite)
-            post = run_post_eval(spec.post_eval, suite, student_dir=student_dir, candidate_adapter=trained.adapter_uri,
-                                 candidate_name=spec.adapter, auto_load_on_pass=spec.config.auto_load, seed=seed,
-                                 device=device)
-        except EnvironmentFailure:
-            raise  # storage: the task retries
-        except Exception as error:  # noqa: BLE001 - Kiln: an eval that did not complete is outcome `error`
-            post = _incomplete_post_eval(spec, seed, error)
-        outcome, verdict = post.outcome, post.verdict
+    post = _post_eval(trained, spec, student_dir, seed, device) if spec.post_eval is not None else None
+    outcome, verdict = (post.outcome, post.verdict) if post is not None else (None, None)
+    quality = None
     if spec.quality_gate is not None:
+        from kiln_core.post_eval import aggregate_gate_outcome
+
         quality = _quality_gate(spec, manifest, student_dir, localize_directory(trained.adapter_uri), train_corpus_uri,
                                 device)
         outcome, verdict = aggregate_gate_outcome(outcome, quality["outcome"], quality["verdict"])
+    return _act_and_record(trained, spec, outcome, verdict, post, quality)
+
+
+def _post_eval(trained: TrainRef, spec: PipelineSpec, student_dir: str, seed: int | None, device: str | None) -> Any:
+    """Kiln's post-training eval of the new adapter (``PostEvalResult``; ``error`` when it did not complete)."""
+    from kiln_core.post_eval import SuiteRegistry, run_post_eval
+
+    try:
+        suite = SuiteRegistry.for_storage_root(spec.storage_root).load(spec.post_eval.suite)
+        return run_post_eval(spec.post_eval, suite, student_dir=student_dir, candidate_adapter=trained.adapter_uri,
+                             candidate_name=spec.adapter, auto_load_on_pass=spec.config.auto_load, seed=seed,
+                             device=device)
+    except EnvironmentFailure:
+        raise  # storage: the task retries
+    except Exception as error:  # noqa: BLE001 - Kiln: an eval that did not complete is outcome `error`
+        return _incomplete_post_eval(spec, seed, error)
+
+
+def _act_and_record(trained: TrainRef, spec: PipelineSpec, outcome: str | None, verdict: str | None, post: Any,
+                    quality: dict[str, Any] | None) -> GateRef:
+    """Rename a loser (``apply_gate_outcome``), then write the evidence into the receipt where the run now is.
+
+    A promoted run's receipt is written here and its ``latest.json`` by the publish stage, afterwards,
+    so the pointer's receipt digest covers the evidence.
+    """
+    from kiln_core.engine.publish import latest_location
+    from kiln_core.post_eval import GateFate, apply_gate_outcome, post_eval_receipt_block
+    from kiln_core.training.receipt import read_receipt, write_receipt
+
+    run = resolve(trained.run_uri)
+    fate = None
     if outcome == "promoted":
         fate = GateFate(outcome, verdict, _stamped(post, outcome), run.uri, latest_uri=latest_location(run).uri)
     elif outcome is not None:
         fate = apply_gate_outcome(run, spec.adapter, outcome, post.evidence if post else None, verdict=verdict)
         verdict = fate.verdict
-    else:
-        fate = None
     where = resolve(fate.run_uri) if fate is not None else run
     update = {"gate_outcome": outcome, "quality_gate": quality, "post_eval": None}
     if post is not None:  # an ungated post_eval is informational: the quality gate's outcome is not its own
         update["post_eval"] = post_eval_receipt_block(post, fate if post.gated else None)
         if post.gated:
             update["post_eval"]["gate_outcome"], update["post_eval"]["post_eval_verdict"] = outcome, verdict
-    from kiln_core.training.receipt import write_receipt
-
     receipt_uri = write_receipt(where, read_receipt(where).model_copy(update=update))
     adapter_uri = where.child("adapter").uri if trained.adapter_uri else None
     return GateRef(outcome=outcome, verdict=verdict, publish=outcome in PUBLISHING_OUTCOMES, run_uri=where.uri,
