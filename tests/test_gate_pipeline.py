@@ -268,3 +268,29 @@ def test_an_eval_that_does_not_complete_is_outcome_error(tiny_student, corpus_di
     receipt = json.loads(Path(result["receipt"]).read_text())
     assert receipt["gate_outcome"] == "error" and "device-side assert" in receipt["post_eval"]["error"]
     assert receipt["post_eval"]["post_eval_gate_evidence"] == []
+
+
+def test_a_pass_without_auto_load_is_kept_not_published(tiny_student, corpus_dir, tmp_path):
+    """Kiln: a passing gate without ``auto_load`` is ``kept`` — in place, not active; not a held-back run (exit 0)."""
+    from kiln_core.contracts.pipeline import parse_spec
+    from kiln_core.engine import run_pipeline
+
+    spec = parse_spec({"teacher": {"kind": "manifest_file", "path": str(corpus_dir / "manifest.jsonl")},
+                       "corpus": str(corpus_dir / "corpus.jsonl"), "student": str(tiny_student),
+                       "storage_root": str(tmp_path), "adapter": "kept", "config": {**CONFIG, "auto_load": False},
+                       "quality_gate": {"corpus": str(corpus_dir / "heldout.jsonl"), "max_reverse_kl": 1e6}})
+    result = run_pipeline(spec)
+    assert result.gate["outcome"] == "kept" and "kept (auto_load not requested)" in result.gate["verdict"]
+    assert result.latest is None and not result.held_back and Path(result.run).parent.name == "kept"
+    assert not (tmp_path / "runs" / "kept" / "latest.json").exists()
+
+
+@pytest.mark.parametrize("outcome, event", [
+    ("promoted", "kiln-flows.adapter.promoted"), ("kept", "kiln-flows.adapter.kept"),
+    ("demoted", "kiln-flows.adapter.rejected"), ("regression", "kiln-flows.adapter.rejected"),
+    ("inconclusive", "kiln-flows.adapter.rejected"), ("error", "kiln-flows.adapter.rejected"), (None, None),
+])
+def test_every_outcome_has_its_event(outcome, event):
+    from tasks.gate import gate_event_name
+
+    assert gate_event_name(outcome) == event
