@@ -253,6 +253,8 @@ def before_after_rows(gate: dict[str, Any]) -> list[dict[str, Any]]:
     if quality:
         limits = {name.removeprefix("max_").removeprefix("min_"): ("≤ " if name.startswith("max_") else "≥ ") + f"{v:g}"
                   for name, v in quality["thresholds"].items()}
+        if quality.get("require_improvement"):
+            limits["reverse_kl"] = ", ".join(filter(None, [limits.get("reverse_kl"), "< base"]))
         for metric in ("reverse_kl", "top1_agreement", "teacher_token_nll"):
             if metric in quality["distilled"]:
                 rows.append({"metric": metric, "base": quality["base"][metric], "distilled": quality["distilled"][metric],
