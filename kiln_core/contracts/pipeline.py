@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from kiln_core.contracts.names import NAME_RULE, is_valid_name
+from kiln_core.contracts.names import NAME_PATTERN, NAME_RULE, is_valid_name
 from kiln_core.contracts.opd_config import (
     EchoConfig,
     OpdConfig,
@@ -54,28 +54,29 @@ class SpecError(Rejection, ValueError):
 class TeacherSource(BaseModel):
     """Where the teacher's identity comes from."""
 
-    model_config = ConfigDict(extra="forbid", json_schema_extra={"title": "Teacher"})
+    model_config = ConfigDict(extra="forbid", title="Teacher",
+                              json_schema_extra={"description": "Where the teacher's identity comes from."})
 
     kind: Literal["kiln_server", "local_registry", "local_dir", "manifest_file"] = Field(
         default="local_registry",
         description="kiln_server: fetch the manifest from a running Kiln server; local_registry: a teacher "
         "registered with `kiln-flows teachers register`; local_dir: a Hugging Face teacher directory; "
-        "manifest_file: a file whose first line is the pinned manifest.",
+        "manifest_file: a file whose first line is the pinned manifest. Default: local_registry.",
         json_schema_extra={"position": 0},
     )
     alias: str | None = Field(
         default=None,
-        description="Teacher alias (kiln_server and local_registry).",
+        description="Teacher alias (kiln_server and local_registry only).",
         json_schema_extra={"position": 1},
     )
     url: str = Field(
         default="http://127.0.0.1:8420",
-        description="Kiln server base URL (kiln_server only).",
+        description="Kiln server base URL (kiln_server only). Default: http://127.0.0.1:8420.",
         json_schema_extra={"position": 2},
     )
     path: str | None = Field(
         default=None,
-        description="Teacher model directory (local_dir) or manifest file (manifest_file).",
+        description="Teacher model directory (local_dir) or manifest file (manifest_file), a path or fsspec URI.",
         json_schema_extra={"position": 3},
     )
 
@@ -101,31 +102,32 @@ def _default_config() -> OpdConfig:
 class RunOptions(BaseModel):
     """How the pipeline runs (not what it trains)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", title="Run options")
 
     refresh: bool = Field(
-        default=False, description="Re-admit and re-materialize even when this exact corpus was admitted before."
+        default=False, description="Re-admit and re-materialize even when this exact corpus was admitted before. "
+        "Default: false."
     )
     train_retries: int = Field(
-        default=2, ge=0, le=10, description="Retries of the training stage; each resumes from the newest checkpoint."
+        default=2, ge=0, le=10, description="Retries of the training stage (0-10); each resumes from the newest checkpoint. Default: 2."
     )
-    kiln_strict: bool = Field(default=False, description="Accept only Kiln's vLLM teacher protocol in the manifest.")
+    kiln_strict: bool = Field(default=False, description="Accept only Kiln's vLLM teacher protocol in the manifest. Default: false.")
     storage_block: str | None = Field(
         default=None,
-        description="Optional Prefect Secret block slug (`secret/<name>`) holding fsspec options per protocol, "
-        "e.g. {\"s3\": {\"key\": ..., \"secret\": ...}}; passed to this run's storage calls only, never "
-        "written to fsspec's process-wide configuration. Credentials never go in the spec itself.",
+        description="Prefect Secret block (secret/<name>) holding fsspec options per protocol, e.g. "
+        "{\"s3\": {\"key\": ..., \"secret\": ...}}, used by this run's storage calls only; credentials never "
+        "go in the spec itself. Default: empty (the environment's credentials).",
     )
     progress_every_seconds: float = Field(
-        default=5.0, gt=0, description="How often the training progress artifact is updated."
+        default=5.0, gt=0, description="Seconds between updates of the training progress artifact. Default: 5."
     )
     cancel_poll_seconds: float = Field(
-        default=2.0, gt=0, description="How often training checks whether the flow run is being cancelled."
+        default=2.0, gt=0, description="Seconds between checks whether the flow run is being cancelled. Default: 2."
     )
     train_deployment: str | None = Field(
         default=None,
-        description="Run training as this deployment of the `kiln-train` flow (e.g. `kiln-train/gpu`) on its "
-        "work pool, instead of in this flow run.",
+        description="Run training as this deployment of the kiln-train flow (e.g. kiln-train/gpu) on its "
+        "work pool, instead of in this flow run. Default: empty (train here).",
     )
 
 
@@ -138,15 +140,20 @@ class DistributedOptions(BaseModel):
     same ``nproc``. Storage must be reachable from every process (not ``memory://``).
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", title="Distributed training",
+                              json_schema_extra={"description": "Data-parallel training on several processes "
+                                                 "of one machine (torch.distributed via torchrun)."})
 
-    nproc: int = Field(default=1, ge=1, le=1024, description="Processes (ranks) on the training machine; 1 = no torchrun.")
+    nproc: int = Field(default=1, ge=1, le=1024,
+                       description="Processes (ranks) on the training machine, 1-1024; 1 = no torchrun. Default: 1.")
     backend: Literal["auto", "gloo", "nccl"] = Field(
-        default="auto", description="torch.distributed backend: auto = gloo on CPU, nccl on CUDA (one GPU per rank)."
+        default="auto",
+        description="torch.distributed backend: auto = gloo on CPU, nccl on CUDA (one GPU per rank). Default: auto.",
     )
     strategy: Literal["ddp", "fsdp"] = Field(
         default="ddp",
-        description="ddp: the LoRA adapter is replicated and its gradients all-reduced. fsdp is not implemented yet.",
+        description="ddp: the LoRA adapter is replicated and its gradients all-reduced; fsdp is not implemented "
+        "yet. Default: ddp.",
     )
 
     @field_validator("strategy")
@@ -184,22 +191,28 @@ class PipelineSpec(BaseModel):
     )
     storage_root: str = Field(
         default="./kiln-data",
-        description="Where corpora, checkpoints, adapters and receipts are published (path or fsspec URI).",
+        description="Where corpora, checkpoints, adapters and receipts are published (path or fsspec URI). "
+        "Default: ./kiln-data.",
         json_schema_extra={"position": 4},
     )
     adapter: str = Field(
-        description="Output adapter name (letters, digits, '.', '_', '-').",
-        json_schema_extra={"position": 5},
+        description=f"Output adapter name: {NAME_RULE}.",
+        json_schema_extra={"position": 5, "pattern": NAME_PATTERN},
     )
     config: OpdConfig = Field(
         default_factory=_default_config,
-        description="Kiln's OpdConfig: top_k, optimizer, LoRA rank/alpha, epochs, checkpoint_interval, ECHO, seed.",
+        description="Kiln's training config (OpdConfig): loss, top-K, optimizer, LoRA rank and alpha, epochs, "
+        "checkpoints, seed; every field shows Kiln's default.",
         json_schema_extra={"position": 6},
     )
-    options: RunOptions = Field(default_factory=RunOptions, json_schema_extra={"position": 7})
+    options: RunOptions = Field(default_factory=RunOptions, description="How the pipeline runs: retries, refresh, "
+                                "progress and cancellation intervals, storage credentials.",
+                                json_schema_extra={"position": 7})
     distributed: DistributedOptions | None = Field(
         default=None,
-        description="Optional: train on several processes with torch.distributed (nproc, backend).",
+        title="Distributed training",
+        description="Train on several processes of one machine with torch.distributed (nproc, backend); "
+        "empty = one process.",
         json_schema_extra={"position": 8},
     )
 
@@ -286,6 +299,41 @@ def parse_spec(value: Any, *, file: str | None = None) -> PipelineSpec:
             rest = message[len(named) + 2:]
             raise SpecError(f"invalid pipeline spec: `{field}`{rest}", field, file=file) from None
         raise SpecError(f"invalid pipeline spec: `{where or 'spec'}`: {message}", where or None, file=file) from None
+
+
+def _local_path(uri: str) -> str | None:
+    """The filesystem path of a local location (a plain path or ``file://``), else None."""
+    if uri.startswith("file://"):
+        return uri[len("file://"):]
+    return None if "://" in uri else uri
+
+
+def check_local_inputs(spec: PipelineSpec) -> None:
+    """Refuse a spec whose local inputs are not there, naming the field (remote URIs are left to the
+    stages that read them).
+
+    Raises:
+        SpecError: ``student`` is not a directory, or ``corpus``/``examples``/``teacher.path`` does not exist.
+
+    Example:
+        >>> check_local_inputs(PipelineSpec(corpus="missing.jsonl", student=".", adapter="a",
+        ...     teacher={"kind": "manifest_file", "path": "."}))
+        Traceback (most recent call last):
+        SpecError: invalid pipeline spec: `corpus`: missing.jsonl does not exist
+    """
+    import os
+
+    # The codes are the ones the stages reading these inputs use (never renamed): the check only moves
+    # the refusal before any work.
+    checks = [("student", spec.student, os.path.isdir, "is not a directory", "invalid_student"),
+              ("corpus", spec.corpus, os.path.exists, "does not exist", "file_not_found"),
+              ("examples", spec.examples, os.path.exists, "does not exist", "file_not_found")]
+    if spec.teacher.kind in ("local_dir", "manifest_file"):
+        checks.append(("teacher.path", spec.teacher.path, os.path.exists, "does not exist", "file_not_found"))
+    for field, uri, present, problem, code in checks:
+        path = _local_path(uri) if uri else None
+        if path is not None and not present(path):
+            raise SpecError(f"invalid pipeline spec: `{field}`: {uri} {problem}", field, code=code)
 
 
 def load_spec(path: str) -> PipelineSpec:
