@@ -47,6 +47,7 @@ __all__ = [
     "effective_samples_per_prompt",
     "effective_config",
     "PRESETS",
+    "SAMPLING_FIELDS",
 ]
 
 SUPPORTED_TOP_K = (32, 16)  # Kiln's KT kernels, largest first (§2.6)
@@ -201,6 +202,11 @@ class EchoConfig(_Strict):
 # Extension (issue 14): named recipes measured by bench/distill_quality.py. A preset fills in the fields
 # a config leaves unset; fields given explicitly win. No preset is ever applied by default, so a Kiln
 # request keeps Kiln's loss and defaults.
+# On-policy sampling settings: they act only when the student samples rollouts from prompts. The run
+# form shows them in the pipeline spec's `prompts` source, not among the config fields.
+SAMPLING_FIELDS = ("samples_per_prompt", "temperature", "top_p", "max_tokens", "sampler_segments",
+                   "rollout_prompt_rendering", "discount", "clip_epsilon", "stable_opd")
+
 PRESETS: dict[str, dict[str, Any]] = {
     # Best on all three held-out metrics, per step and per second, of Kiln's loss, tail, SFT, forward
     # and tail+forward on SmolLM2-135M's half-depth student (bench/distill_quality.py; README figures).
@@ -289,6 +295,17 @@ class OpdConfig(BaseModel):
     """kiln-flows extension: sequences per optimizer step (gradient accumulation, mean of their losses). Default 1, as Kiln."""
     preset: Literal["quality"] | None = None
     """kiln-flows extension: a named recipe (quality) that fills in the fields this config leaves unset. Default: none."""
+
+    @classmethod
+    def __get_pydantic_json_schema__(cls, core_schema, handler):
+        # This JSON schema exists for one reader, the Prefect UI's run form. There the training mode follows
+        # the pipeline spec's source and the sampling settings sit in its on-policy source, so neither is
+        # listed among the config fields. Parsing is untouched: every field is accepted as before.
+        schema = handler(core_schema)
+        properties = handler.resolve_ref_schema(schema).get("properties", {})
+        for name in ("training_mode", *SAMPLING_FIELDS):
+            properties.pop(name, None)
+        return schema
 
     @model_validator(mode="before")
     @classmethod

@@ -25,12 +25,14 @@ Example:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
+from pydantic.json_schema import SkipJsonSchema
 
 from kiln_core.contracts.names import NAME_PATTERN, NAME_RULE, is_valid_name
 from kiln_core.contracts.opd_config import (
+    SAMPLING_FIELDS,
     EchoConfig,
     OpdConfig,
     StableOpdAuto,
@@ -93,6 +95,62 @@ class TeacherSource(BaseModel):
     def label(self) -> str:
         """A short name for run names and receipts."""
         return self.alias or Path(self.path or "teacher").name
+
+
+# Each branch's `kind` has its value as default so that the form fills it in when its tab is picked;
+# parsing still needs `kind` in the input to choose the branch.
+
+
+class CorpusSource(BaseModel):
+    """Off-policy: a JSONL corpus the teacher has already scored (Kiln's dataset_path)."""
+
+    model_config = ConfigDict(extra="forbid", title="Scored corpus")
+
+    kind: Literal["corpus"] = Field(default="corpus", description="Train off-policy on a teacher-scored corpus.")
+    corpus: str = Field(description="Teacher-scored JSONL corpus (local path or fsspec URI: file://, s3://, memory://).")
+
+
+class ExamplesSource(BaseModel):
+    """Off-policy: unscored examples that the local teacher scores first."""
+
+    model_config = ConfigDict(extra="forbid", title="Examples to score")
+
+    kind: Literal["examples"] = Field(default="examples", description="Score examples with the local teacher, then train off-policy.")
+    examples: str = Field(description="Unscored examples JSONL, scored by the teacher first (teacher kind local_dir "
+                          "or local_registry).")
+
+
+# The sampling settings of OpdConfig, field for field (same types, rules, defaults and descriptions).
+OnPolicySampling = create_model(
+    "OnPolicySampling",
+    __config__=ConfigDict(strict=True, extra="forbid", frozen=True, title="Sampling"),
+    __doc__="How the student's rollouts are sampled and weighted (on-policy only).",
+    **{name: (OpdConfig.model_fields[name].annotation, OpdConfig.model_fields[name]) for name in SAMPLING_FIELDS},
+)
+
+ON_POLICY_NOT_YET = ("on-policy training from prompts is not in the pipeline yet (it comes with the on-policy "
+                     "pipeline work); give a scored corpus or examples to score")
+
+
+class PromptsSource(BaseModel):
+    """On-policy: prompts that the student answers and the teacher scores (Kiln's prompts)."""
+
+    model_config = ConfigDict(extra="forbid", title="Prompts (on-policy)")
+
+    kind: Literal["prompts"] = Field(default="prompts", description="Train on-policy: sample the student's answers to prompts.")
+    prompts: str = Field(description="Prompts JSONL, one Kiln OpdPrompt per line (local path or fsspec URI).")
+    sampling: OnPolicySampling = Field(  # type: ignore[valid-type]
+        default_factory=OnPolicySampling,
+        description="How rollouts are sampled (samples per prompt, temperature, top-p, max tokens, ...).")
+
+
+Source = Annotated[Union[CorpusSource, ExamplesSource, PromptsSource], Field(discriminator="kind")]
+
+
+def _form_schema(schema: dict[str, Any]) -> None:
+    # The form asks for the training data; a YAML spec may still name `corpus:` or `examples:` instead.
+    schema.setdefault("required", []).append("source")
+    schema["properties"]["source"].pop("default", None)
 
 
 def _default_config() -> OpdConfig:
@@ -168,22 +226,29 @@ class DistributedOptions(BaseModel):
 class PipelineSpec(BaseModel):
     """A Kiln-compatible offline distillation run: teacher → corpus → student → adapter."""
 
-    model_config = ConfigDict(extra="forbid", title="PipelineSpec")
+    model_config = ConfigDict(extra="forbid", title="PipelineSpec", json_schema_extra=_form_schema)
 
     teacher: TeacherSource = Field(
         default_factory=lambda: TeacherSource(kind="local_registry", alias="teacher"),
         description="The teacher whose identity the corpus manifest must match.",
         json_schema_extra={"position": 0},
     )
-    corpus: str | None = Field(
+    source: Source | SkipJsonSchema[None] = Field(
         default=None,
-        description="Teacher-scored JSONL corpus (local path or fsspec URI: file://, s3://, memory://).",
+        title="Training data",
+        description="What the student learns from: a scored corpus or examples to score (off-policy), or prompts "
+        "(on-policy).",
         json_schema_extra={"position": 1},
     )
-    examples: str | None = Field(
-        default=None,
+    # The same choice as two plain fields, for YAML specs and Kiln request files; the form shows `source`.
+    # Dumps carry `source` only, so a dumped spec validates against the form's schema.
+    corpus: SkipJsonSchema[str | None] = Field(
+        default=None, exclude=True,
+        description="Teacher-scored JSONL corpus (local path or fsspec URI: file://, s3://, memory://).",
+    )
+    examples: SkipJsonSchema[str | None] = Field(
+        default=None, exclude=True,
         description="Unscored examples JSONL to score with a local teacher first (instead of `corpus`).",
-        json_schema_extra={"position": 2},
     )
     student: str = Field(
         description="Student model directory (config.json, fast tokenizer, weights) or fsspec URI of one.",
@@ -223,10 +288,14 @@ class PipelineSpec(BaseModel):
         unknown = unknown_config_key(value)
         if unknown is not None:
             raise ValueError(f"`config.{unknown}`: unknown key (not a field of Kiln's OpdConfig)")
+        if isinstance(value, dict) and "training_mode" not in value:
+            # The form does not show training_mode (the source decides it); a pipeline trains off-policy.
+            value = {**value, "training_mode": "off_policy"}
         return value
 
     @model_validator(mode="after")
     def _consistent(self) -> "PipelineSpec":
+        self._bind_source()
         if (self.corpus is None) == (self.examples is None):
             raise ValueError("give exactly one of `corpus` (already scored) or `examples` (to score first)")
         if self.examples is not None and self.teacher.kind not in ("local_dir", "local_registry"):
@@ -243,6 +312,22 @@ class PipelineSpec(BaseModel):
             field = error.field if error.field and error.field.startswith("config") else f"config.{error.field or ''}".rstrip(".")
             raise ValueError(f"`{field}`: {error.message}") from None
         return self
+
+
+    def _bind_source(self) -> None:
+        """Fill ``corpus``/``examples`` from ``source`` (the form), or ``source`` from them (YAML, requests)."""
+        if self.source is None:
+            if self.corpus is not None and self.examples is None:
+                self.source = CorpusSource(corpus=self.corpus)
+            elif self.examples is not None and self.corpus is None:
+                self.source = ExamplesSource(examples=self.examples)
+            return
+        if self.corpus is not None or self.examples is not None:
+            raise ValueError("`source`: give the training data once, as `source` or as `corpus`/`examples`")
+        if isinstance(self.source, PromptsSource):
+            raise ValueError(f"`source`: {ON_POLICY_NOT_YET}")
+        self.corpus = getattr(self.source, "corpus", None)
+        self.examples = getattr(self.source, "examples", None)
 
 
 _STABLE_OPD_MODES = {"off": StableOpdOff, "auto": StableOpdAuto, "manual": StableOpdManual}
@@ -291,7 +376,7 @@ def parse_spec(value: Any, *, file: str | None = None) -> PipelineSpec:
         return PipelineSpec.model_validate(value)
     except ValidationError as error:
         first = error.errors()[0]
-        where = ".".join(str(part) for part in first["loc"])
+        where = ".".join(_field_path(first["loc"]))
         message = first["msg"].removeprefix("Value error, ")
         if message.startswith("`"):  # a rule that names its own field, relative to where it ran
             named = message[1:message.index("`", 1)]
@@ -334,6 +419,21 @@ def check_local_inputs(spec: PipelineSpec) -> None:
         path = _local_path(uri) if uri else None
         if path is not None and not present(path):
             raise SpecError(f"invalid pipeline spec: `{field}`: {uri} {problem}", field, code=code)
+
+
+def _field_path(loc: tuple) -> list[str]:
+    """A validation error's location as field names: pydantic's union markers and the discriminator
+    tag that follows one (``source.tagged-union[...].corpus.examples`` → ``source.examples``) are dropped."""
+    parts: list[str] = []
+    skip_tag = False
+    for part in map(str, loc):
+        if part.startswith("tagged-union["):
+            skip_tag = True
+        elif skip_tag:
+            skip_tag = False
+        else:
+            parts.append(part)
+    return parts
 
 
 def load_spec(path: str) -> PipelineSpec:

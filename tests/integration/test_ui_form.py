@@ -129,11 +129,16 @@ def test_custom_run_form_renders_spec_and_submits_edits(live_server, deployment,
 
     # The PipelineSpec renders as nested groups, each titled, with help text from the field docstrings.
     labels = {element.text.strip() for element in browser.find_elements(By.TAG_NAME, "label")}
-    for expected in ("Teacher (Optional)", "Kind (Optional)", "Path (Optional)", "Corpus (Optional)", "Student",
+    for expected in ("Teacher (Optional)", "Kind (Optional)", "Path (Optional)", "Training data", "Examples", "Student",
                      "Storage Root (Optional)", "Adapter", "Training config (Kiln OpdConfig) (Optional)",
                      "Top K (Optional)", "ECHO (Optional)", "Distributed training (Optional)"):
         assert expected in labels, f"form label {expected!r} missing; labels: {sorted(labels)}"
     assert not any(label.startswith("Field") for label in labels), sorted(labels)
+    # Off-policy: one source is filled (examples here), and no sampling setting is on the form.
+    assert not {"Corpus (Optional)", "Examples (Optional)", "Corpus"} & labels
+    sampling = {"Samples Per Prompt (Optional)", "Temperature (Optional)", "Top P (Optional)",
+                "Max Tokens (Optional)", "Training Mode (Optional)"}
+    assert not sampling & labels, sampling & labels
     page = _text(browser)
     assert "Output adapter name: 1-128 characters" in page
     assert "``" not in page  # no raw reST markup anywhere on the form
@@ -157,6 +162,19 @@ def test_custom_run_form_renders_spec_and_submits_edits(live_server, deployment,
     assert {"kiln_server", "local_registry", "local_dir"} <= offered, (offered, [o.get_attribute("outerHTML") for o in options])
     browser.find_element(By.TAG_NAME, "body").send_keys(Keys.ESCAPE)
     WebDriverWait(browser, 30).until(lambda d: not d.find_elements(By.XPATH, "//*[@role='option']"))
+
+    # The on-policy tab of the training data shows the prompts and their sampling settings instead.
+    prompts_tab = browser.find_element(By.XPATH, "//*[self::button or @role='tab'][normalize-space()='Prompts (on-policy)']")
+    browser.execute_script("arguments[0].scrollIntoView({block: 'center'});", prompts_tab)
+    prompts_tab.click()
+    WebDriverWait(browser, 30).until(lambda d: d.find_elements(By.XPATH, "//label[normalize-space()='Prompts']"))
+    on_policy = {element.text.strip() for element in browser.find_elements(By.TAG_NAME, "label")}
+    browser.save_screenshot(str(screenshots / "form-prompts-source.png"))
+    assert sampling - {"Training Mode (Optional)"} <= on_policy, sorted(on_policy)
+    assert "Examples" not in on_policy
+    browser.get(page)  # back to the deployment's defaults (the examples source) for the edit below
+    WebDriverWait(browser, 120).until(
+        ec.presence_of_element_located((By.XPATH, "//label[normalize-space()='Adapter']")))
 
     def type_adapter(name: str):
         """Edit the adapter name the way a person does (select all, type)."""
@@ -223,6 +241,7 @@ def test_custom_run_form_renders_spec_and_submits_edits(live_server, deployment,
         defaults = deployment["parameters"]["spec"]
         assert (spec["teacher"]["kind"], spec["teacher"]["path"]) == ("local_dir", defaults["teacher"]["path"])
         assert spec["student"] == defaults["student"]
+        assert spec["source"] == defaults["source"] == {"kind": "examples", "examples": "./kiln-data/demo-examples.jsonl"}
         assert spec["storage_root"] == defaults["storage_root"]
         assert spec["config"]["top_k"] == defaults["config"]["top_k"]
         # The optimizer union opened on the right tab (AdamW), so no Muon fields leaked into it.
