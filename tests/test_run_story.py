@@ -221,3 +221,48 @@ def test_remote_inputs_are_left_to_the_stages(local_inputs):
     from kiln_core.contracts.pipeline import check_local_inputs, parse_spec
 
     check_local_inputs(parse_spec({**local_inputs, "student": "s3://bucket/student", "corpus": "memory://c.jsonl"}))
+
+
+# ---------------------------------------------------------------------------------------------
+# the deployment page and the demo's closing hint
+
+
+def test_serve_puts_its_limit_and_the_schedules_time_zone_on_the_deployment(monkeypatch, capsys):
+    import argparse
+
+    import prefect
+
+    import flows.local_api
+    from flows.commands import serve as serve_command
+
+    served = {}
+    monkeypatch.setattr(flows.local_api, "start_local_api", lambda: None)
+    monkeypatch.setattr(prefect, "serve", lambda *deployments, **options: served.update(deployments=deployments, **options))
+    args = argparse.Namespace(name="local", cron="0 2 * * *", timezone=None, spec=None, limit=3)
+    assert serve_command.run(args) == 0
+    [deployment] = served["deployments"]
+    assert served["limit"] == 3
+    assert deployment.concurrency_limit == 3  # what the deployment page shows instead of "∞"
+    [schedule] = deployment.schedules
+    assert schedule.schedule.timezone == "UTC" and schedule.schedule.cron == "0 2 * * *"
+
+
+def test_the_demos_hint_links_the_run_when_it_went_to_a_server():
+    from prefect.settings import PREFECT_UI_URL, temporary_settings
+
+    from flows.commands.demo import _run_url
+
+    with temporary_settings(updates={PREFECT_UI_URL: "http://ui.example:4200"}):
+        assert _run_url("1234", server_start=None) == "http://ui.example:4200/runs/flow-run/1234"
+        assert _run_url("1234", server_start=3.2) is None  # the temporary API is gone when the demo exits
+
+
+def test_the_demos_closing_hint_depends_on_where_the_run_went(capsys):
+    from flows.commands.demo import _report
+
+    summary = {"adapter": "/a", "receipt": "/r", "latest": "/l", "loss_history": [2.0, 1.0]}
+    _report(summary, 1.0, None, None, "http://ui/runs/flow-run/1")
+    linked = capsys.readouterr().out
+    assert "See the run in the Prefect UI: http://ui/runs/flow-run/1" in linked and "prefect server start" not in linked
+    _report(summary, 1.0, None, 2.5, None)
+    assert "start `prefect server start`" in capsys.readouterr().out
