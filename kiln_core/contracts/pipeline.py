@@ -8,6 +8,13 @@ spec fails with the offending field named (``SpecError``, a ``Rejection``). A ha
 ``config:`` refuses unknown keys (a typo such as ``lora_rnak`` would otherwise train with the
 default); Kiln request files keep Kiln's ignore-unknown behaviour (``OpdRequest``).
 
+Two views of the same spec. The form's: the training data is one ``source`` (a scored ``corpus``,
+``examples`` to score, or on-policy ``prompts`` with their sampling settings), and the config shows
+neither ``training_mode`` (the source decides it) nor the sampling settings. The file's: ``corpus:``
+or ``examples:`` at the top level and every config field, as before. Both validate to the same spec
+and effective config; a dump is the form's view. Rules a JSON schema can carry (the adapter name's
+``pattern``, ranges, enums) are in the schema, so the form refuses them inline.
+
 Secrets never belong here: S3 credentials come from the environment or a Prefect block
 (``storage_block``), never from a field of this model.
 
@@ -25,20 +32,20 @@ Example:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
 from kiln_core.contracts.names import NAME_PATTERN, NAME_RULE, is_valid_name
 from kiln_core.contracts.opd_config import (
-    SAMPLING_FIELDS,
     EchoConfig,
     OpdConfig,
     StableOpdAuto,
     StableOpdManual,
     StableOpdOff,
 )
+from kiln_core.contracts.sources import ON_POLICY_NOT_YET, CorpusSource, ExamplesSource, PromptsSource, Source
 from kiln_core.errors import Rejection
 
 
@@ -95,56 +102,6 @@ class TeacherSource(BaseModel):
     def label(self) -> str:
         """A short name for run names and receipts."""
         return self.alias or Path(self.path or "teacher").name
-
-
-# Each branch's `kind` has its value as default so that the form fills it in when its tab is picked;
-# parsing still needs `kind` in the input to choose the branch.
-
-
-class CorpusSource(BaseModel):
-    """Off-policy: a JSONL corpus the teacher has already scored (Kiln's dataset_path)."""
-
-    model_config = ConfigDict(extra="forbid", title="Scored corpus")
-
-    kind: Literal["corpus"] = Field(default="corpus", description="Train off-policy on a teacher-scored corpus.")
-    corpus: str = Field(description="Teacher-scored JSONL corpus (local path or fsspec URI: file://, s3://, memory://).")
-
-
-class ExamplesSource(BaseModel):
-    """Off-policy: unscored examples that the local teacher scores first."""
-
-    model_config = ConfigDict(extra="forbid", title="Examples to score")
-
-    kind: Literal["examples"] = Field(default="examples", description="Score examples with the local teacher, then train off-policy.")
-    examples: str = Field(description="Unscored examples JSONL, scored by the teacher first (teacher kind local_dir "
-                          "or local_registry).")
-
-
-# The sampling settings of OpdConfig, field for field (same types, rules, defaults and descriptions).
-OnPolicySampling = create_model(
-    "OnPolicySampling",
-    __config__=ConfigDict(strict=True, extra="forbid", frozen=True, title="Sampling"),
-    __doc__="How the student's rollouts are sampled and weighted (on-policy only).",
-    **{name: (OpdConfig.model_fields[name].annotation, OpdConfig.model_fields[name]) for name in SAMPLING_FIELDS},
-)
-
-ON_POLICY_NOT_YET = ("on-policy training from prompts is not in the pipeline yet (it comes with the on-policy "
-                     "pipeline work); give a scored corpus or examples to score")
-
-
-class PromptsSource(BaseModel):
-    """On-policy: prompts that the student answers and the teacher scores (Kiln's prompts)."""
-
-    model_config = ConfigDict(extra="forbid", title="Prompts (on-policy)")
-
-    kind: Literal["prompts"] = Field(default="prompts", description="Train on-policy: sample the student's answers to prompts.")
-    prompts: str = Field(description="Prompts JSONL, one Kiln OpdPrompt per line (local path or fsspec URI).")
-    sampling: OnPolicySampling = Field(  # type: ignore[valid-type]
-        default_factory=OnPolicySampling,
-        description="How rollouts are sampled (samples per prompt, temperature, top-p, max tokens, ...).")
-
-
-Source = Annotated[Union[CorpusSource, ExamplesSource, PromptsSource], Field(discriminator="kind")]
 
 
 def _form_schema(schema: dict[str, Any]) -> None:

@@ -110,6 +110,21 @@ def _help_text(driver, label_text: str) -> str:
         "return node.parentElement ? node.parentElement.innerText : node.innerText;", label)
 
 
+def _click_clear_of_toasts(driver, button) -> None:
+    """Click ``button`` as a person would: once the notifications in the corner that cover it (e.g. the
+    error toast of an earlier refused submit) have gone away."""
+    from selenium.webdriver.common.by import By
+
+    driver.execute_script("arguments[0].scrollIntoView({block: 'center'});", button)
+    try:
+        wait_for(lambda: not driver.find_elements(By.CSS_SELECTOR, "[data-sonner-toast][data-visible='true']"),
+                 timeout=30, interval=0.5, what="the notifications to close")
+    except TimeoutError:
+        for close in driver.find_elements(By.CSS_SELECTOR, "[data-sonner-toast] button[aria-label='Close toast']"):
+            close.click()
+    button.click()
+
+
 def test_custom_run_form_renders_spec_and_submits_edits(live_server, deployment, paused_pool, browser, screenshots):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
@@ -139,9 +154,9 @@ def test_custom_run_form_renders_spec_and_submits_edits(live_server, deployment,
     sampling = {"Samples Per Prompt (Optional)", "Temperature (Optional)", "Top P (Optional)",
                 "Max Tokens (Optional)", "Training Mode (Optional)"}
     assert not sampling & labels, sampling & labels
-    page = _text(browser)
-    assert "Output adapter name: 1-128 characters" in page
-    assert "``" not in page  # no raw reST markup anywhere on the form
+    form_text = _text(browser)
+    assert "Output adapter name: 1-128 characters" in form_text
+    assert "``" not in form_text  # no raw reST markup anywhere on the form
     top_k = browser.find_element(By.XPATH, "//label[normalize-space()='Top K (Optional)']")
     browser.execute_script("arguments[0].scrollIntoView({block: 'start'});", top_k)
     browser.save_screenshot(str(screenshots / "form-config-group.png"))
@@ -189,8 +204,7 @@ def test_custom_run_form_renders_spec_and_submits_edits(live_server, deployment,
 
     def press_submit():
         [submit] = browser.find_elements(By.XPATH, "//button[@type='submit' and normalize-space()='Submit']")
-        browser.execute_script("arguments[0].scrollIntoView({block: 'center'});", submit)
-        submit.click()
+        _click_clear_of_toasts(browser, submit)
 
     before = {run["id"] for run in live_server.runs_of(deployment["id"])}
     assert _field_for(browser, "Adapter").get_attribute("value") == deployment["parameters"]["spec"]["adapter"]
@@ -202,6 +216,8 @@ def test_custom_run_form_renders_spec_and_submits_edits(live_server, deployment,
     browser.execute_script("arguments[0].scrollIntoView({block: 'center'});", _field_for(browser, "Adapter"))
     browser.save_screenshot(str(screenshots / "form-bad-adapter.png"))
     assert f"'{BAD_ADAPTER}' does not match" in _help_text(browser, "Adapter")
+    toasts = [toast.text for toast in browser.find_elements(By.CSS_SELECTOR, "[data-sonner-toast]")]
+    print(f"notifications after the refused submit: {toasts}")
     time.sleep(2)
     assert browser.current_url.endswith("/run"), "the form must stay open"
     assert {run["id"] for run in live_server.runs_of(deployment["id"])} <= before
@@ -219,8 +235,7 @@ def test_custom_run_form_renders_spec_and_submits_edits(live_server, deployment,
         submits = browser.find_elements(By.XPATH, "//button[@type='submit' and normalize-space()='Submit']")
         if not submits:
             break  # the UI already left the form: the run was created
-        browser.execute_script("arguments[0].scrollIntoView({block: 'center'});", submits[0])
-        submits[0].click()
+        _click_clear_of_toasts(browser, submits[0])
         try:
             runs = wait_for(created, timeout=40, interval=1, what="the flow run the form submits")
             break
