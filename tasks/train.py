@@ -85,6 +85,20 @@ class TrainingLog:
             self.logger.info("checkpoint published: %s-checkpoint-step-%08d.kiln-checkpoint", self.adapter, step)
 
 
+def _run_logger():
+    """The task run's logger, or a plain one when the task's function is called outside a run
+    (``train_task.fn(...)`` in tests and drills)."""
+    import logging
+
+    from prefect import get_run_logger
+    from prefect.exceptions import MissingContextError
+
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return logging.getLogger("kiln_flows.train")
+
+
 def _duration(seconds: float) -> str:
     seconds = int(round(seconds))
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
@@ -108,11 +122,9 @@ def train_task(
         train_ref = train_task(plan, corpus_ref, manifest_ref, "./student")
         ```
     """
-    from prefect import get_run_logger
-
     from kiln_core.engine.training import train
 
-    log = TrainingLog(plan, corpus, get_run_logger())
+    log = TrainingLog(plan, corpus, _run_logger())
     reporter = ProgressReporter(key=artifact_key("train-progress", plan.adapter), description=f"training {plan.adapter}",
                                 every_seconds=progress_every_seconds)
 

@@ -266,3 +266,10 @@ def test_the_demos_closing_hint_depends_on_where_the_run_went(capsys):
     assert "See the run in the Prefect UI: http://ui/runs/flow-run/1" in linked and "prefect server start" not in linked
     _report(summary, 1.0, None, 2.5, None)
     assert "start `prefect server start`" in capsys.readouterr().out
+
+
+def test_training_log_works_outside_a_flow_run():
+    """``train_task.fn(...)`` (tests, drills) has no run logger: the training log falls back to a plain one."""
+    from tasks.train import _run_logger
+
+    assert _run_logger().name == "kiln_flows.train"
