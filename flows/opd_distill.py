@@ -17,6 +17,7 @@ from typing import Any
 from prefect import flow
 from prefect.states import Cancelled
 
+from flows.run_log import quiet_run_logs, run_name, tag_run
 from kiln_core.contracts.pipeline import PipelineSpec, SpecError
 from kiln_core.errors import KilnFlowsError
 
@@ -60,23 +61,37 @@ def storage_credentials(block_slug: str | None):
         yield
 
 
-@flow(name="opd-distill", flow_run_name="opd-{spec.adapter}", log_prints=True)
+# validate_parameters=False: the spec is validated by the `validate` task instead of by Prefect before
+# the run starts, so a rule the form cannot check fails the run with one line naming the field
+# (`spec.adapter: ...`) rather than Prefect's parameter-validation traceback. The UI form and the
+# server's schema check still come from the annotation.
+@flow(name="opd-distill", flow_run_name=run_name, log_prints=True, validate_parameters=False)
 def opd_distill(spec: PipelineSpec) -> dict[str, Any]:
     """Distill a teacher into a LoRA student from a teacher-scored corpus, Kiln-compatibly.
 
     Args:
-        spec: What to train and where: teacher, corpus (or examples to score), student, storage root,
-            adapter name, Kiln ``OpdConfig`` and run options.
+        spec: What to train and where: teacher, corpus or examples, student, storage, adapter, config.
 
     Returns:
         The run summary (``PipelineResult.summary()``): adapter, receipt and ``latest.json`` URIs, final
         loss and loss history.
     """
+    from prefect import get_run_logger
+
     from kiln_core.engine import run_pipeline
     from tasks.stages import PrefectStages
+    from tasks.validate import validate_spec
 
+    quiet_run_logs()
+    spec = validate_spec(spec)
+    tag_run(f"adapter:{spec.adapter}")
+    logger = get_run_logger()
     with storage_credentials(spec.options.storage_block):
         result = run_pipeline(spec, PrefectStages(spec))
+    loss = "n/a" if result.final_loss is None else f"{result.final_loss:.4f}"
+    logger.info("summary: %s %s after %d/%s steps, final loss %s; receipt %s%s", spec.adapter, result.status,
+                result.steps, result.total_steps or "?", loss, result.receipt,
+                f"; latest.json {result.latest}" if result.latest else "")
     if result.status == "cancelled":
         return Cancelled(message=f"training cancelled at step {result.steps}; checkpoint {result.latest_checkpoint}")
     if result.status != "success":

@@ -5,8 +5,11 @@ engine and the tasks can use it without importing ``flows``.
 """
 
 from kiln_core.contracts.pipeline import (
+    CorpusSource,
     DistributedOptions,
+    ExamplesSource,
     PipelineSpec,
+    PromptsSource,
     RunOptions,
     SpecError,
     TeacherSource,
@@ -14,4 +17,5 @@ from kiln_core.contracts.pipeline import (
     parse_spec,
 )
 
-__all__ = ["DistributedOptions", "PipelineSpec", "RunOptions", "SpecError", "TeacherSource", "load_spec", "parse_spec"]
+__all__ = ["CorpusSource", "DistributedOptions", "ExamplesSource", "PipelineSpec", "PromptsSource", "RunOptions",
+           "SpecError", "TeacherSource", "load_spec", "parse_spec"]

@@ -5,33 +5,38 @@ from __future__ import annotations
 from prefect import task
 
 from kiln_core.engine.refs import PublishRef, TrainRef
-from tasks.artifacts import artifact_key, markdown_links, table_rows
+from tasks.artifacts import artifact_key, loss_curve_markdown, outputs_markdown, receipt_rows
 from tasks.retry import retry_unless_rejected
 
 
 def record_artifacts(train: TrainRef, adapter: str, published: PublishRef | None) -> None:
-    """Table artifact with the receipt summary, markdown artifact with the output links."""
+    """The run's three artifacts: the loss curve (a chart), the compact receipt table, the outputs list."""
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-    from kiln_core.engine.publish import receipt_summary
     from kiln_core.storage import resolve
     from kiln_core.training.receipt import read_receipt
 
     receipt = read_receipt(train.receipt_uri)
-    create_table_artifact(
-        table_rows(receipt_summary(receipt)),
-        key=artifact_key("receipt", adapter),
-        description=f"train_receipt.json summary for {adapter}",
-    )
-    links = {"adapter": train.adapter_uri, "receipt": train.receipt_uri, "run directory": train.run_uri}
-    if published is not None:
-        links["latest.json"] = published.latest_uri
-        for uri in published.checkpoints:
-            links[uri.rsplit("/", 1)[-1]] = uri
-    elif train.latest_checkpoint:
-        links["latest checkpoint"] = resolve(train.run_uri).child(train.latest_checkpoint).uri
     create_markdown_artifact(
-        markdown_links(f"Outputs of {adapter} ({train.status})", links),
+        loss_curve_markdown(adapter, list(receipt.loss_history)),
+        key=artifact_key("loss-curve", adapter),
+        description=f"training loss of {adapter} per optimizer step",
+    )
+    create_table_artifact(
+        receipt_rows(receipt),
+        key=artifact_key("receipt", adapter),
+        description=f"train_receipt.json of {adapter}, the numbers to check first",
+    )
+    if published is not None:
+        checkpoints = list(published.checkpoints)
+    elif train.latest_checkpoint:
+        checkpoints = [resolve(train.run_uri).child(train.latest_checkpoint).uri]
+    else:
+        checkpoints = []
+    create_markdown_artifact(
+        outputs_markdown(adapter, train.status, adapter_uri=train.adapter_uri, receipt_uri=train.receipt_uri,
+                         latest_uri=published.latest_uri if published else None, checkpoints=checkpoints,
+                         run_uri=train.run_uri),
         key=artifact_key("outputs", adapter),
         description=f"where {adapter}'s adapter, receipt and checkpoints are",
     )

@@ -11,8 +11,15 @@ from kiln_core.contracts.pipeline import PipelineSpec, TeacherSource
 from kiln_core.engine.refs import CorpusRef, GateRef, InputsRef, ManifestRef, PublishRef, TrainPlan, TrainRef
 
 
+def _log():
+    from prefect import get_run_logger
+
+    return get_run_logger()
+
+
 class PrefectStages:
-    """Each stage of ``run_pipeline`` as the Prefect task of the same name."""
+    """Each stage of ``run_pipeline`` as the Prefect task of the same name, each logging where it
+    starts and what it found, so the flow run's log reads as the story of the run."""
 
     def __init__(self, spec: PipelineSpec) -> None:
         self.spec = spec
@@ -20,44 +27,65 @@ class PrefectStages:
     def manifest(self, teacher: TeacherSource, storage_root: str, max_top_k: int) -> ManifestRef:
         from tasks.manifest import fetch_manifest
 
-        return fetch_manifest(teacher, storage_root, max_top_k)
+        _log().info("manifest: pinning teacher %s (%s)", teacher.label(), teacher.kind)
+        manifest = fetch_manifest(teacher, storage_root, max_top_k)
+        _log().info("manifest: teacher %s pinned at identity revision %s", manifest.teacher, manifest.identity_revision)
+        return manifest
 
     def score(self, spec: PipelineSpec, manifest: ManifestRef, student_dir: str) -> str:
         from kiln_core.engine.stages import score_arguments
         from tasks.score import score_task
 
-        return score_task(**score_arguments(spec, manifest, student_dir)).uri
+        _log().info("score: scoring %s with teacher %s", spec.examples, manifest.teacher)
+        scored = score_task(**score_arguments(spec, manifest, student_dir))
+        _log().info("score: %d examples %s at %s", scored.examples,
+                    "reused (already scored)" if scored.reused else "scored", scored.uri)
+        return scored.uri
 
     def fingerprint(self, corpus_uri: str, student_dir: str, top_k: int) -> InputsRef:
         from tasks.admit import fingerprint_inputs
 
-        return fingerprint_inputs(corpus_uri, student_dir, top_k)
+        inputs = fingerprint_inputs(corpus_uri, student_dir, top_k)
+        _log().info("fingerprint: corpus %s is %s (top-K %d)", corpus_uri, inputs.dataset_sha256, inputs.effective_top_k)
+        return inputs
 
     def admit(self, inputs: InputsRef, manifest: ManifestRef, spec: PipelineSpec) -> CorpusRef:
         from tasks.admit import admit_task, cache_options
 
+        _log().info("admit: checking %s against every Kiln admission rule", inputs.dataset_sha256)
         admit = admit_task.with_options(**cache_options(spec.storage_root, spec.options.refresh))
-        return admit(inputs, inputs.dataset_sha256, inputs.student_digest, inputs.effective_top_k,
-                     manifest.identity_revision, spec.storage_root, manifest, spec.options.kiln_strict)
+        state = admit(inputs, inputs.dataset_sha256, inputs.student_digest, inputs.effective_top_k,
+                      manifest.identity_revision, spec.storage_root, manifest, spec.options.kiln_strict,
+                      return_state=True)
+        corpus = state.result()  # re-raises the stage's rejection or failure
+        how = ("reused (Prefect cache)" if state.name == "Cached"
+               else "reused (already materialized)" if corpus.reused else "written")
+        _log().info("admit: %d examples, %d action tokens admitted; materialization %s", corpus.examples,
+                    corpus.action_tokens, how)
+        return corpus
 
     def verify(self, corpus: CorpusRef) -> CorpusRef:
-        from prefect import get_run_logger
-
         from tasks.materialize import materialize_task
 
         corpus = materialize_task(corpus)
-        get_run_logger().info("corpus %s: %d examples, %d action tokens", corpus.dataset_sha256, corpus.examples,
-                              corpus.action_tokens)
+        _log().info("materialize: %s verified (%d examples, %d action tokens)", corpus.uri, corpus.examples,
+                    corpus.action_tokens)
         return corpus
 
     def train(self, plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir: str) -> TrainRef:
         options = self.spec.options
+        _log().info("train: %s in %s (resume: %s)", plan.adapter, plan.run_uri, plan.resume or "fresh")
         if options.train_deployment:
-            return self._train_on_pool(plan, corpus, manifest)
-        from tasks.train import train_task
+            trained = self._train_on_pool(plan, corpus, manifest)
+        else:
+            from tasks.train import train_task
 
-        return train_task.with_options(retries=options.train_retries)(
-            plan, corpus, manifest, student_dir, options.progress_every_seconds, options.cancel_poll_seconds)
+            trained = train_task.with_options(retries=options.train_retries)(
+                plan, corpus, manifest, student_dir, options.progress_every_seconds, options.cancel_poll_seconds)
+        loss = "n/a" if trained.final_loss is None else f"{trained.final_loss:.4f}"
+        _log().info("train: %s after %d steps, final loss %s%s", trained.status, trained.steps, loss,
+                    " (already finished: reused)" if trained.reused else "")
+        return trained
 
     def _train_on_pool(self, plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef) -> TrainRef:
         """Hand training to the ``kiln-train`` deployment named in the spec (e.g. on a GPU pool)."""
@@ -87,9 +115,14 @@ class PrefectStages:
     def publish(self, trained: TrainRef, spec: PipelineSpec) -> PublishRef:
         from tasks.publish import publish_task
 
-        return publish_task(trained, spec.storage_root, spec.adapter)
+        published = publish_task(trained, spec.storage_root, spec.adapter)
+        _log().info("publish: adapter %s, receipt %s (status %s), latest.json %s", published.adapter_uri,
+                    published.receipt_uri, trained.status, published.latest_uri)
+        return published
 
     def ended(self, trained: TrainRef, spec: PipelineSpec) -> None:
         from tasks.publish import record_artifacts
 
+        _log().warning("publish: nothing published; receipt %s says %s (%s)", trained.receipt_uri, trained.status,
+                       trained.failure_reason or "no reason given")
         record_artifacts(trained, spec.adapter, None)

@@ -44,6 +44,66 @@ def _cancel_poller(every_seconds: float) -> Callable[[], bool]:
     return should_cancel
 
 
+class TrainingLog:
+    """The run log's view of training: a line every ``every`` steps (and the first and last) with the
+    step, loss, throughput and ETA, and a line for every periodic checkpoint committed.
+
+    Throughput is in action tokens per second, estimated from the corpus' mean action tokens per
+    example (the trainer reports steps, not tokens); the receipt has the exact counts.
+    """
+
+    def __init__(self, plan: TrainPlan, corpus: CorpusRef, logger, *, every: int | None = None) -> None:
+        self.logger, self.adapter = logger, plan.adapter
+        self.interval = plan.config.get("checkpoint_interval")
+        self.tokens_per_step = corpus.action_tokens / max(1, corpus.examples) * int(plan.config.get("sequences_per_step", 1))
+        self.every = every
+        self._started = time.monotonic()
+        self._first_step: int | None = None
+        self.total: int | None = None
+
+    def progress(self, step: int, total: int, loss: float) -> None:
+        self.total = total
+        if self._first_step is None:
+            # The clock starts at the first step this process trains (a resumed run starts late; model
+            # loading is not training), so the first line has no rate yet.
+            self._first_step, self._started = step, time.monotonic()
+            self.logger.info("train step %d/%d: loss %.4f", step, total, loss)
+            return
+        every = self.every or max(1, total // 10)
+        if step != total and step % every:
+            return
+        elapsed = max(time.monotonic() - self._started, 1e-9)
+        done = step - self._first_step
+        eta = elapsed / done * (total - step)
+        self.logger.info("train step %d/%d: loss %.4f, ~%.0f action tok/s, ETA %s", step, total, loss,
+                         done * self.tokens_per_step / elapsed, _duration(eta))
+
+    def step_committed(self, step: int) -> None:
+        # The trainer commits a periodic checkpoint at every interval step before the last one; the
+        # last step's state is the adapter itself.
+        if self.interval and step % self.interval == 0 and (self.total is None or step < self.total):
+            self.logger.info("checkpoint published: %s-checkpoint-step-%08d.kiln-checkpoint", self.adapter, step)
+
+
+def _run_logger():
+    """The task run's logger, or a plain one when the task's function is called outside a run
+    (``train_task.fn(...)`` in tests and drills)."""
+    import logging
+
+    from prefect import get_run_logger
+    from prefect.exceptions import MissingContextError
+
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return logging.getLogger("kiln_flows.train")
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+
+
 @task(name="train", task_run_name="train-{plan.adapter}", retries=2, retry_delay_seconds=[2, 10],
       retry_condition_fn=retry_unless_rejected)
 def train_task(
@@ -64,9 +124,15 @@ def train_task(
     """
     from kiln_core.engine.training import train
 
+    log = TrainingLog(plan, corpus, _run_logger())
     reporter = ProgressReporter(key=artifact_key("train-progress", plan.adapter), description=f"training {plan.adapter}",
                                 every_seconds=progress_every_seconds)
-    result = train(plan, corpus, manifest, student_dir, on_progress=reporter.update,
-                   should_cancel=_cancel_poller(cancel_poll_seconds))
+
+    def on_progress(step: int, total: int, loss: float) -> None:
+        reporter.update(step, total, loss)
+        log.progress(step, total, loss)
+
+    result = train(plan, corpus, manifest, student_dir, on_progress=on_progress,
+                   should_cancel=_cancel_poller(cancel_poll_seconds), on_step_committed=log.step_committed)
     reporter.update(result.steps, result.total_steps or result.steps, result.final_loss, force=True)
     return result

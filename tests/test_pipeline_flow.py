@@ -215,7 +215,7 @@ def test_pipeline_end_to_end(world, reference, tiny_student):
     table = Artifact.get(keys["table"]).data
     rows = json.loads(table) if isinstance(table, str) else table
     fields = {row["field"]: row["value"] for row in rows}
-    assert fields["status"] == "success" and fields["steps"] == str(STEPS)
+    assert fields["status"] == "success" and fields["steps"] == f"{STEPS} of {STEPS}"
     assert summary["adapter"] in Artifact.get(keys["markdown"]).data
     assert float(Artifact.get(keys["progress"]).data) == pytest.approx(100.0)
 

@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     overhead = _prefect_overhead(get_client, state.state_details.flow_run_id)
     if overhead is not None and server_start is not None:
         overhead = round(overhead + server_start, 2)  # the temporary API's start is Prefect's too
-    _report(summary, wall, overhead, server_start)
+    _report(summary, wall, overhead, server_start, _run_url(state.state_details.flow_run_id, server_start))
     if args.json:
         print(json.dumps({**summary, "wall_seconds": round(wall, 2), "prefect_overhead_seconds": overhead,
                           "prefect_server_start_seconds": None if server_start is None else round(server_start, 2)}))
@@ -104,7 +104,19 @@ def _prefect_overhead(get_client, flow_run_id) -> float | None:
     return round(wall(pipeline) - sum(wall(stage) for stage in stages), 2)
 
 
-def _report(summary: dict, wall: float, overhead: float | None, server_start: float | None) -> None:
+def _run_url(flow_run_id, server_start: float | None) -> str | None:
+    """The run's page in the UI when the demo ran against a configured server, else None (the
+    temporary API this command started is gone once it exits)."""
+    if server_start is not None or flow_run_id is None:
+        return None
+    from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL
+
+    ui = PREFECT_UI_URL.value() or (PREFECT_API_URL.value() or "").removesuffix("/api")
+    return f"{ui.rstrip('/')}/runs/flow-run/{flow_run_id}" if ui else None
+
+
+def _report(summary: dict, wall: float, overhead: float | None, server_start: float | None,
+            run_url: str | None = None) -> None:
     losses = summary.get("loss_history") or []
     print("\nkiln-flows demo finished\n")
     print(f"  adapter      {summary.get('adapter')}")
@@ -120,8 +132,11 @@ def _report(summary: dict, wall: float, overhead: float | None, server_start: fl
               f"({'falling' if last < first else 'NOT falling'})")
     started = f" (of which the temporary API's start {server_start:.1f} s)" if server_start is not None else ""
     print(f"\n  wall time {wall:.1f} s" + (f", Prefect overhead {overhead:.1f} s{started}" if overhead is not None else ""))
-    print("\n  See the run in the Prefect UI: start `prefect server start`, set "
-          "PREFECT_API_URL=http://127.0.0.1:4200/api, and run the demo again (or `kiln-flows serve`).")
+    if run_url:
+        print(f"\n  See the run in the Prefect UI: {run_url}")
+    elif server_start is not None:  # ran on a temporary API that is gone now
+        print("\n  See the run in the Prefect UI: start `prefect server start`, set "
+              "PREFECT_API_URL=http://127.0.0.1:4200/api, and run the demo again (or `kiln-flows serve`).")
 
 
 def _sparkline(values: list[float]) -> str:

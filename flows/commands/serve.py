@@ -60,12 +60,16 @@ def run(args: argparse.Namespace) -> int:
 
     from flows.opd_distill import opd_distill
 
-    schedules = [Cron(args.cron, timezone=args.timezone)] if args.cron else None
+    # The time zone is always spelled out, so the deployment page shows it next to the schedule.
+    schedules = [Cron(args.cron, timezone=args.timezone or "UTC")] if args.cron else None
     deployment = opd_distill.to_deployment(
         name=args.name,
         schedules=schedules,
         parameters=parameters,
         tags=["kiln-flows", "served"],
+        # The same cap as the runner's --limit, on the deployment itself: the server enforces it (runs
+        # queue) and the deployment page shows it instead of "∞".
+        concurrency_limit=args.limit,
         # The package is installed: each run imports `flows.opd_distill` in a fresh
         # `python -m prefect.engine` process. (`opd_distill.serve()` would instead ship the in-memory
         # flow to the child, where the postponed `PipelineSpec` annotation cannot be resolved.)

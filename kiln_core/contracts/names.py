@@ -13,15 +13,18 @@ import re
 
 from kiln_core.contracts.opd_config import ConfigError
 
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+# The whole rule as one regular expression that Python's re and ECMAScript read alike: it is also the
+# JSON-schema `pattern` of the pipeline spec's adapter field, so the Prefect UI's form refuses a bad
+# name inline with the same rule.
+NAME_PATTERN = r"^(?!.*\.\.)(?!.*\.kiln-checkpoint$)[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+_NAME = re.compile(NAME_PATTERN)
 NAME_RULE = ("1-128 characters of letters, digits, '.', '_' or '-', starting with a letter or digit, "
              "without '..' and not ending in '.kiln-checkpoint'")
 
 
 def is_valid_name(name: object) -> bool:
     """Whether ``name`` is one safe path component under the rule above."""
-    return (isinstance(name, str) and _NAME.fullmatch(name) is not None and ".." not in name
-            and not name.endswith(".kiln-checkpoint"))
+    return isinstance(name, str) and "\n" not in name and _NAME.fullmatch(name) is not None
 
 
 def check_name(name: object, *, field: str = "adapter", code: str = "invalid_adapter_name") -> str:

@@ -47,6 +47,7 @@ __all__ = [
     "effective_samples_per_prompt",
     "effective_config",
     "PRESETS",
+    "SAMPLING_FIELDS",
 ]
 
 SUPPORTED_TOP_K = (32, 16)  # Kiln's KT kernels, largest first (§2.6)
@@ -76,13 +77,19 @@ class ConfigError(Rejection, ValueError):
 # Nested blocks
 
 
+# Every field's docstring is its one-line description in the JSON schema (use_attribute_docstrings),
+# so the Prefect UI's run form shows the same text a reader of this file sees: what it does, its
+# unit, and Kiln's default. tests/test_form_schema.py counts fields without one (goal: none).
+
+
 class _Strict(BaseModel):
     # Our base for nested blocks whose unknown keys Kiln ignores (echo, stable_opd).
-    model_config = ConfigDict(strict=True, extra="ignore", frozen=True, populate_by_name=True)
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True, populate_by_name=True,
+                              use_attribute_docstrings=True)
 
 
 class _StrictForbid(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
 UnitInterval = Annotated[float, Field(ge=0.0, lt=1.0)]
@@ -91,46 +98,78 @@ UnitInterval = Annotated[float, Field(ge=0.0, lt=1.0)]
 class MuonOptimizer(_StrictForbid):
     """Muon (Kiln's default OPD optimizer). Learning rate default 2e-3."""
 
+    model_config = ConfigDict(title="Muon")  # merged with the base class config
+
     kind: Literal["muon"] = "muon"
+    """Optimizer: muon (Kiln's default)."""
     momentum: UnitInterval = 0.95
-    """Momentum in [0, 1)."""
+    """Momentum coefficient, in [0, 1). Kiln default: 0.95."""
     nesterov: bool = True
+    """Use Nesterov momentum. Kiln default: true."""
     ns_iters: int = Field(default=5, ge=1, le=20)
-    """Newton-Schulz iterations, 1..=20."""
+    """Newton-Schulz orthogonalization iterations per step, 1 to 20. Kiln default: 5."""
     weight_decay: float = Field(default=0.0, ge=0.0)
+    """Decoupled weight decay per step (0 or more). Kiln default: 0."""
 
 
 class AdamWOptimizer(_StrictForbid):
     """AdamW. Learning rate default 1e-5."""
 
+    model_config = ConfigDict(title="AdamW")  # merged with the base class config
+
     kind: Literal["adam_w"] = "adam_w"
+    """Optimizer: adam_w."""
     beta1: UnitInterval = 0.9
+    """Decay rate of the first-moment (mean) estimate, in [0, 1). Kiln default: 0.9."""
     beta2: UnitInterval = 0.999
+    """Decay rate of the second-moment (variance) estimate, in [0, 1). Kiln default: 0.999."""
     eps: float = Field(default=1e-8, gt=0.0)
+    """Added to the denominator for numerical stability (above 0). Kiln default: 1e-8."""
     weight_decay: float = Field(default=0.0, ge=0.0)
+    """Decoupled weight decay per step (0 or more). Kiln default: 0."""
 
 
 class SgdOptimizer(_StrictForbid):
     """Plain SGD without momentum (no optimizer state). Learning rate default 1e-5."""
 
+    model_config = ConfigDict(title="SGD")  # merged with the base class config
+
     kind: Literal["sgd"] = "sgd"
+    """Optimizer: sgd (no momentum, no state)."""
 
 
 Optimizer = Annotated[Union[MuonOptimizer, AdamWOptimizer, SgdOptimizer], Field(discriminator="kind")]
 
 
 class StableOpdOff(_Strict):
+    """Stable-OPD off (Kiln's default; the only mode that runs today)."""
+
+    model_config = ConfigDict(title="Off")  # merged with the base class config
+
     mode: Literal["off"] = "off"
+    """Stable-OPD mode: off."""
 
 
 class StableOpdAuto(_Strict):
+    """Stable-OPD with Kiln's automatic coefficients (refused at submit: not wired into the loss)."""
+
+    model_config = ConfigDict(title="Auto")  # merged with the base class config
+
     mode: Literal["auto"]
+    """Stable-OPD mode: auto."""
 
 
 class StableOpdManual(_Strict):
+    """Stable-OPD with explicit coefficients (refused at submit: not wired into the loss)."""
+
+    model_config = ConfigDict(title="Manual")  # merged with the base class config
+
     mode: Literal["manual"]
+    """Stable-OPD mode: manual."""
     kl_beta: float
+    """Weight of the KL term (unitless)."""
     sft_lambda: float
+    """Weight of the supervised term (unitless)."""
 
 
 StableOpd = Annotated[Union[StableOpdOff, StableOpdAuto, StableOpdManual], Field(discriminator="mode")]
@@ -139,11 +178,14 @@ StableOpd = Annotated[Union[StableOpdOff, StableOpdAuto, StableOpdManual], Field
 class EchoConfig(_Strict):
     """ECHO env cross-entropy term (off for OPD unless present)."""
 
+    model_config = ConfigDict(title="ECHO")  # merged with the base class config
+
     lambda_: float = Field(default=0.05, alias="lambda")
-    """λ: weight of the env CE term; 0 disables it."""
+    """λ, the weight of the environment cross-entropy term (unitless; 0 disables it). Kiln default: 0.05."""
     env_mask_mode: Literal["env_only", "full_obs"] = "env_only"
-    """``env_only`` drops warning-prefix tokens when ``warning_filter`` is on; ``full_obs`` keeps all."""
+    """env_only drops warning-prefix tokens when warning_filter is on; full_obs keeps every observation token. Kiln default: env_only."""
     warning_filter: bool = True
+    """Trim a tool response's warning prefix from the observation tokens. Kiln default: true."""
 
     @field_validator("lambda_")
     @classmethod
@@ -160,6 +202,11 @@ class EchoConfig(_Strict):
 # Extension (issue 14): named recipes measured by bench/distill_quality.py. A preset fills in the fields
 # a config leaves unset; fields given explicitly win. No preset is ever applied by default, so a Kiln
 # request keeps Kiln's loss and defaults.
+# On-policy sampling settings: they act only when the student samples rollouts from prompts. The run
+# form shows them in the pipeline spec's `prompts` source, not among the config fields.
+SAMPLING_FIELDS = ("samples_per_prompt", "temperature", "top_p", "max_tokens", "sampler_segments",
+                   "rollout_prompt_rendering", "discount", "clip_epsilon", "stable_opd")
+
 PRESETS: dict[str, dict[str, Any]] = {
     # Best on all three held-out metrics, per step and per second, of Kiln's loss, tail, SFT, forward
     # and tail+forward on SmolLM2-135M's half-depth student (bench/distill_quality.py; README figures).
@@ -183,46 +230,82 @@ class OpdConfig(BaseModel):
     """
 
     # extra="ignore": see the module docstring (Kiln accepts and ignores unknown config fields).
-    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True, use_attribute_docstrings=True,
+                              title="Training config (Kiln OpdConfig)",
+                              json_schema_extra={"description": "Kiln's OpdConfig: every field with Kiln's default."})
 
     training_mode: Literal["on_policy", "off_policy"] = "on_policy"
+    """off_policy trains on a teacher-scored corpus; on_policy samples rollouts from prompts. Kiln default: on_policy (a pipeline spec defaults to off_policy)."""
     objective: Literal["reverse_kl", "cross_entropy"] = "reverse_kl"
+    """Training objective; only reverse_kl runs (Kiln refuses cross_entropy at submit). Kiln default: reverse_kl."""
     loss: Literal["sampled_token", "teacher_top_k", "full_vocab", "teacher_top_k_tail", "teacher_token_ce",
                   "teacher_top_k_forward", "teacher_top_k_tail_forward"] = "teacher_top_k"
-    """Kiln's values, plus our opt-in extensions (never the default): ``teacher_top_k_tail`` (DESIGN.md
-    decision 4), ``teacher_token_ce`` (SFT on the corpus tokens), ``teacher_top_k_forward`` (forward KL
-    from the teacher's top-K to the full student softmax), ``teacher_top_k_tail_forward`` (the sum of
-    the two KLs). See ``kiln_core.training.loss.STEP_LOSSES``."""
+    """Per-token loss: teacher_top_k is Kiln's reverse KL over the teacher's top-K; the _tail, _forward and teacher_token_ce values are opt-in kiln-flows extensions (kiln_core.training.loss). Kiln default: teacher_top_k."""
     top_k: int = Field(default=32, ge=0)
+    """Teacher tokens per position the loss compares (count); Kiln runs 16 or 32 (16-31 become 16, 32 and more become 32). Kiln default: 32."""
     samples_per_prompt: int = Field(default=DEFAULT_SAMPLES_PER_PROMPT, ge=0)
+    """On-policy: rollouts per prompt (the default 4 scales up for few prompts); off-policy: 4 means each example once, n repeats it n times. Kiln default: 4."""
     temperature: float = 1.0
+    """On-policy sampling temperature (unitless; no effect off-policy). Kiln default: 1.0."""
     top_p: float = 0.9
+    """On-policy nucleus-sampling probability mass, 0 to 1 (no effect off-policy). Kiln default: 0.9."""
     max_tokens: int = Field(default=7168, ge=1)
+    """On-policy: most tokens one rollout may generate (no effect off-policy). Kiln default: 7168."""
     sampler_segments: int | None = Field(default=None, ge=0)
+    """On-policy: segments the sampler splits a rollout into (count; empty = Kiln's choice, 0 is refused). Kiln default: empty."""
     rollout_prompt_rendering: Literal["legacy_action_boundary", "chat_template"] = "legacy_action_boundary"
-    stable_opd: StableOpd = Field(default_factory=StableOpdOff)
+    """On-policy: how a prompt is rendered before sampling (no effect off-policy). Kiln default: legacy_action_boundary."""
+    stable_opd: StableOpd = Field(default_factory=StableOpdOff, title="Stable-OPD")
+    """Stable-OPD regularization: off, auto or manual; only off runs today. Kiln default: off."""
     discount: float = 0.0
+    """On-policy advantage discount (unitless); only 0 runs today. Kiln default: 0."""
     clip_epsilon: float = 0.0
+    """On-policy importance-ratio clipping (unitless); only 0 runs today. Kiln default: 0."""
     learning_rate: float | None = None
+    """Optimizer step size; empty uses the optimizer's default (muon 2e-3, adam_w and sgd 1e-5). Kiln default: empty."""
     lora_rank: int = Field(default=16, ge=1)
+    """LoRA rank r: the inner size of the adapter's low-rank matrices (count). Kiln default: 16."""
     lora_alpha: float = 32.0
+    """LoRA alpha: updates are scaled by alpha/rank, refused above 2 unless allow_high_lora_scale. Kiln default: 32."""
     allow_high_lora_scale: bool = False
+    """Train even when lora_alpha/lora_rank is above 2. Kiln default: false."""
     base_adapter: str | None = None
+    """Adapter to warm-start from; not supported by kiln-flows yet (leave empty). Kiln default: empty."""
     output_name: str | None = None
+    """Kiln's name for the trained adapter; a pipeline run uses its adapter field instead. Kiln default: empty."""
     auto_load: bool = True
+    """Kiln server: load the adapter once trained (recorded; no effect in kiln-flows). Kiln default: true."""
     checkpoint_interval: int | None = Field(default=25, ge=0)
-    """Periodic checkpoint interval in optimizer steps; explicit null disables, 0 is refused."""
+    """Save an exact, resumable checkpoint every this many optimizer steps; empty disables, 0 is refused. Kiln default: 25."""
     resume_checkpoint: str | None = None
+    """Checkpoint to resume from; pipeline runs resume from their newest checkpoint by themselves. Kiln default: empty."""
     detect_anomaly: bool = False
+    """Run with torch autograd anomaly detection (slow; for tracing NaN losses). Kiln default: false."""
     seed: int | None = Field(default=None, ge=0, le=U64_MAX)
+    """Random seed of the LoRA init and sampling, 0 to 2^64-1; empty derives one from the run's inputs (recorded in the receipt). Kiln default: empty."""
     optimizer: Optimizer = Field(default_factory=MuonOptimizer)
-    echo: EchoConfig | None = None
+    """Optimizer and its settings: muon, adam_w or sgd. Kiln default: muon."""
+    echo: EchoConfig | None = Field(default=None, title="ECHO")
+    """ECHO: add an environment cross-entropy term on observation tokens; empty = off. Kiln default: off."""
     epochs: int = Field(default=1, ge=1)
+    """Passes over the corpus (count). Kiln default: 1."""
     max_cost_usd: float | None = None
+    """Cost budget in US dollars; not enforced for OPD, so only empty runs. Kiln default: empty."""
     sequences_per_step: int = Field(default=1, ge=1)
-    """Extension: candidates per optimizer step (gradient accumulation, mean of sequence losses)."""
+    """kiln-flows extension: sequences per optimizer step (gradient accumulation, mean of their losses). Default 1, as Kiln."""
     preset: Literal["quality"] | None = None
-    """Extension: a named recipe from ``PRESETS``; it fills in the fields this config leaves unset."""
+    """kiln-flows extension: a named recipe (quality) that fills in the fields this config leaves unset. Default: none."""
+
+    @classmethod
+    def __get_pydantic_json_schema__(cls, core_schema, handler):
+        # This JSON schema exists for one reader, the Prefect UI's run form. There the training mode follows
+        # the pipeline spec's source and the sampling settings sit in its on-policy source, so neither is
+        # listed among the config fields. Parsing is untouched: every field is accepted as before.
+        schema = handler(core_schema)
+        properties = handler.resolve_ref_schema(schema).get("properties", {})
+        for name in ("training_mode", *SAMPLING_FIELDS):
+            properties.pop(name, None)
+        return schema
 
     @model_validator(mode="before")
     @classmethod

@@ -8,6 +8,13 @@ spec fails with the offending field named (``SpecError``, a ``Rejection``). A ha
 ``config:`` refuses unknown keys (a typo such as ``lora_rnak`` would otherwise train with the
 default); Kiln request files keep Kiln's ignore-unknown behaviour (``OpdRequest``).
 
+Two views of the same spec. The form's: the training data is one ``source`` (a scored ``corpus``,
+``examples`` to score, or on-policy ``prompts`` with their sampling settings), and the config shows
+neither ``training_mode`` (the source decides it) nor the sampling settings. The file's: ``corpus:``
+or ``examples:`` at the top level and every config field, as before. Both validate to the same spec
+and effective config; a dump is the form's view. Rules a JSON schema can carry (the adapter name's
+``pattern``, ranges, enums) are in the schema, so the form refuses them inline.
+
 Secrets never belong here: S3 credentials come from the environment or a Prefect block
 (``storage_block``), never from a field of this model.
 
@@ -28,9 +35,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.json_schema import SkipJsonSchema
 
 from kiln_core.contracts.eval_watch import EvalWatch
-from kiln_core.contracts.names import NAME_RULE, is_valid_name
+from kiln_core.contracts.names import NAME_PATTERN, NAME_RULE, is_valid_name
 from kiln_core.contracts.opd_config import (
     EchoConfig,
     OpdConfig,
@@ -39,6 +47,7 @@ from kiln_core.contracts.opd_config import (
     StableOpdOff,
 )
 from kiln_core.contracts.quality_gate import QualityGate
+from kiln_core.contracts.sources import ON_POLICY_NOT_YET, CorpusSource, ExamplesSource, PromptsSource, Source
 from kiln_core.errors import Rejection
 from kiln_core.post_eval.config import PostEvalConfig
 
@@ -57,28 +66,29 @@ class SpecError(Rejection, ValueError):
 class TeacherSource(BaseModel):
     """Where the teacher's identity comes from."""
 
-    model_config = ConfigDict(extra="forbid", json_schema_extra={"title": "Teacher"})
+    model_config = ConfigDict(extra="forbid", title="Teacher",
+                              json_schema_extra={"description": "Where the teacher's identity comes from."})
 
     kind: Literal["kiln_server", "local_registry", "local_dir", "manifest_file"] = Field(
         default="local_registry",
         description="kiln_server: fetch the manifest from a running Kiln server; local_registry: a teacher "
         "registered with `kiln-flows teachers register`; local_dir: a Hugging Face teacher directory; "
-        "manifest_file: a file whose first line is the pinned manifest.",
+        "manifest_file: a file whose first line is the pinned manifest. Default: local_registry.",
         json_schema_extra={"position": 0},
     )
     alias: str | None = Field(
         default=None,
-        description="Teacher alias (kiln_server and local_registry).",
+        description="Teacher alias (kiln_server and local_registry only).",
         json_schema_extra={"position": 1},
     )
     url: str = Field(
         default="http://127.0.0.1:8420",
-        description="Kiln server base URL (kiln_server only).",
+        description="Kiln server base URL (kiln_server only). Default: http://127.0.0.1:8420.",
         json_schema_extra={"position": 2},
     )
     path: str | None = Field(
         default=None,
-        description="Teacher model directory (local_dir) or manifest file (manifest_file).",
+        description="Teacher model directory (local_dir) or manifest file (manifest_file), a path or fsspec URI.",
         json_schema_extra={"position": 3},
     )
 
@@ -97,6 +107,12 @@ class TeacherSource(BaseModel):
         return self.alias or Path(self.path or "teacher").name
 
 
+def _form_schema(schema: dict[str, Any]) -> None:
+    # The form asks for the training data; a YAML spec may still name `corpus:` or `examples:` instead.
+    schema.setdefault("required", []).append("source")
+    schema["properties"]["source"].pop("default", None)
+
+
 def _default_config() -> OpdConfig:
     return OpdConfig(training_mode="off_policy")
 
@@ -104,31 +120,32 @@ def _default_config() -> OpdConfig:
 class RunOptions(BaseModel):
     """How the pipeline runs (not what it trains)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", title="Run options")
 
     refresh: bool = Field(
-        default=False, description="Re-admit and re-materialize even when this exact corpus was admitted before."
+        default=False, description="Re-admit and re-materialize even when this exact corpus was admitted before. "
+        "Default: false."
     )
     train_retries: int = Field(
-        default=2, ge=0, le=10, description="Retries of the training stage; each resumes from the newest checkpoint."
+        default=2, ge=0, le=10, description="Retries of the training stage (0-10); each resumes from the newest checkpoint. Default: 2."
     )
-    kiln_strict: bool = Field(default=False, description="Accept only Kiln's vLLM teacher protocol in the manifest.")
+    kiln_strict: bool = Field(default=False, description="Accept only Kiln's vLLM teacher protocol in the manifest. Default: false.")
     storage_block: str | None = Field(
         default=None,
-        description="Optional Prefect Secret block slug (`secret/<name>`) holding fsspec options per protocol, "
-        "e.g. {\"s3\": {\"key\": ..., \"secret\": ...}}; passed to this run's storage calls only, never "
-        "written to fsspec's process-wide configuration. Credentials never go in the spec itself.",
+        description="Prefect Secret block (secret/<name>) holding fsspec options per protocol, e.g. "
+        "{\"s3\": {\"key\": ..., \"secret\": ...}}, used by this run's storage calls only; credentials never "
+        "go in the spec itself. Default: empty (the environment's credentials).",
     )
     progress_every_seconds: float = Field(
-        default=5.0, gt=0, description="How often the training progress artifact is updated."
+        default=5.0, gt=0, description="Seconds between updates of the training progress artifact. Default: 5."
     )
     cancel_poll_seconds: float = Field(
-        default=2.0, gt=0, description="How often training checks whether the flow run is being cancelled."
+        default=2.0, gt=0, description="Seconds between checks whether the flow run is being cancelled. Default: 2."
     )
     train_deployment: str | None = Field(
         default=None,
-        description="Run training as this deployment of the `kiln-train` flow (e.g. `kiln-train/gpu`) on its "
-        "work pool, instead of in this flow run.",
+        description="Run training as this deployment of the kiln-train flow (e.g. kiln-train/gpu) on its "
+        "work pool, instead of in this flow run. Default: empty (train here).",
     )
 
 
@@ -141,15 +158,20 @@ class DistributedOptions(BaseModel):
     same ``nproc``. Storage must be reachable from every process (not ``memory://``).
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", title="Distributed training",
+                              json_schema_extra={"description": "Data-parallel training on several processes "
+                                                 "of one machine (torch.distributed via torchrun)."})
 
-    nproc: int = Field(default=1, ge=1, le=1024, description="Processes (ranks) on the training machine; 1 = no torchrun.")
+    nproc: int = Field(default=1, ge=1, le=1024,
+                       description="Processes (ranks) on the training machine, 1-1024; 1 = no torchrun. Default: 1.")
     backend: Literal["auto", "gloo", "nccl"] = Field(
-        default="auto", description="torch.distributed backend: auto = gloo on CPU, nccl on CUDA (one GPU per rank)."
+        default="auto",
+        description="torch.distributed backend: auto = gloo on CPU, nccl on CUDA (one GPU per rank). Default: auto.",
     )
     strategy: Literal["ddp", "fsdp"] = Field(
         default="ddp",
-        description="ddp: the LoRA adapter is replicated and its gradients all-reduced. fsdp is not implemented yet.",
+        description="ddp: the LoRA adapter is replicated and its gradients all-reduced; fsdp is not implemented "
+        "yet. Default: ddp.",
     )
 
     @field_validator("strategy")
@@ -164,22 +186,29 @@ class DistributedOptions(BaseModel):
 class PipelineSpec(BaseModel):
     """A Kiln-compatible offline distillation run: teacher → corpus → student → adapter."""
 
-    model_config = ConfigDict(extra="forbid", title="PipelineSpec")
+    model_config = ConfigDict(extra="forbid", title="PipelineSpec", json_schema_extra=_form_schema)
 
     teacher: TeacherSource = Field(
         default_factory=lambda: TeacherSource(kind="local_registry", alias="teacher"),
         description="The teacher whose identity the corpus manifest must match.",
         json_schema_extra={"position": 0},
     )
-    corpus: str | None = Field(
+    source: Source | SkipJsonSchema[None] = Field(
         default=None,
-        description="Teacher-scored JSONL corpus (local path or fsspec URI: file://, s3://, memory://).",
+        title="Training data",
+        description="What the student learns from: a scored corpus or examples to score (off-policy), or prompts "
+        "(on-policy).",
         json_schema_extra={"position": 1},
     )
-    examples: str | None = Field(
-        default=None,
+    # The same choice as two plain fields, for YAML specs and Kiln request files; the form shows `source`.
+    # Dumps carry `source` only, so a dumped spec validates against the form's schema.
+    corpus: SkipJsonSchema[str | None] = Field(
+        default=None, exclude=True,
+        description="Teacher-scored JSONL corpus (local path or fsspec URI: file://, s3://, memory://).",
+    )
+    examples: SkipJsonSchema[str | None] = Field(
+        default=None, exclude=True,
         description="Unscored examples JSONL to score with a local teacher first (instead of `corpus`).",
-        json_schema_extra={"position": 2},
     )
     student: str = Field(
         description="Student model directory (config.json, fast tokenizer, weights) or fsspec URI of one.",
@@ -187,22 +216,28 @@ class PipelineSpec(BaseModel):
     )
     storage_root: str = Field(
         default="./kiln-data",
-        description="Where corpora, checkpoints, adapters and receipts are published (path or fsspec URI).",
+        description="Where corpora, checkpoints, adapters and receipts are published (path or fsspec URI). "
+        "Default: ./kiln-data.",
         json_schema_extra={"position": 4},
     )
     adapter: str = Field(
-        description="Output adapter name (letters, digits, '.', '_', '-').",
-        json_schema_extra={"position": 5},
+        description=f"Output adapter name: {NAME_RULE}.",
+        json_schema_extra={"position": 5, "pattern": NAME_PATTERN},
     )
     config: OpdConfig = Field(
         default_factory=_default_config,
-        description="Kiln's OpdConfig: top_k, optimizer, LoRA rank/alpha, epochs, checkpoint_interval, ECHO, seed.",
+        description="Kiln's training config (OpdConfig): loss, top-K, optimizer, LoRA rank and alpha, epochs, "
+        "checkpoints, seed; every field shows Kiln's default.",
         json_schema_extra={"position": 6},
     )
-    options: RunOptions = Field(default_factory=RunOptions, json_schema_extra={"position": 7})
+    options: RunOptions = Field(default_factory=RunOptions, description="How the pipeline runs: retries, refresh, "
+                                "progress and cancellation intervals, storage credentials.",
+                                json_schema_extra={"position": 7})
     distributed: DistributedOptions | None = Field(
         default=None,
-        description="Optional: train on several processes with torch.distributed (nproc, backend).",
+        title="Distributed training",
+        description="Train on several processes of one machine with torch.distributed (nproc, backend); "
+        "empty = one process.",
         json_schema_extra={"position": 8},
     )
     post_eval: PostEvalConfig | None = Field(
@@ -232,10 +267,14 @@ class PipelineSpec(BaseModel):
         unknown = unknown_config_key(value)
         if unknown is not None:
             raise ValueError(f"`config.{unknown}`: unknown key (not a field of Kiln's OpdConfig)")
+        if isinstance(value, dict) and "training_mode" not in value:
+            # The form does not show training_mode (the source decides it); a pipeline trains off-policy.
+            value = {**value, "training_mode": "off_policy"}
         return value
 
     @model_validator(mode="after")
     def _consistent(self) -> "PipelineSpec":
+        self._bind_source()
         if (self.corpus is None) == (self.examples is None):
             raise ValueError("give exactly one of `corpus` (already scored) or `examples` (to score first)")
         if self.examples is not None and self.teacher.kind not in ("local_dir", "local_registry"):
@@ -266,6 +305,21 @@ class PipelineSpec(BaseModel):
         if self.eval is not None and self.distributed is not None and self.distributed.nproc > 1:
             raise ValueError("`eval`: held-out evaluation during training runs in a single process; "
                              "remove `distributed` or the `eval` block")
+
+    def _bind_source(self) -> None:
+        """Fill ``corpus``/``examples`` from ``source`` (the form), or ``source`` from them (YAML, requests)."""
+        if self.source is None:
+            if self.corpus is not None and self.examples is None:
+                self.source = CorpusSource(corpus=self.corpus)
+            elif self.examples is not None and self.corpus is None:
+                self.source = ExamplesSource(examples=self.examples)
+            return
+        if self.corpus is not None or self.examples is not None:
+            raise ValueError("`source`: give the training data once, as `source` or as `corpus`/`examples`")
+        if isinstance(self.source, PromptsSource):
+            raise ValueError(f"`source`: {ON_POLICY_NOT_YET}")
+        self.corpus = getattr(self.source, "corpus", None)
+        self.examples = getattr(self.source, "examples", None)
 
 
 _STABLE_OPD_MODES = {"off": StableOpdOff, "auto": StableOpdAuto, "manual": StableOpdManual}
@@ -314,7 +368,7 @@ def parse_spec(value: Any, *, file: str | None = None) -> PipelineSpec:
         return PipelineSpec.model_validate(value)
     except ValidationError as error:
         first = error.errors()[0]
-        where = ".".join(str(part) for part in first["loc"])
+        where = ".".join(_field_path(first["loc"]))
         message = first["msg"].removeprefix("Value error, ")
         if message.startswith("`"):  # a rule that names its own field, relative to where it ran
             named = message[1:message.index("`", 1)]
@@ -322,6 +376,56 @@ def parse_spec(value: Any, *, file: str | None = None) -> PipelineSpec:
             rest = message[len(named) + 2:]
             raise SpecError(f"invalid pipeline spec: `{field}`{rest}", field, file=file) from None
         raise SpecError(f"invalid pipeline spec: `{where or 'spec'}`: {message}", where or None, file=file) from None
+
+
+def _local_path(uri: str) -> str | None:
+    """The filesystem path of a local location (a plain path or ``file://``), else None."""
+    if uri.startswith("file://"):
+        return uri[len("file://"):]
+    return None if "://" in uri else uri
+
+
+def check_local_inputs(spec: PipelineSpec) -> None:
+    """Refuse a spec whose local inputs are not there, naming the field (remote URIs are left to the
+    stages that read them).
+
+    Raises:
+        SpecError: ``student`` is not a directory, or ``corpus``/``examples``/``teacher.path`` does not exist.
+
+    Example:
+        >>> check_local_inputs(PipelineSpec(corpus="missing.jsonl", student=".", adapter="a",
+        ...     teacher={"kind": "manifest_file", "path": "."}))
+        Traceback (most recent call last):
+        SpecError: invalid pipeline spec: `corpus`: missing.jsonl does not exist
+    """
+    import os
+
+    # The codes are the ones the stages reading these inputs use (never renamed): the check only moves
+    # the refusal before any work.
+    checks = [("student", spec.student, os.path.isdir, "is not a directory", "invalid_student"),
+              ("corpus", spec.corpus, os.path.exists, "does not exist", "file_not_found"),
+              ("examples", spec.examples, os.path.exists, "does not exist", "file_not_found")]
+    if spec.teacher.kind in ("local_dir", "manifest_file"):
+        checks.append(("teacher.path", spec.teacher.path, os.path.exists, "does not exist", "file_not_found"))
+    for field, uri, present, problem, code in checks:
+        path = _local_path(uri) if uri else None
+        if path is not None and not present(path):
+            raise SpecError(f"invalid pipeline spec: `{field}`: {uri} {problem}", field, code=code)
+
+
+def _field_path(loc: tuple) -> list[str]:
+    """A validation error's location as field names: pydantic's union markers and the discriminator
+    tag that follows one (``source.tagged-union[...].corpus.examples`` → ``source.examples``) are dropped."""
+    parts: list[str] = []
+    skip_tag = False
+    for part in map(str, loc):
+        if part.startswith("tagged-union["):
+            skip_tag = True
+        elif skip_tag:
+            skip_tag = False
+        else:
+            parts.append(part)
+    return parts
 
 
 def load_spec(path: str) -> PipelineSpec:

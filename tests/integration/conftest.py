@@ -101,12 +101,11 @@ def pipeline_spec(inputs: dict[str, Path], corpus: Path, adapter: str, *, epochs
     """A ``PipelineSpec`` as JSON, exactly what the UI form submits for the ``spec`` parameter."""
     return {
         "teacher": {"kind": "local_dir", "path": str(inputs["teacher"])},
-        "corpus": str(corpus),
+        "source": {"kind": "corpus", "corpus": str(corpus)},
         "student": str(inputs["student"]),
         "storage_root": str(inputs["storage_root"]),
         "adapter": adapter,
         "config": {
-            "training_mode": "off_policy",
             "top_k": 16,
             "epochs": epochs,
             "checkpoint_interval": checkpoint_interval,

@@ -62,7 +62,8 @@ def test_deployment_runs_from_ui_parameters_and_schedules(live_server, deploymen
 
     final = live_server.wait_for_state(run["id"], {"COMPLETED"}, timeout=600)
     assert final["state"]["type"] == "COMPLETED", f"{final['state']}\n{live_server.tails()}"
-    assert final["name"] == f"opd-{adapter}"  # the flow's run-name template replaces the UI's name
+    assert final["name"] == "itest-ui-custom-run"  # the name typed in the UI's form is kept
+    assert f"adapter:{adapter}" in final["tags"]  # and the adapter is a tag
 
     storage_root = pipeline_inputs["storage_root"]
     receipt_path, receipt = _receipt(storage_root, adapter)

@@ -1,0 +1,197 @@
+"""The run form the Prefect UI builds from ``opd_distill``'s parameter schema explains itself.
+
+The schema is the one a deployment stores (``prefect.utilities.callables.parameter_schema``, what
+``serve`` and ``prefect deploy`` send), so what is counted here is what the form shows: every field has
+a one-line description, every group a title, no reST markup, and the adapter-name rule is a schema
+``pattern`` that agrees with the Python rule.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from kiln_core.contracts.names import NAME_PATTERN, is_valid_name
+
+
+@pytest.fixture(scope="module")
+def schema() -> dict:
+    from prefect.utilities.callables import parameter_schema
+
+    from flows.opd_distill import opd_distill
+
+    return parameter_schema(opd_distill).model_dump_for_openapi()
+
+
+def _fields(schema: dict):
+    """(where, property schema) for every property of the parameter and of every definition."""
+    for name, prop in schema["properties"].items():
+        yield f"parameter.{name}", prop
+    for model, definition in schema["definitions"].items():
+        for name, prop in definition.get("properties", {}).items():
+            yield f"{model}.{name}", prop
+
+
+def test_every_spec_and_config_field_has_a_one_line_description(schema):
+    fields = list(_fields(schema))
+    missing = [where for where, prop in fields if not (prop.get("description") or "").strip()]
+    assert missing == [], f"{len(missing)} of {len(fields)} form fields have no description: {missing}"
+    multi_line = [where for where, prop in fields if "\n" in prop["description"]]
+    assert multi_line == []
+    assert len(fields) >= 60
+
+
+def test_every_config_field_shows_once_where_it_acts(schema):
+    """Kiln's 29 OpdConfig fields (plus our extensions): the sampling settings in the on-policy source
+    only, the training mode nowhere (the source decides it), every other field among the config's."""
+    from kiln_core.contracts.opd_config import SAMPLING_FIELDS, OpdConfig
+
+    definitions = schema["definitions"]
+    config = set(definitions["OpdConfig"]["properties"])
+    sampling = set(definitions["OnPolicySampling"]["properties"])
+    assert sampling == set(SAMPLING_FIELDS)
+    assert not config & sampling
+    assert config | sampling | {"training_mode"} == set(OpdConfig.model_fields) >= set(SAMPLING_FIELDS)
+    assert len(OpdConfig.model_fields) >= 29
+    for name in SAMPLING_FIELDS:  # one source: the same description in both places it could come from
+        assert definitions["OnPolicySampling"]["properties"][name]["description"] == OpdConfig.model_fields[name].description
+
+
+def test_training_data_is_one_choice_of_source(schema):
+    spec = schema["definitions"]["PipelineSpec"]
+    assert "corpus" not in spec["properties"] and "examples" not in spec["properties"]
+    assert "source" in spec["required"] and spec["properties"]["source"]["title"] == "Training data"
+    branches = {definitions_ref.rsplit("/", 1)[-1] for definitions_ref in
+                (option["$ref"] for option in spec["properties"]["source"]["oneOf"])}
+    assert branches == {"CorpusSource", "ExamplesSource", "PromptsSource"}
+    for branch, only in (("CorpusSource", "corpus"), ("ExamplesSource", "examples"), ("PromptsSource", "prompts")):
+        fields = set(schema["definitions"][branch]["properties"]) - {"kind"}
+        assert only in fields and not fields & ({"corpus", "examples", "prompts"} - {only})
+        assert schema["definitions"][branch].get("additionalProperties") is False  # cannot fill two
+
+
+def test_descriptions_are_plain_text_and_groups_have_titles(schema):
+    texts = [(where, prop["description"]) for where, prop in _fields(schema)]
+    texts += [(model, definition.get("description", "")) for model, definition in schema["definitions"].items()]
+    marked = [where for where, text in texts if "``" in text or ":class:" in text or "Example:" in text]
+    assert marked == [], f"raw reST or docstring sections in form text: {marked}"
+    for model, definition in schema["definitions"].items():
+        assert definition.get("title") and definition["title"] != "Field", model
+    spec = schema["definitions"]["PipelineSpec"]["properties"]
+    assert spec["distributed"]["title"] == "Distributed training"
+    assert schema["definitions"]["OpdConfig"]["properties"]["echo"]["title"] == "ECHO"
+
+
+def test_config_descriptions_say_kilns_default(schema):
+    config = schema["definitions"]["OpdConfig"]["properties"]
+    without_default = [name for name, prop in config.items()
+                       if "default" not in prop["description"].lower() and "default" not in prop]
+    assert without_default == []
+    assert "Kiln default: 32" in config["top_k"]["description"]
+    assert "25" in config["checkpoint_interval"]["description"]
+
+
+@pytest.mark.parametrize("name", ["a", "nightly", "my-adapter_v2.1", "x" * 128, "A.b"])
+def test_adapter_pattern_accepts_what_the_rule_accepts(schema, name):
+    pattern = schema["definitions"]["PipelineSpec"]["properties"]["adapter"]["pattern"]
+    assert pattern == NAME_PATTERN
+    assert re.search(pattern, name) and is_valid_name(name)
+
+
+@pytest.mark.parametrize("name", ["my adapter/v2!", "", ".hidden", "a..b", "x" * 129, "run.kiln-checkpoint",
+                                  "../up", "tab\tname"])
+def test_adapter_pattern_refuses_what_the_rule_refuses(schema, name):
+    pattern = schema["definitions"]["PipelineSpec"]["properties"]["adapter"]["pattern"]
+    assert not re.search(pattern, name) and not is_valid_name(name)
+
+
+def test_server_side_schema_check_refuses_a_bad_adapter(schema):
+    """What ``enforce_parameter_schema`` does on the server (and the UI's inline check asks it)."""
+    from prefect.utilities.schema_tools import validate
+
+    from tests.integration.conftest import pipeline_spec
+
+    inputs = {"teacher": "/t", "student": "/s", "storage_root": "/r"}
+    good = {"spec": pipeline_spec(inputs, "/c.jsonl", "fine-name")}
+    validate(good, schema, raise_on_error=True, ignore_required=False)
+    bad = {"spec": pipeline_spec(inputs, "/c.jsonl", "my adapter/v2!")}
+    with pytest.raises(Exception, match="does not match"):
+        validate(bad, schema, raise_on_error=True, ignore_required=False)
+
+
+def test_docstrings_and_descriptions_are_one_source():
+    """A field's description is its attribute docstring (no second copy to drift)."""
+    import ast
+    import inspect
+
+    from kiln_core.contracts import opd_config
+
+    tree = ast.parse(inspect.getsource(opd_config.OpdConfig))
+    body = tree.body[0].body
+    docstrings = {}
+    for node, following in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant):
+            docstrings[node.target.id] = following.value.value
+    for name, info in opd_config.OpdConfig.model_fields.items():
+        assert info.description == docstrings[name], name
+
+
+# ---------------------------------------------------------------------------------------------
+# the spec's two views: the form's `source`, YAML's and Kiln requests' `corpus`/`examples`
+
+BASE = {"teacher": {"kind": "local_dir", "path": "/t"}, "student": "/s", "adapter": "a"}
+CONFIG = {"top_k": 16, "epochs": 2, "lora_rank": 8, "lora_alpha": 16.0, "seed": 3, "optimizer": {"kind": "adam_w"}}
+
+
+def test_form_and_yaml_views_are_the_same_run():
+    from kiln_core.contracts.opd_config import effective_config
+    from kiln_core.contracts.pipeline import parse_spec
+
+    yaml_view = parse_spec({**BASE, "corpus": "/c.jsonl", "config": {**CONFIG, "training_mode": "off_policy"}})
+    form_view = parse_spec({**BASE, "source": {"kind": "corpus", "corpus": "/c.jsonl"}, "config": CONFIG})
+    assert form_view == yaml_view
+    assert (form_view.corpus, form_view.examples) == ("/c.jsonl", None)
+    assert effective_config(form_view.config, 3, 16) == effective_config(yaml_view.config, 3, 16)
+    # a dump is the form's view, and it validates back to the same spec
+    dumped = yaml_view.model_dump(mode="json", by_alias=True)
+    assert dumped["source"] == {"kind": "corpus", "corpus": "/c.jsonl"} and "corpus" not in dumped
+    assert parse_spec(dumped) == yaml_view
+    examples = parse_spec({**BASE, "source": {"kind": "examples", "examples": "/e.jsonl"}})
+    assert (examples.corpus, examples.examples, examples.config.training_mode) == (None, "/e.jsonl", "off_policy")
+
+
+def test_a_dumped_spec_is_what_the_server_accepts(schema):
+    from prefect.utilities.schema_tools import validate
+
+    from kiln_core.contracts.pipeline import parse_spec
+
+    spec = parse_spec({**BASE, "corpus": "/c.jsonl", "config": CONFIG})
+    validate({"spec": spec.model_dump(mode="json", by_alias=True)}, schema, raise_on_error=True, ignore_required=False)
+
+
+@pytest.mark.parametrize("spec, field, message", [
+    ({**BASE, "source": {"kind": "prompts", "prompts": "/p.jsonl"}}, "source",
+     "on-policy training from prompts is not in the pipeline yet"),
+    ({**BASE, "source": {"kind": "corpus", "corpus": "/c"}, "examples": "/e"}, "source", "give the training data once"),
+    ({**BASE, "source": {"kind": "corpus", "corpus": "/c", "examples": "/e"}}, "source.examples",
+     "Extra inputs are not permitted"),
+    ({**BASE, "source": {"kind": "prompts", "prompts": "/p", "sampling": {"top_p": "high"}}}, "source.sampling.top_p",
+     "valid number"),
+    ({**BASE}, "spec", "give exactly one of `corpus`"),
+])
+def test_source_rules_name_the_field(spec, field, message):
+    from kiln_core.contracts.pipeline import SpecError, parse_spec
+
+    with pytest.raises(SpecError) as caught:
+        parse_spec(spec)
+    assert (caught.value.field or "spec") == field and message in str(caught.value), str(caught.value)
+
+
+def test_kiln_request_files_parse_as_before():
+    """The form hides fields from the schema only: a Kiln config still takes every field."""
+    from kiln_core.contracts.opd_config import parse_opd_config
+
+    config = parse_opd_config({"training_mode": "on_policy", "temperature": 0.7, "top_p": 0.5, "max_tokens": 9,
+                               "samples_per_prompt": 2, "rollout_prompt_rendering": "chat_template"})
+    assert (config.training_mode, config.temperature, config.top_p, config.max_tokens) == ("on_policy", 0.7, 0.5, 9)

@@ -1,0 +1,275 @@
+"""What a person reads about a run in the Prefect UI, built without a server: the artifacts' content
+(loss chart, receipt table, outputs list), the training log lines, the quieted stage completions, and
+the spec check's one-line rejections."""
+
+from __future__ import annotations
+
+import base64
+import logging
+import re
+from types import SimpleNamespace
+
+import pytest
+
+from tasks.artifacts import loss_curve_markdown, loss_curve_svg, outputs_markdown, receipt_rows, svg_image_markdown
+
+
+# ---------------------------------------------------------------------------------------------
+# the loss curve
+
+
+def _points(svg: str) -> list[tuple[float, float]]:
+    [points] = re.findall(r'<polyline points="([^"]+)"', svg)
+    return [tuple(map(float, pair.split(","))) for pair in points.split()]
+
+
+def test_loss_curve_plots_every_step_left_to_right_and_lower_loss_lower_on_the_chart():
+    losses = [3.0, 2.0, 2.5, 1.0]
+    points = _points(loss_curve_svg({"train loss": losses}))
+    assert len(points) == len(losses)
+    xs, ys = [x for x, _ in points], [y for _, y in points]
+    assert xs == sorted(xs) and len(set(xs)) == len(xs)
+    # SVG's y grows downwards: the highest loss is the topmost point, the lowest the bottom one
+    assert ys.index(min(ys)) == losses.index(max(losses))
+    assert ys.index(max(ys)) == losses.index(min(losses))
+    # equal loss steps are equal pixel steps (a linear axis)
+    assert (ys[1] - ys[0]) == pytest.approx(2 * (ys[2] - ys[1]) * -1)
+
+
+def test_loss_curve_skips_non_finite_points_and_draws_a_flat_curve():
+    assert len(_points(loss_curve_svg({"loss": [1.0, float("nan"), 0.5, float("inf")]}))) == 2
+    flat = _points(loss_curve_svg({"loss": [0.7, 0.7, 0.7]}))
+    assert len({y for _, y in flat}) == 1
+
+
+def test_loss_curve_markdown_embeds_the_svg_as_an_image_the_ui_keeps():
+    text = loss_curve_markdown("demo", [2.0, 1.0, 1.5])
+    [uri] = re.findall(r"!\[loss curve\]\((data:image/svg\+xml;base64,[A-Za-z0-9+/=]+)\)", text)
+    svg = base64.b64decode(uri.split(",", 1)[1]).decode()
+    assert svg.startswith("<svg") and "<script" not in svg
+    assert "first 2.0000 · lowest 1.0000 (step 2) · last 1.5000 · 3 steps" in text
+    assert "No step was trained" in loss_curve_markdown("demo", [])
+    assert svg_image_markdown("<svg/>", "x") == "![x](data:image/svg+xml;base64,PHN2Zy8+)"
+
+
+# ---------------------------------------------------------------------------------------------
+# the receipt table and the outputs list
+
+
+def _receipt(**overrides):
+    receipt = SimpleNamespace(
+        status="success", failure_reason=None,
+        hyperparameters=SimpleNamespace(learning_rate=0.02, epochs=3, optimizer="adam_w", rank=8, alpha=16.0),
+        token_counts=SimpleNamespace(action_tokens=1234),
+        opd=SimpleNamespace(final_opd_loss=0.5258346199989319, action_tokens=1234,
+                            teacher_identity_revision="sha256:" + "ab" * 32, teacher_content_revision="x"),
+        data=SimpleNamespace(examples_trained=12, total_steps=12),
+        training_data=SimpleNamespace(sha256="sha256:" + "cd" * 32),
+    )
+    for key, value in overrides.items():
+        setattr(receipt, key, value)
+    return receipt
+
+
+def test_receipt_table_is_compact_with_the_numbers_checked_first():
+    rows = {row["field"]: row["value"] for row in receipt_rows(_receipt())}
+    assert list(rows) == ["status", "steps", "final loss", "learning rate", "epochs", "optimizer",
+                          "LoRA rank / alpha", "action tokens", "corpus sha256", "teacher revision"]
+    assert rows["final loss"] == "0.5258"
+    assert rows["learning rate"] == "0.02" and rows["epochs"] == "3" and rows["optimizer"] == "adam_w"
+    assert rows["LoRA rank / alpha"] == "8 / 16" and rows["steps"] == "12 of 12"
+    assert rows["corpus sha256"] == "sha256:" + "cd" * 8 + "…"
+    assert all(isinstance(value, str) for value in rows.values())
+
+
+def test_receipt_table_of_a_failed_run_says_why_and_has_no_loss():
+    failed = _receipt(status="failed", failure_reason="nan_loss")
+    failed.opd.final_opd_loss = None
+    rows = {row["field"]: row["value"] for row in receipt_rows(failed)}
+    assert rows["status"] == "failed (nan_loss)" and rows["final loss"] == ""
+
+
+def test_outputs_start_with_adapter_receipt_latest_and_collapse_checkpoints():
+    checkpoints = [f"/root/runs/a/k/a-checkpoint-step-{s:08d}.kiln-checkpoint" for s in (2, 4, 6)]
+    text = outputs_markdown("a", "success", adapter_uri="/root/runs/a/k/adapter", receipt_uri="/root/runs/a/k/r.json",
+                            latest_uri="/root/runs/a/latest.json", checkpoints=checkpoints, run_uri="/root/runs/a/k")
+    items = [line for line in text.splitlines() if line.startswith("- ")]
+    assert [item.split("**")[1] for item in items[:3]] == ["adapter", "receipt", "latest.json"]
+    assert len(items) == 5
+    assert checkpoints[-1] in items[3] and "+2 older" in items[3]
+    assert not any(c in text for c in checkpoints[:-1])
+    unpublished = outputs_markdown("a", "failed", adapter_uri=None, receipt_uri="/r.json", latest_uri=None,
+                                   checkpoints=[], run_uri="/run")
+    assert [line.split("**")[1] for line in unpublished.splitlines() if line.startswith("- ")] == ["receipt", "run directory"]
+
+
+# ---------------------------------------------------------------------------------------------
+# the training log
+
+
+class _Lines:
+    def __init__(self):
+        self.lines: list[str] = []
+
+    def info(self, message, *args):
+        self.lines.append(message % args)
+
+
+def _training_log(interval=2, total_every=None):
+    from kiln_core.engine.refs import CorpusRef, TrainPlan
+    from tasks.train import TrainingLog
+
+    plan = TrainPlan(run_uri="/r/runs/demo/k", inputs_key="k", adapter="demo",
+                     config={"checkpoint_interval": interval, "sequences_per_step": 1})
+    corpus = CorpusRef(uri="/c", dataset_sha256="sha256:x", source_uri="/c.jsonl", examples=4, action_tokens=400,
+                       env_tokens=0, effective_top_k=16, teacher_identity_revision=None)
+    lines = _Lines()
+    return TrainingLog(plan, corpus, lines, every=total_every), lines
+
+
+def test_training_log_reports_step_loss_rate_eta_and_checkpoints():
+    log, out = _training_log(interval=2)
+    for step in range(1, 21):
+        log.progress(step, 20, 1.0 / step)
+        log.step_committed(step)
+    steps = [line for line in out.lines if line.startswith("train step")]
+    # the first step, every 20 // 10 = 2 steps, and the last
+    assert [int(re.search(r"step (\d+)/", line).group(1)) for line in steps] == [1] + list(range(2, 21, 2))
+    assert steps[0] == "train step 1/20: loss 1.0000"  # no rate before a step has been timed
+    assert re.fullmatch(r"train step 20/20: loss 0\.0500, ~\d+ action tok/s, ETA 0m00s", steps[-1])
+    published = [line for line in out.lines if line.startswith("checkpoint published")]
+    # periodic checkpoints before the last step only; the last step's state is the adapter
+    assert published[0] == "checkpoint published: demo-checkpoint-step-00000002.kiln-checkpoint"
+    assert len(published) == 9
+
+
+def test_training_log_counts_rate_from_the_resumed_step():
+    log, out = _training_log(interval=None, total_every=5)
+    for step in range(11, 21):  # resumed at step 10
+        log.progress(step, 20, 0.5)
+        log.step_committed(step)
+    assert out.lines[0].startswith("train step 11/20")
+    assert not any(line.startswith("checkpoint") for line in out.lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# stage completions are quiet, failures are not
+
+
+def _record(message, level=logging.INFO, task_name="admit"):
+    record = logging.LogRecord("prefect.task_runs", level, __file__, 1, message, None, None)
+    record.task_name = task_name
+    return record
+
+
+def test_stage_completion_lines_are_dropped_and_everything_else_kept():
+    from flows.run_log import _StageCompletionFilter
+
+    quiet = _StageCompletionFilter()
+    assert not quiet.filter(_record("Finished in state Completed()"))
+    assert not quiet.filter(_record("Finished in state Cached(type=COMPLETED)"))
+    assert quiet.filter(_record("Finished in state Failed('boom')", level=logging.ERROR))
+    assert quiet.filter(_record("Finished in state Completed()", task_name="someone-elses-task"))
+    assert quiet.filter(_record("admit: 4 examples"))
+
+
+# ---------------------------------------------------------------------------------------------
+# the spec check
+
+
+@pytest.fixture
+def local_inputs(tmp_path):
+    (tmp_path / "student").mkdir()
+    (tmp_path / "teacher").mkdir()
+    (tmp_path / "corpus.jsonl").write_text("{}\n")
+    return {"teacher": {"kind": "local_dir", "path": str(tmp_path / "teacher")}, "corpus": str(tmp_path / "corpus.jsonl"),
+            "student": str(tmp_path / "student"), "storage_root": str(tmp_path / "root"), "adapter": "fine",
+            "config": {"training_mode": "off_policy", "top_k": 16}}
+
+
+def test_validate_spec_accepts_a_good_spec_as_dict_or_model(local_inputs):
+    from kiln_core.contracts.pipeline import PipelineSpec
+    from tasks.validate import validate_spec
+
+    spec = validate_spec.fn(local_inputs)
+    assert isinstance(spec, PipelineSpec) and spec.adapter == "fine"
+    assert validate_spec.fn(spec) == spec
+
+
+@pytest.mark.parametrize("change, expected", [
+    ({"adapter": "my adapter/v2!"}, r"^spec\.adapter: must be 1-128 characters"),
+    ({"examples": "x.jsonl"}, r"^spec: give exactly one of `corpus`"),
+    ({"config": {"training_mode": "off_policy", "top_k": 8}}, r"^spec\.config\.top_k: OPD top_k 8 is not executable"),
+    ({"config": {"training_mode": "off_policy", "lora_rnak": 8}}, r"^spec\.config\.lora_rnak: unknown key"),
+    ({"student": "/nowhere/student"}, r"^spec\.student: /nowhere/student is not a directory$"),
+    ({"corpus": "file:///nowhere/c.jsonl"}, r"^spec\.corpus: file:///nowhere/c\.jsonl does not exist$"),
+])
+def test_validate_spec_rejects_in_one_line_naming_the_field(local_inputs, change, expected):
+    from kiln_core.contracts.pipeline import SpecError
+    from kiln_core.errors import Rejection
+    from tasks.validate import validate_spec
+
+    with pytest.raises(SpecError) as caught:
+        validate_spec.fn({**local_inputs, **change})
+    assert isinstance(caught.value, Rejection)
+    assert "\n" not in str(caught.value)
+    assert re.search(expected, str(caught.value)), str(caught.value)
+    assert caught.value.field is None or caught.value.field.startswith("spec")
+
+
+def test_remote_inputs_are_left_to_the_stages(local_inputs):
+    from kiln_core.contracts.pipeline import check_local_inputs, parse_spec
+
+    check_local_inputs(parse_spec({**local_inputs, "student": "s3://bucket/student", "corpus": "memory://c.jsonl"}))
+
+
+# ---------------------------------------------------------------------------------------------
+# the deployment page and the demo's closing hint
+
+
+def test_serve_puts_its_limit_and_the_schedules_time_zone_on_the_deployment(monkeypatch, capsys):
+    import argparse
+
+    import prefect
+
+    import flows.local_api
+    from flows.commands import serve as serve_command
+
+    served = {}
+    monkeypatch.setattr(flows.local_api, "start_local_api", lambda: None)
+    monkeypatch.setattr(prefect, "serve", lambda *deployments, **options: served.update(deployments=deployments, **options))
+    args = argparse.Namespace(name="local", cron="0 2 * * *", timezone=None, spec=None, limit=3)
+    assert serve_command.run(args) == 0
+    [deployment] = served["deployments"]
+    assert served["limit"] == 3
+    assert deployment.concurrency_limit == 3  # what the deployment page shows instead of "∞"
+    [schedule] = deployment.schedules
+    assert schedule.schedule.timezone == "UTC" and schedule.schedule.cron == "0 2 * * *"
+
+
+def test_the_demos_hint_links_the_run_when_it_went_to_a_server():
+    from prefect.settings import PREFECT_UI_URL, temporary_settings
+
+    from flows.commands.demo import _run_url
+
+    with temporary_settings(updates={PREFECT_UI_URL: "http://ui.example:4200"}):
+        assert _run_url("1234", server_start=None) == "http://ui.example:4200/runs/flow-run/1234"
+        assert _run_url("1234", server_start=3.2) is None  # the temporary API is gone when the demo exits
+
+
+def test_the_demos_closing_hint_depends_on_where_the_run_went(capsys):
+    from flows.commands.demo import _report
+
+    summary = {"adapter": "/a", "receipt": "/r", "latest": "/l", "loss_history": [2.0, 1.0]}
+    _report(summary, 1.0, None, None, "http://ui/runs/flow-run/1")
+    linked = capsys.readouterr().out
+    assert "See the run in the Prefect UI: http://ui/runs/flow-run/1" in linked and "prefect server start" not in linked
+    _report(summary, 1.0, None, 2.5, None)
+    assert "start `prefect server start`" in capsys.readouterr().out
+
+
+def test_training_log_works_outside_a_flow_run():
+    """``train_task.fn(...)`` (tests, drills) has no run logger: the training log falls back to a plain one."""
+    from tasks.train import _run_logger
+
+    assert _run_logger().name == "kiln_flows.train"
