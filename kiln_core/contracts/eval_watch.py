@@ -33,30 +33,28 @@ __all__ = ["EvalWatch", "parse_eval_watch"]
 class EvalWatch(BaseModel):
     """What to evaluate during training, how often, and when to warn or stop."""
 
-    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+    # Each field's docstring is its one-line description in the run form (use_attribute_docstrings);
+    # docs/eval-watch.md explains the rules at length.
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     corpus: str = Field(min_length=1)
-    """The held-out teacher-scored JSONL (path or URI), admitted with ``admit_eval_corpus``'s rules:
-    the training teacher, the student's vocabulary, no prompt shared with the training data."""
+    """Held-out teacher-scored JSONL (path or URI): same teacher and vocabulary, no prompt shared with training."""
     every_steps: int = Field(ge=1)
-    """Evaluate after every this many optimizer steps (and after the last one, and before the first)."""
+    """Evaluate every this many optimizer steps (also before the first and after the last); required."""
     max_examples: int = Field(default=16, ge=1)
-    """At most this many held-out examples, spread evenly over the corpus in file order."""
+    """Most held-out examples in the slice, spread evenly over the corpus; default 16."""
     max_tokens: int = Field(default=2048, ge=1)
-    """At most this many action tokens in the slice (the first chosen example is always kept)."""
+    """Most action tokens in the slice (the first chosen example always stays); default 2048."""
     patience: int = Field(default=3, ge=1)
-    """Evaluations without improvement (``stalled``) or with a rise each (``diverged``) before a rule fires."""
+    """Evaluations without improvement (stalled) or each with a rise (diverged) before a rule fires; default 3."""
     min_improvement: float = Field(default=0.01, ge=0.0, lt=1.0)
-    """Relative change of held-out reverse KL that counts: an improvement is below ``best × (1 −
-    min_improvement)``, a rise above ``previous × (1 + min_improvement)``."""
+    """Relative change of held-out reverse KL that counts as an improvement or a rise; default 0.01."""
     flat_window: int | None = Field(default=50, ge=1)
-    """Steps per window of the ``flat`` rule (two consecutive windows are compared); null disables it.
-    A multiple of the examples per epoch compares windows over the same examples, so per-example
-    differences cancel."""
+    """Steps per window of the flat-loss rule (best a multiple of the examples per epoch); null = off; default 50."""
     flat_tolerance: float = Field(default=0.01, gt=0.0, lt=1.0)
-    """Relative difference of the two window means under which the training loss is ``flat``."""
+    """Relative difference of two window means under which the training loss is flat; default 0.01."""
     stop_on_divergence: bool = False
-    """Stop the run when a rule fires (with steps left): checkpoint, ``failed`` receipt naming the rule."""
+    """Stop the run when a rule fires with steps left (checkpoint, failed receipt naming the rule); default false."""
 
 
 def parse_eval_watch(value: Any) -> EvalWatch:

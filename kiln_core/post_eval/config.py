@@ -21,19 +21,19 @@ __all__ = ["PostEvalConfig", "parse_post_eval_config", "validate_post_eval_confi
 class PostEvalConfig(BaseModel):
     """What to evaluate after training, and whether the result may gate the adapter."""
 
-    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+    # Each field's docstring is its one-line description in the run form (use_attribute_docstrings).
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True, use_attribute_docstrings=True)
 
     suite: str
-    """Name of a suite registered under ``<eval_root>/suites/<name>/``."""
+    """Name of an eval suite registered under <eval_root>/suites/<name>/."""
     data_scope: Literal["held-out", "train-set-eval"] = "held-out"
-    """``held-out``: training data overlapping the suite is rejected at admission.
-    ``train-set-eval``: a diagnostic over training data; it may overlap and can never gate."""
+    """held-out (default): training data overlapping the suite is rejected; train-set-eval: a diagnostic that may overlap and never gates."""
     generation: EvalGenerationParams | None = None
-    """Whole-object generation override for both arms (an example's own ``generation`` still wins)."""
+    """Generation settings for both arms, replacing the suite's (an example's own settings still win); default none."""
     min_accuracy: float | None = None
-    """When set, the paired promotion gate runs; the floor is compared as an f32 in [0, 1]."""
+    """Accuracy floor in [0, 1] (compared as f32); when set, the paired promotion gate runs. Default none: report only."""
     include_baseline: bool = False
-    """Adds a base-model run for display only; it is never the gate's baseline."""
+    """Also evaluate the base model, for display only (never the gate's baseline). Default false."""
 
     @property
     def gated(self) -> bool:

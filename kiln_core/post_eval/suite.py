@@ -39,22 +39,29 @@ class _Serde(BaseModel):
 class EvalGenerationParams(_Serde):
     """Decode settings of one eval completion (defaults tuned for verifiable, greedy evaluation)."""
 
+    # Each field's docstring is its one-line description in the run form (use_attribute_docstrings).
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True, use_attribute_docstrings=True)
+
     temperature: float = 0.0
-    """0 = greedy."""
+    """Sampling temperature; 0 (default) = greedy."""
     top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]; default 1.0 = off."""
     top_k: U32 = 0
-    """0 = off."""
+    """Sample from the k most likely tokens; default 0 = off."""
     max_tokens: U64 = 256
+    """Most tokens generated per completion; default 256."""
     n: U64 = 1
-    """Completions per example; must equal the suite aggregation's k."""
+    """Completions per example; must equal the suite aggregation's k. Default 1."""
     stop: list[str] = Field(default_factory=list)
+    """Strings that end a completion; default none."""
     seed: U64 | None = None
-    """Base seed for this generation's examples; None inherits the job's effective seed."""
+    """Base seed for this generation's examples; default none = the job's effective seed."""
     thinking_budget_tokens: U64 | None = None
-    """Absent = inherit the server default (kiln-flows has none), null = unlimited, N = limit."""
+    """Thinking budget in tokens: absent = the server default (kiln-flows has none), null = unlimited."""
     thinking_budget_ms: U64 | None = None
+    """Thinking budget in milliseconds: absent = the server default (kiln-flows has none), null = unlimited."""
     chat_template_kwargs: dict[str, Any] | None = None
-    """Extra chat-template variables (e.g. ``{"enable_thinking": false}``)."""
+    """Extra chat-template variables, e.g. {"enable_thinking": false}; default none."""
 
     def budget(self, name: str) -> int | None | Literal["inherit"]:
         """``inherit`` when the field was absent, else its value (None = unlimited)."""
