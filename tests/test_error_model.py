@@ -394,3 +394,14 @@ def test_errors_survive_pickling():
     for error in (AdmissionError("invalid_json", 3, "bad"), ScoringError("vllm_unreachable", "down", line=4)):
         clone = pickle.loads(pickle.dumps(error))
         assert type(clone) is type(error) and clone.to_json() == error.to_json() and str(clone) == str(error)
+
+
+@pytest.mark.parametrize("adapter", ["my adapter/v2!", "demo\n", "../escape", "x.kiln-checkpoint"])
+def test_a_spec_breaking_the_adapter_name_rule_is_refused_with_the_requests_code(capsys, corpus_dir, tiny_student,
+                                                                                  tiny_teacher, tmp_path, adapter):
+    """`kiln-flows run` and `kiln-flows train` refuse a bad adapter name with one code, naming the field."""
+    spec = {"teacher": {"kind": "local_dir", "path": str(tiny_teacher)}, "corpus": str(corpus_dir / "corpus.jsonl"),
+            "student": str(tiny_student), "storage_root": str(tmp_path / "out"), "adapter": adapter}
+    code, record, _ = cli(capsys, "run", _spec_file(tmp_path, **spec), "--json")
+    assert code == 2 and (record["code"], record["field"]) == ("invalid_adapter_name", "adapter"), record
+    assert not (tmp_path / "out").exists()

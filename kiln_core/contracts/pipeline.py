@@ -374,7 +374,9 @@ def parse_spec(value: Any, *, file: str | None = None) -> PipelineSpec:
             named = message[1:message.index("`", 1)]
             field = named if not where or named.startswith(where) else f"{where}.{named}"
             rest = message[len(named) + 2:]
-            raise SpecError(f"invalid pipeline spec: `{field}`{rest}", field, file=file) from None
+            # one code for the one name rule, whether a request, a spec or the CLI breaks it
+            code = "invalid_adapter_name" if field == "adapter" else "invalid_spec"
+            raise SpecError(f"invalid pipeline spec: `{field}`{rest}", field, code=code, file=file) from None
         raise SpecError(f"invalid pipeline spec: `{where or 'spec'}`: {message}", where or None, file=file) from None
 
 
