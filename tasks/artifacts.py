@@ -46,14 +46,18 @@ class ProgressReporter:
 
             self._bar = tqdm(desc=description, unit="step", file=sys.stderr, leave=True)
 
-    def update(self, step: int, total: int, loss: float | None = None, *, force: bool = False) -> None:
+    def update(self, step: int, total: int, loss: float | None = None, *, force: bool = False, rollout=None) -> None:
+        """``rollout``: an on-policy run's ``OnPolicyProgress`` (``step`` then counts consumed candidates);
+        its rollouts/s and teacher tokens scored join the description."""
         from prefect.artifacts import update_progress_artifact
 
+        rollout_text = "" if rollout is None else (f", {rollout.rollouts_per_second:.2f} rollouts/s, "
+                                                   f"{rollout.teacher_tokens_scored} teacher tokens scored")
         if self._bar is not None:
             self._bar.total = total
             self._bar.n = step
             if loss is not None:
-                self._bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+                self._bar.set_postfix_str(f"loss={loss:.4f}{rollout_text}", refresh=False)
             self._bar.refresh()
             if force:
                 self._bar.close()
@@ -62,7 +66,7 @@ class ProgressReporter:
             return
         self._last = now
         percent = 100.0 * step / total if total else 100.0
-        description = f"step {step}/{total}" + (f", loss {loss:.4f}" if loss is not None else "")
+        description = f"step {step}/{total}" + (f", loss {loss:.4f}" if loss is not None else "") + rollout_text
         update_progress_artifact(self.artifact_id, progress=percent, description=description)
 
 

@@ -159,7 +159,7 @@ class DistributedOptions(BaseModel):
 
 
 class PipelineSpec(BaseModel):
-    """A Kiln-compatible offline distillation run: teacher → corpus → student → adapter."""
+    """A Kiln-compatible distillation run: teacher → corpus (or prompts, on-policy) → student → adapter."""
 
     model_config = ConfigDict(extra="forbid", title="PipelineSpec")
 
@@ -176,6 +176,13 @@ class PipelineSpec(BaseModel):
     examples: str | None = Field(
         default=None,
         description="Unscored examples JSONL to score with a local teacher first (instead of `corpus`).",
+        json_schema_extra={"position": 2},
+    )
+    prompts: str | None = Field(
+        default=None,
+        description="On-policy prompts: a JSONL of Kiln OpdPrompt objects ({messages, teacher_extra_messages?, "
+        "trajectory?}), local path or fsspec URI, instead of `corpus`/`examples`; the student samples its own "
+        "answers and a local teacher scores them (`config.training_mode` on_policy).",
         json_schema_extra={"position": 2},
     )
     student: str = Field(
@@ -212,10 +219,23 @@ class PipelineSpec(BaseModel):
             raise ValueError(f"`config.{unknown}`: unknown key (not a field of Kiln's OpdConfig)")
         return value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _on_policy_default_config(cls, value: Any) -> Any:
+        # Kiln's default training_mode is on_policy; a spec with prompts and no config gets Kiln's defaults.
+        if isinstance(value, dict) and value.get("prompts") is not None and value.get("config") is None:
+            return {**value, "config": OpdConfig()}
+        return value
+
     @model_validator(mode="after")
     def _consistent(self) -> "PipelineSpec":
-        if (self.corpus is None) == (self.examples is None):
-            raise ValueError("give exactly one of `corpus` (already scored) or `examples` (to score first)")
+        sources = [name for name in ("corpus", "examples", "prompts") if getattr(self, name) is not None]
+        if len(sources) != 1:
+            given = f"got {' and '.join(f'`{name}`' for name in sources)}" if sources else "got none"
+            raise ValueError("give exactly one of `corpus` (already scored), `examples` (to score first) or "
+                             f"`prompts` (on-policy); {given}")
+        if self.prompts is not None:
+            return self._on_policy_consistent()
         if self.examples is not None and self.teacher.kind not in ("local_dir", "local_registry"):
             raise ValueError("`examples` needs a local teacher to score with (teacher.kind local_dir or local_registry)")
         if not is_valid_name(self.adapter):
@@ -226,6 +246,26 @@ class PipelineSpec(BaseModel):
 
         try:
             validate_for_offline_training(self.config)
+        except ConfigError as error:
+            field = error.field if error.field and error.field.startswith("config") else f"config.{error.field or ''}".rstrip(".")
+            raise ValueError(f"`{field}`: {error.message}") from None
+        return self
+
+    def _on_policy_consistent(self) -> "PipelineSpec":
+        """The rules of a ``prompts`` spec that need no file: mode, one process, Kiln's config rules. The
+        teacher (local, the student's vocabulary) and the prompts are checked by the engine's prompt stage
+        (``kiln_core.engine.prompts``), with Kiln's codes."""
+        from kiln_core.contracts.opd_config import ConfigError, validate_config_rules
+
+        if not is_valid_name(self.adapter):
+            raise ValueError(f"`adapter` must be {NAME_RULE}")
+        if self.config.training_mode != "on_policy":
+            raise ValueError("`config.training_mode` must be on_policy for `prompts` (off_policy trains from a "
+                             "teacher-scored `corpus`)")
+        if self.distributed is not None and self.distributed.nproc > 1:
+            raise ValueError("`distributed.nproc`: on-policy training runs in one process (one candidate per step)")
+        try:
+            validate_config_rules(self.config, pre_scored=False)
         except ConfigError as error:
             field = error.field if error.field and error.field.startswith("config") else f"config.{error.field or ''}".rstrip(".")
             raise ValueError(f"`{field}`: {error.message}") from None

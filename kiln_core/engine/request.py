@@ -5,7 +5,11 @@
 2. ``teacher`` is a file whose first line is the pinned manifest (relative to the request file), or
    an alias in the local registry under the storage root;
 3. ``dataset_path`` (relative paths are taken relative to the request file, so a request and its
-   corpus can move together; Kiln resolves it on its server) becomes the spec's corpus.
+   corpus can move together; Kiln resolves it on its server) becomes the spec's corpus;
+4. an on-policy request's inline ``prompts`` (Kiln's default ``training_mode``) are written once to
+   ``<root>/prompts/<digest>.jsonl`` and become the spec's ``prompts``; the teacher must be a
+   registered local alias (the engine's prompt stage applies the rest of Kiln's on-policy checks
+   before any model loads: teacher vocabulary, prompt + ``max_tokens`` within the context, top-K).
 
 The spec then runs through ``run_pipeline`` like any other: admitted, planned (run directory
 ``<root>/runs/<adapter>/<run key>/``), trained in this process or under ``torchrun``, published.
@@ -50,6 +54,11 @@ def load_request(request_path: str) -> tuple[OpdRequest, list[str]]:
     except json.JSONDecodeError as error:
         raise ConfigError(f"OPD request {request_path} is not valid JSON: {error}", None, code="invalid_request") from None
     request = parse_opd_request(value)
+    if request.prompts or request.dataset_path is None:
+        # On-policy (or no source at all): Kiln's submit rules for prompts, `source_not_exactly_one` first.
+        from kiln_core.on_policy.submit import check_request
+
+        return request, check_request(request)
     return request, validate_request_for_offline_training(request)
 
 
@@ -106,8 +115,13 @@ def spec_from_request(request_path: str, *, adapter: str, student_dir: str, out_
     resume = resume_checkpoint or config.resume_checkpoint
     if resume is not None:  # traversal and foreign names are refused before any admission work
         check_resume_name(resume, out_root, adapter)
+    teacher = teacher_source(request.teacher, request_path, out_root)
+    if request.prompts:
+        return RequestRun(spec=_on_policy_spec(request, teacher, adapter=adapter, student_dir=student_dir,
+                                               out_root=out_root, nproc=nproc, request_path=request_path),
+                          resume=resume, warnings=warnings)
     spec = parse_spec({
-        "teacher": teacher_source(request.teacher, request_path, out_root),
+        "teacher": teacher,
         "corpus": _anchored(request.dataset_path or "", request_path),
         "student": student_dir,
         "storage_root": out_root,
@@ -116,6 +130,24 @@ def spec_from_request(request_path: str, *, adapter: str, student_dir: str, out_
         "distributed": DistributedOptions(nproc=nproc, backend=backend) if nproc > 1 else None,
     }, file=request_path)
     return RequestRun(spec=spec, resume=resume, warnings=warnings)
+
+
+def _on_policy_spec(request: OpdRequest, teacher: TeacherSource, *, adapter: str, student_dir: str, out_root: str,
+                    nproc: int, request_path: str) -> PipelineSpec:
+    """The spec of an on-policy request: its prompts written as a prompt file, a local teacher, one process."""
+    from kiln_core.engine.prompts import write_inline_prompts
+    from kiln_core.errors import Rejection
+
+    if teacher.kind != "local_registry":  # Kiln's require_remote_teacher_off_policy
+        raise Rejection("remote_teacher_on_policy", 'OPD cannot use a remote teacher with training_mode="on_policy": '
+                        f"{request.teacher!r} is a manifest file, not a registered local teacher "
+                        "(`kiln-flows teachers register ALIAS DIR`)", field="teacher")
+    if nproc != 1:
+        raise ConfigError(f"on-policy training runs in one process; got --nproc {nproc}", "nproc", code="unsupported")
+    return parse_spec({
+        "teacher": teacher, "prompts": write_inline_prompts(request.prompts, out_root), "student": student_dir,
+        "storage_root": out_root, "adapter": adapter, "config": request.config,
+    }, file=request_path)
 
 
 def train_request(request_path: str, *, adapter: str, student_dir: str, out_root: str = "./kiln-data",
