@@ -50,7 +50,7 @@ ADAPTER = "bench"
 TEACHER_ALIAS = "smollm2-135m"
 MAX_NEW_TOKENS = 32  # the teacher's answers in the off-policy corpus are at most this long too
 MODES = {  # quick: a few minutes on 2 busy cores; full: the comparison the README quotes
-    "quick": {"teacher_tokens": 1200, "seconds": 90.0, "eval_every": 8, "heldout_limit": 16},
+    "quick": {"teacher_tokens": 1200, "seconds": 90.0, "eval_every": 8, "heldout_limit": 24},
     "full": {"teacher_tokens": 15000, "seconds": 900.0, "eval_every": 50, "heldout_limit": None},
 }
 
@@ -64,6 +64,7 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, help="steps between checkpoints (evaluation points)")
     parser.add_argument("--heldout-limit", type=int, help="evaluate on the first N held-out examples only")
     parser.add_argument("--learning-rate", type=float, default=RECIPES["kiln"]["learning_rate"])
+    parser.add_argument("--loss", default="teacher_top_k", help="config.loss of both runs (default: Kiln's)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     mode = dict(MODES["quick" if args.quick else "full"])
@@ -78,7 +79,7 @@ def main() -> None:
     setup = prepare(cache, mode["heldout_limit"])
     baselines = {name: cached_baseline(setup, cache, name, model_dir) for name, model_dir in
                  (("teacher", setup["teacher"]), ("base student", setup["student"]))}
-    config = {**BASE_CONFIG, "loss": "teacher_top_k", "learning_rate": args.learning_rate, "epochs": 50,
+    config = {**BASE_CONFIG, "loss": args.loss, "learning_rate": args.learning_rate, "epochs": 50,
               "checkpoint_interval": mode["eval_every"]}
     runs = {}
     for name, trainer in (("off-policy", train_off_policy), ("on-policy", train_on_policy)):

@@ -184,4 +184,7 @@ def test_bad_on_policy_input_is_refused_before_any_model_loads(tiny_student, tin
         code, result = train(capsys, "--request", request, "--adapter", "onpol-bad", "--student", str(tiny_student),
                              "--out", str(root), "--json")
         assert (code, result["status"], result["code"]) == (2, "rejected", expected), (request, result)
+    code, result = train(capsys, "--request", write_request(tmp_path), "--adapter", "onpol-bad", "--student",
+                         str(tiny_student), "--out", str(root), "--json", "--nproc", "2")
+    assert (code, result["code"]) == (2, "unsupported")  # one candidate per step, in one process, as Kiln
     assert not (root / "runs" / "onpol-bad").exists()  # nothing trained or published for any rejection
