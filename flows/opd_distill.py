@@ -5,7 +5,9 @@ with ``kiln-flows run pipeline.yaml``. The flow is the engine's ``run_pipeline``
 Prefect task (``tasks.stages.PrefectStages``), so it does exactly what ``kiln-flows train`` does: the
 same run directory ``<root>/runs/<adapter>/<run key>/`` (derived from the input digests, so a retry —
 in the same process, from the UI, or on new infrastructure — resumes from the same checkpoints), the
-same ``latest.json``. A rejected input fails the run at once (never retried); a storage or network
+same ``latest.json``. A spec with ``prompts`` trains on-policy on the same path: a ``prompts`` task
+checks them (Kiln's submit rules, before any model loads) in place of admission, and the ``train``
+task samples, scores and trains, storing every rollout so that a retry reuses them. A rejected input fails the run at once (never retried); a storage or network
 failure is retried by the stage's task.
 """
 
@@ -61,10 +63,10 @@ def storage_credentials(block_slug: str | None):
 
 @flow(name="opd-distill", flow_run_name="opd-{spec.adapter}", log_prints=True)
 def opd_distill(spec: PipelineSpec) -> dict[str, Any]:
-    """Distill a teacher into a LoRA student from a teacher-scored corpus, Kiln-compatibly.
+    """Distill a teacher into a LoRA student from a teacher-scored corpus or on-policy prompts, Kiln-compatibly.
 
     Args:
-        spec: What to train and where: teacher, corpus (or examples to score), student, storage root,
+        spec: What to train and where: teacher, corpus (or examples to score, or prompts), student, storage root,
             adapter name, Kiln ``OpdConfig`` and run options.
 
     Returns:
