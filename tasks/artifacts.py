@@ -39,6 +39,7 @@ class ProgressReporter:
 
         self.every_seconds = every_seconds
         self._last = 0.0
+        self._rollout_text = ""
         self.artifact_id = create_progress_artifact(progress=0.0, key=key, description=description)
         self._bar = None
         if os.environ.get(CONSOLE_PROGRESS_ENV) == "1":
@@ -51,8 +52,10 @@ class ProgressReporter:
         its rollouts/s and teacher tokens scored join the description."""
         from prefect.artifacts import update_progress_artifact
 
-        rollout_text = "" if rollout is None else (f", {rollout.rollouts_per_second:.2f} rollouts/s, "
-                                                   f"{rollout.teacher_tokens_scored} teacher tokens scored")
+        if rollout is not None:  # kept for the final (forced) update, which carries no rollout figures
+            self._rollout_text = (f", {rollout.rollouts_per_second:.2f} rollouts/s, "
+                                  f"{rollout.teacher_tokens_scored} teacher tokens scored")
+        rollout_text = self._rollout_text
         if self._bar is not None:
             self._bar.total = total
             self._bar.n = step

@@ -68,5 +68,7 @@ def train_task(
                                 every_seconds=progress_every_seconds)
     result = train(plan, corpus, manifest, student_dir, on_progress=reporter.update,
                    should_cancel=_cancel_poller(cancel_poll_seconds))
-    reporter.update(result.steps, result.total_steps or result.steps, result.final_loss, force=True)
+    # On-policy progress counts candidates (empty rollouts consume one without a step): a finished run is 100 %.
+    done = result.total_steps if corpus.kind == "prompts" and result.status == "success" else result.steps
+    reporter.update(done or 0, result.total_steps or result.steps, result.final_loss, force=True)
     return result

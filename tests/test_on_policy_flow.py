@@ -82,6 +82,13 @@ def test_flow_trains_prompts_through_the_same_stages(world, reference):
     runs = task_runs(reference.state.state_details.flow_run_id, ("manifest", "prompts", "train", "publish"))
     assert "admit" not in runs and "fingerprint" not in runs  # the source decides the data stage only
     assert all(runs[stage].state.is_completed() for stage in ("prompts", "train", "publish"))
+    from prefect.artifacts import Artifact
+
+    from tasks.artifacts import artifact_key
+
+    progress = Artifact.get(artifact_key("train-progress", ADAPTER))
+    assert float(progress.data) == pytest.approx(100.0)
+    assert "rollouts/s" in progress.description and "teacher tokens scored" in progress.description
 
 
 def test_a_retried_train_task_resumes_and_reuses_committed_rollouts(world, reference, monkeypatch):

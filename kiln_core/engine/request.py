@@ -92,7 +92,8 @@ def teacher_source(teacher: str, request_path: str, registry_root: str) -> Teach
 
 def spec_from_request(request_path: str, *, adapter: str, student_dir: str, out_root: str = "./kiln-data",
                       resume_checkpoint: str | None = None, nproc: int = 1, backend: str = "auto") -> RequestRun:
-    """Validate a request file and build the spec ``run_pipeline`` trains (nothing is read but the request).
+    """Validate a request file and build the spec ``run_pipeline`` trains (nothing is read but the request;
+    an on-policy request's inline prompts are written to ``<out_root>/prompts/<digest>.jsonl``).
 
     Raises:
         ConfigError: the request, the adapter name (``invalid_adapter_name``), ``nproc``; CheckpointError:
