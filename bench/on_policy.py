@@ -83,7 +83,7 @@ def main() -> None:
               "checkpoint_interval": mode["eval_every"]}
     runs = {}
     for name, trainer in (("off-policy", train_off_policy), ("on-policy", train_on_policy)):
-        runs[name] = tracked(name, trainer, setup, cache, config, mode)
+        runs[name] = tracked(name, trainer, setup, cache, config, mode, baselines["base student"])
     report = {"mode": mode, "argv": sys.argv[1:], "config": config, "threads": args.threads, "baselines": baselines,
               "runs": runs}
     out = cache / f"on-policy-{time.strftime('%Y%m%d-%H%M%S')}.json"
@@ -153,7 +153,7 @@ def train_on_policy(setup: dict[str, Any], config: Any, run_root: Path, budget: 
 
 
 def tracked(name: str, trainer: Callable, setup: dict[str, Any], cache: Path, config: dict[str, Any],
-            mode: dict[str, Any]) -> dict[str, Any]:
+            mode: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     """Train until both budgets are used, then evaluate the checkpoints at equal tokens and equal time."""
     from kiln_core.contracts.opd_config import OpdConfig
 
@@ -168,7 +168,7 @@ def tracked(name: str, trainer: Callable, setup: dict[str, Any], cache: Path, co
     last = budget.steps[max(budget.steps)] if budget.steps else {}
     log(f"{name}: {result.status} after {result.steps} steps, {last.get('teacher_tokens')} teacher tokens, "
         f"{last.get('seconds', 0):.0f} s")
-    points = evaluate_points(setup, run_root, OpdConfig.model_validate(config), budget)
+    points = evaluate_points(setup, run_root, OpdConfig.model_validate(config), budget, base)
     shutil.rmtree(run_root, ignore_errors=True)
     rates = [record["rollouts_per_second"] for record in budget.steps.values() if "rollouts_per_second" in record]
     return {"status": result.status, "steps": result.steps, "records": budget.steps, "points": points,
@@ -176,8 +176,10 @@ def tracked(name: str, trainer: Callable, setup: dict[str, Any], cache: Path, co
             "load_average_before": load_before, "load_average_after": load_after}
 
 
-def evaluate_points(setup: dict[str, Any], run_root: Path, config: Any, budget: Budget) -> dict[str, dict]:
-    """Held-out metrics at the checkpoint closest to the token budget and the last within the time budget."""
+def evaluate_points(setup: dict[str, Any], run_root: Path, config: Any, budget: Budget,
+                    base: dict[str, Any]) -> dict[str, dict]:
+    """Held-out metrics at the checkpoint closest to the token budget and the last within the time budget
+    (``base``, the base student's metrics, when no checkpoint was committed within it)."""
     from kiln_core.evaluation import evaluate_tables
     from kiln_core.training import checkpoint as ckpt
     from kiln_core.training.student import load_student
@@ -188,10 +190,12 @@ def evaluate_points(setup: dict[str, Any], run_root: Path, config: Any, budget: 
     names = dict((step, name) for step, name in ckpt.committed_checkpoints(str(run_root), ADAPTER))
     at_tokens = min(steps, key=lambda s: abs(budget.steps[s]["teacher_tokens"] - budget.teacher_tokens))
     in_time = [s for s in steps if budget.steps[s]["seconds"] <= budget.seconds + 1e-6]
-    at_time = max(in_time) if in_time else min(steps)
+    # No checkpoint inside the time budget: at that time the run still had the base student's adapter.
+    at_time = max(in_time) if in_time else 0
     student = load_student(setup["student"], rank=config.lora_rank, alpha=config.lora_alpha, seed=7, device="cpu")
     points: dict[str, dict] = {}
-    cache: dict[int, dict] = {}
+    cache: dict[int, dict] = {0: base}
+    budget.steps.setdefault(0, {"seconds": 0.0, "teacher_tokens": 0})
     for label, step in (("equal teacher tokens", at_tokens), ("equal wall time", at_time)):
         if step not in cache:
             student.load_adapter_tensors(ckpt.load_checkpoint(str(run_root), names[step]).adapter_tensors)
@@ -216,7 +220,7 @@ def print_table(baselines: dict[str, dict], runs: dict[str, dict], mode: dict[st
             point = run["points"].get(comparison)
             if point is None:
                 continue
-            rate = f"{run['rollouts_per_second']:.2f}" if run["rollouts_per_second"] is not None else "-"
+            rate = f"{run['rollouts_per_second']:.3f}" if run["rollouts_per_second"] is not None else "-"
             load = "%.1f/%.1f" % (run["load_average_before"][0], run["load_average_after"][0])
             print(f"| {comparison:<21} | {name:<12} | {point['step']:>5} | {int(point['teacher_tokens']):>11} | "
                   f"{point['seconds']:>7.0f} | {point['reverse_kl']:>15.4f} | {point['top1_agreement']:>11.1%} | "
