@@ -71,13 +71,15 @@ def main() -> None:
     parser.add_argument("--final-minutes", type=float, default=15.0)
     parser.add_argument("--heldout-limit", type=int, help="evaluate on the first N held-out examples only")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--keep-layers", default="every:2",
+                        help="the teacher layers the student keeps (derive-student's SPEC), e.g. 0,1,2,3,4,5,6,7,23,24,25,26,27,28,29")
     args = parser.parse_args()
 
     import torch
 
     torch.set_num_threads(args.threads)
     cache = Path(args.cache_dir).resolve()
-    setup = prepare(cache, args.heldout_limit)
+    setup = prepare(cache, args.heldout_limit, args.keep_layers)
     baselines = {name: cached_baseline(setup, cache, name, model_dir) for name, model_dir in
                  (("teacher", setup["teacher"]), ("base student", setup["student"]))}
     if args.final:
@@ -98,7 +100,7 @@ def main() -> None:
     print(f"\nall figures: {out}")
 
 
-def prepare(cache: Path, heldout_limit: int | None = None) -> dict[str, Any]:
+def prepare(cache: Path, heldout_limit: int | None = None, keep_layers: str = "every:2") -> dict[str, Any]:
     """Models, teacher answers, scored corpora (all cached), and the admitted train/held-out tables."""
     from kiln_core.admission import admit_corpus
     from kiln_core.data import load_prompts
@@ -106,7 +108,7 @@ def prepare(cache: Path, heldout_limit: int | None = None) -> dict[str, Any]:
     from kiln_core.models.prepare import prepare_models, scored_corpus, teacher_examples
 
     started = time.perf_counter()
-    teacher, student = prepare_models(cache, on_stage=lambda stage: log(f"preparing: {stage}"))
+    teacher, student = prepare_models(cache, keep_layers, on_stage=lambda stage: log(f"preparing: {stage}"))
     corpora = {}
     for split in ("train", "heldout"):
         examples = teacher_examples(teacher, load_prompts(split), cache,
