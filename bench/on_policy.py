@@ -66,6 +66,8 @@ def main() -> None:
     parser.add_argument("--learning-rate", type=float, default=RECIPES["kiln"]["learning_rate"])
     parser.add_argument("--loss", default="teacher_top_k", help="config.loss of both runs (default: Kiln's)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--keep-layers", default="every:2", help="the teacher layers the student keeps "
+                        "(derive-student's SPEC, as in distill_quality.py)")
     args = parser.parse_args()
     mode = dict(MODES["quick" if args.quick else "full"])
     for name in ("teacher_tokens", "seconds", "eval_every", "heldout_limit"):
@@ -76,7 +78,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     cache = Path(args.cache_dir).resolve()
-    setup = prepare(cache, mode["heldout_limit"])
+    setup = prepare(cache, mode["heldout_limit"], args.keep_layers)
     baselines = {name: cached_baseline(setup, cache, name, model_dir) for name, model_dir in
                  (("teacher", setup["teacher"]), ("base student", setup["student"]))}
     config = {**BASE_CONFIG, "loss": args.loss, "learning_rate": args.learning_rate, "epochs": 50,
