@@ -188,3 +188,24 @@ def test_bad_on_policy_input_is_refused_before_any_model_loads(tiny_student, tin
                          str(tiny_student), "--out", str(root), "--json", "--nproc", "2")
     assert (code, result["code"]) == (2, "unsupported")  # one candidate per step, in one process, as Kiln
     assert not (root / "runs" / "onpol-bad").exists()  # nothing trained or published for any rejection
+
+
+def test_a_spec_with_a_remote_teacher_is_refused_at_the_prompt_stage(tiny_student, tiny_teacher, tmp_path):
+    """A pipeline spec whose teacher is only a pinned manifest cannot score rollouts: Kiln's code, no model loaded."""
+    from kiln_core.contracts.identity import build_manifest_line
+    from kiln_core.contracts.pipeline import parse_spec
+    from kiln_core.engine import run_pipeline
+    from kiln_core.errors import Rejection
+    from kiln_core.identity.local_teacher import local_teacher_identity
+
+    manifest = tmp_path / "manifest.jsonl"
+    manifest.write_text(build_manifest_line(local_teacher_identity(str(tiny_teacher), max_top_k=32)) + "\n")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    spec = parse_spec({"teacher": {"kind": "manifest_file", "path": str(manifest)}, "prompts": str(prompts),
+                       "student": str(tiny_student), "storage_root": str(tmp_path / "root"), "adapter": "remote",
+                       "config": {**CONFIG, "training_mode": "on_policy"}})
+    with pytest.raises(Rejection) as caught:
+        run_pipeline(spec)
+    assert caught.value.code == "remote_teacher_on_policy" and caught.value.field == "teacher"
+    assert not (tmp_path / "root" / "runs").exists()
