@@ -6,7 +6,10 @@ Prefect task (``tasks.stages.PrefectStages``), so it does exactly what ``kiln-fl
 same run directory ``<root>/runs/<adapter>/<run key>/`` (derived from the input digests, so a retry —
 in the same process, from the UI, or on new infrastructure — resumes from the same checkpoints), the
 same ``latest.json``, the same gate (``post_eval`` / ``quality_gate``: only a promoted adapter is
-published; the decision is a ``kiln-flows.adapter.*`` event, ``tasks/gate.py``). A rejected input fails the run at once (never retried); a storage or network
+published; the decision is a ``kiln-flows.adapter.*`` event, ``tasks/gate.py``). A spec whose source is
+``prompts`` trains on-policy on the same path: a ``prompts`` task checks them (Kiln's submit rules,
+before any model loads) in place of admission, and the ``train`` task samples, scores and trains,
+storing every rollout so that a retry reuses them. A rejected input fails the run at once (never retried); a storage or network
 failure is retried by the stage's task.
 """
 
@@ -67,10 +70,10 @@ def storage_credentials(block_slug: str | None):
 # server's schema check still come from the annotation.
 @flow(name="opd-distill", flow_run_name=run_name, log_prints=True, validate_parameters=False)
 def opd_distill(spec: PipelineSpec) -> dict[str, Any]:
-    """Distill a teacher into a LoRA student from a teacher-scored corpus, Kiln-compatibly.
+    """Distill a teacher into a LoRA student from a teacher-scored corpus or on-policy prompts, Kiln-compatibly.
 
     Args:
-        spec: What to train and where: teacher, corpus or examples, student, storage, adapter, config.
+        spec: What to train and where: teacher, training data (corpus, examples or prompts), student, storage, adapter, config.
 
     Returns:
         The run summary (``PipelineResult.summary()``): adapter, receipt and ``latest.json`` URIs, final

@@ -52,6 +52,7 @@ class ProgressReporter:
 
         self.every_seconds = every_seconds
         self._last = 0.0
+        self._rollout_text = ""
         self.artifact_id = create_progress_artifact(progress=0.0, key=key, description=description)
         self._bar = None
         if os.environ.get(CONSOLE_PROGRESS_ENV) == "1":
@@ -59,14 +60,20 @@ class ProgressReporter:
 
             self._bar = tqdm(desc=description, unit="step", file=sys.stderr, leave=True)
 
-    def update(self, step: int, total: int, loss: float | None = None, *, force: bool = False) -> None:
+    def update(self, step: int, total: int, loss: float | None = None, *, force: bool = False, rollout=None) -> None:
+        """``rollout``: an on-policy run's ``OnPolicyProgress`` (``step`` then counts consumed candidates);
+        its rollouts/s and teacher tokens scored join the description."""
         from prefect.artifacts import update_progress_artifact
 
+        if rollout is not None:  # kept for the final (forced) update, which carries no rollout figures
+            self._rollout_text = (f", {rollout.rollouts_per_second:.2f} rollouts/s, "
+                                  f"{rollout.teacher_tokens_scored} teacher tokens scored")
+        rollout_text = self._rollout_text
         if self._bar is not None:
             self._bar.total = total
             self._bar.n = step
             if loss is not None:
-                self._bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+                self._bar.set_postfix_str(f"loss={loss:.4f}{rollout_text}", refresh=False)
             self._bar.refresh()
             if force:
                 self._bar.close()
@@ -75,7 +82,7 @@ class ProgressReporter:
             return
         self._last = now
         percent = 100.0 * step / total if total else 100.0
-        description = f"step {step}/{total}" + (f", loss {loss:.4f}" if loss is not None else "")
+        description = f"step {step}/{total}" + (f", loss {loss:.4f}" if loss is not None else "") + rollout_text
         update_progress_artifact(self.artifact_id, progress=percent, description=description)
 
 

@@ -72,6 +72,16 @@ class PrefectStages:
                     corpus.action_tokens)
         return corpus
 
+    def prompts(self, spec: PipelineSpec, manifest: ManifestRef, student_dir: str) -> CorpusRef:
+        from prefect import get_run_logger
+
+        from tasks.prompts import check_prompts_task
+
+        prompts = check_prompts_task(spec.prompts, manifest, spec.config, student_dir)
+        get_run_logger().info("prompts %s: %d prompts, %d samples per prompt, top-K %d", prompts.dataset_sha256,
+                              prompts.examples, prompts.samples_per_prompt, prompts.effective_top_k)
+        return prompts
+
     def train(self, plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir: str) -> TrainRef:
         options = self.spec.options
         _log().info("train: %s in %s (resume: %s)", plan.adapter, plan.run_uri, plan.resume or "fresh")

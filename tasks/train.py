@@ -128,11 +128,13 @@ def train_task(
     reporter = ProgressReporter(key=artifact_key("train-progress", plan.adapter), description=f"training {plan.adapter}",
                                 every_seconds=progress_every_seconds)
 
-    def on_progress(step: int, total: int, loss: float) -> None:
-        reporter.update(step, total, loss)
+    def on_progress(step: int, total: int, loss: float, rollout=None) -> None:
+        reporter.update(step, total, loss, rollout=rollout)
         log.progress(step, total, loss)
 
     result = train(plan, corpus, manifest, student_dir, on_progress=on_progress,
                    should_cancel=_cancel_poller(cancel_poll_seconds), on_step_committed=log.step_committed)
-    reporter.update(result.steps, result.total_steps or result.steps, result.final_loss, force=True)
+    # On-policy progress counts candidates (empty rollouts consume one without a step): a finished run is 100 %.
+    done = result.total_steps if corpus.kind == "prompts" and result.status == "success" else result.steps
+    reporter.update(done or 0, result.total_steps or result.steps, result.final_loss, force=True)
     return result

@@ -161,6 +161,21 @@ def test_form_and_yaml_views_are_the_same_run():
     assert (examples.corpus, examples.examples, examples.config.training_mode) == (None, "/e.jsonl", "off_policy")
 
 
+def test_the_prompts_source_is_an_on_policy_spec_with_its_sampling_settings():
+    """The form's prompts tab and a YAML spec's `prompts:` + config give the same on-policy spec."""
+    from kiln_core.contracts.pipeline import parse_spec
+
+    form_view = parse_spec({**BASE, "source": {"kind": "prompts", "prompts": "/p.jsonl",
+                                               "sampling": {"temperature": 0.7, "max_tokens": 64}},
+                            "config": {"top_k": 16}})
+    yaml_view = parse_spec({**BASE, "prompts": "/p.jsonl", "config": {"top_k": 16, "temperature": 0.7, "max_tokens": 64}})
+    for spec in (form_view, yaml_view):
+        assert (spec.prompts, spec.corpus, spec.examples) == ("/p.jsonl", None, None)
+        assert (spec.config.training_mode, spec.config.temperature, spec.config.max_tokens) == ("on_policy", 0.7, 64)
+    assert form_view.config == yaml_view.config and form_view.source == yaml_view.source
+    assert parse_spec(yaml_view.model_dump(mode="json", by_alias=True)).config == yaml_view.config
+
+
 def test_a_dumped_spec_is_what_the_server_accepts(schema):
     from prefect.utilities.schema_tools import validate
 
@@ -171,8 +186,8 @@ def test_a_dumped_spec_is_what_the_server_accepts(schema):
 
 
 @pytest.mark.parametrize("spec, field, message", [
-    ({**BASE, "source": {"kind": "prompts", "prompts": "/p.jsonl"}}, "source",
-     "on-policy training from prompts is not in the pipeline yet"),
+    ({**BASE, "source": {"kind": "prompts", "prompts": "/p.jsonl"}, "post_eval": {"suite": "s"}}, "post_eval",
+     "not available for on-policy runs yet"),
     ({**BASE, "source": {"kind": "corpus", "corpus": "/c"}, "examples": "/e"}, "source", "give the training data once"),
     ({**BASE, "source": {"kind": "corpus", "corpus": "/c", "examples": "/e"}}, "source.examples",
      "Extra inputs are not permitted"),

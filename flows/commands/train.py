@@ -26,6 +26,12 @@ after training and only a promoted one moves ``latest.json`` (docs/post-eval.md)
 Ctrl-C (or SIGTERM) stops the run at the next step boundary after publishing a checkpoint (exit 3);
 a second Ctrl-C stops at once.
 
+An on-policy request (Kiln's default ``training_mode``) sends ``prompts`` instead of ``dataset_path`` and
+names a teacher registered with ``kiln-flows teachers register``; the student samples its own answers,
+the teacher scores them and the same engine trains, stores rollouts under the run directory, publishes
+and resumes. The progress bar then counts candidates and shows rollouts/s and teacher tokens scored;
+the receipt records ``training_mode: "on_policy"`` and the effective ``samples_per_prompt``.
+
 Several processes on this machine (data parallel on ``torch.distributed``)::
 
     $ kiln-flows train --request opd-request.json --adapter demo --student ./student --nproc 4 --json
@@ -43,11 +49,11 @@ import argparse
 from flows.commands._options import add_dtype_argument, add_out_argument
 
 NAME = "train"
-HELP = "Train a LoRA student on a teacher-scored corpus from a Kiln OPD request file."
+HELP = "Train a LoRA student from a Kiln OPD request file (teacher-scored corpus, or on-policy prompts)."
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--request", required=True, metavar="FILE", help="OpdRequest JSON (dataset_path, teacher, config)")
+    parser.add_argument("--request", required=True, metavar="FILE", help="OpdRequest JSON (dataset_path or prompts, teacher, config)")
     parser.add_argument("--adapter", required=True, metavar="NAME", help="adapter name (the run directory and checkpoint prefix)")
     parser.add_argument("--student", required=True, metavar="DIR", help="student model directory")
     add_out_argument(parser)
@@ -163,7 +169,8 @@ class _ProgressBar:
         self.enabled = enabled
         self.bar = None
 
-    def update(self, step: int, total: int, loss: float) -> None:
+    def update(self, step: int, total: int, loss: float, rollout=None) -> None:
+        """``rollout`` (an ``OnPolicyProgress``, on-policy runs only): ``step`` counts consumed candidates."""
         if not self.enabled:
             return
         if self.bar is None:
@@ -171,9 +178,14 @@ class _ProgressBar:
 
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, initial=step - 1, desc="train", unit="step", file=sys.stderr)
+            unit = "step" if rollout is None else "candidate"
+            self.bar = tqdm(total=total, initial=step - 1, desc="train", unit=unit, file=sys.stderr)
         self.bar.update(step - self.bar.n)
-        self.bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+        if rollout is None:
+            self.bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+        else:
+            self.bar.set_postfix(loss=f"{loss:.4f}", rollouts_per_s=f"{rollout.rollouts_per_second:.2f}",
+                                 teacher_tokens=rollout.teacher_tokens_scored, refresh=False)
 
     def close(self) -> None:
         if self.bar is not None:

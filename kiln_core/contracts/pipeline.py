@@ -40,6 +40,7 @@ from pydantic.json_schema import SkipJsonSchema
 from kiln_core.contracts.eval_watch import EvalWatch
 from kiln_core.contracts.names import NAME_PATTERN, NAME_RULE, is_valid_name
 from kiln_core.contracts.opd_config import (
+    SAMPLING_FIELDS,
     EchoConfig,
     OpdConfig,
     StableOpdAuto,
@@ -47,7 +48,7 @@ from kiln_core.contracts.opd_config import (
     StableOpdOff,
 )
 from kiln_core.contracts.quality_gate import QualityGate
-from kiln_core.contracts.sources import ON_POLICY_NOT_YET, CorpusSource, ExamplesSource, PromptsSource, Source
+from kiln_core.contracts.sources import CorpusSource, ExamplesSource, OnPolicySampling, PromptsSource, Source
 from kiln_core.errors import Rejection
 from kiln_core.post_eval.config import PostEvalConfig
 
@@ -184,7 +185,7 @@ class DistributedOptions(BaseModel):
 
 
 class PipelineSpec(BaseModel):
-    """A Kiln-compatible offline distillation run: teacher → corpus → student → adapter."""
+    """A Kiln-compatible distillation run: teacher → corpus (or prompts, on-policy) → student → adapter."""
 
     model_config = ConfigDict(extra="forbid", title="PipelineSpec", json_schema_extra=_form_schema)
 
@@ -209,6 +210,12 @@ class PipelineSpec(BaseModel):
     examples: SkipJsonSchema[str | None] = Field(
         default=None, exclude=True,
         description="Unscored examples JSONL to score with a local teacher first (instead of `corpus`).",
+    )
+    prompts: SkipJsonSchema[str | None] = Field(
+        default=None, exclude=True,
+        description="On-policy prompts: a JSONL of Kiln OpdPrompt objects ({messages, teacher_extra_messages?, "
+        "trajectory?}), local path or fsspec URI, instead of `corpus`/`examples`; the student samples its own "
+        "answers and a local teacher scores them (`config.training_mode` on_policy).",
     )
     student: str = Field(
         description="Student model directory (config.json, fast tokenizer, weights) or fsspec URI of one.",
@@ -272,11 +279,34 @@ class PipelineSpec(BaseModel):
             value = {**value, "training_mode": "off_policy"}
         return value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _on_policy_default_config(cls, value: Any) -> Any:
+        # Kiln's default training_mode is on_policy: a spec whose data is prompts (a `prompts` file, or the
+        # form's prompts source) and whose config does not say otherwise trains on-policy.
+        if not isinstance(value, dict):
+            return value
+        source = value.get("source")
+        source_kind = source.get("kind") if isinstance(source, dict) else getattr(source, "kind", None)
+        if value.get("prompts") is None and source_kind != "prompts":
+            return value
+        config = value.get("config")
+        if config is None:
+            return {**value, "config": OpdConfig()}
+        if isinstance(config, dict) and "training_mode" not in config:
+            return {**value, "config": {**config, "training_mode": "on_policy"}}
+        return value
+
     @model_validator(mode="after")
     def _consistent(self) -> "PipelineSpec":
         self._bind_source()
-        if (self.corpus is None) == (self.examples is None):
-            raise ValueError("give exactly one of `corpus` (already scored) or `examples` (to score first)")
+        sources = [name for name in ("corpus", "examples", "prompts") if getattr(self, name) is not None]
+        if len(sources) != 1:
+            given = f"got {' and '.join(f'`{name}`' for name in sources)}" if sources else "got none"
+            raise ValueError("give exactly one of `corpus` (already scored), `examples` (to score first) or "
+                             f"`prompts` (on-policy); {given}")
+        if self.prompts is not None:
+            return self._on_policy_consistent()
         if self.examples is not None and self.teacher.kind not in ("local_dir", "local_registry"):
             raise ValueError("`examples` needs a local teacher to score with (teacher.kind local_dir or local_registry)")
         if not is_valid_name(self.adapter):
@@ -307,19 +337,49 @@ class PipelineSpec(BaseModel):
                              "remove `distributed` or the `eval` block")
 
     def _bind_source(self) -> None:
-        """Fill ``corpus``/``examples`` from ``source`` (the form), or ``source`` from them (YAML, requests)."""
+        """Fill ``corpus``/``examples``/``prompts`` from ``source`` (the form), or ``source`` from them (YAML,
+        requests). A prompts source's sampling settings become the config's (the form keeps them apart)."""
+        given = [name for name in ("corpus", "examples", "prompts") if getattr(self, name) is not None]
         if self.source is None:
-            if self.corpus is not None and self.examples is None:
-                self.source = CorpusSource(corpus=self.corpus)
-            elif self.examples is not None and self.corpus is None:
-                self.source = ExamplesSource(examples=self.examples)
+            if len(given) == 1 and self.prompts is not None:
+                sampling = {name: getattr(self.config, name) for name in SAMPLING_FIELDS}
+                self.source = PromptsSource(prompts=self.prompts, sampling=OnPolicySampling(**sampling))
+            elif len(given) == 1:
+                self.source = (CorpusSource(corpus=self.corpus) if self.corpus is not None
+                               else ExamplesSource(examples=self.examples))
             return
-        if self.corpus is not None or self.examples is not None:
-            raise ValueError("`source`: give the training data once, as `source` or as `corpus`/`examples`")
+        if given:
+            raise ValueError("`source`: give the training data once, as `source` or as `corpus`/`examples`/`prompts`")
         if isinstance(self.source, PromptsSource):
-            raise ValueError(f"`source`: {ON_POLICY_NOT_YET}")
+            self.prompts = self.source.prompts
+            self.config = self.config.model_copy(update=dict(self.source.sampling))
+            return
         self.corpus = getattr(self.source, "corpus", None)
         self.examples = getattr(self.source, "examples", None)
+
+    def _on_policy_consistent(self) -> "PipelineSpec":
+        """The rules of a ``prompts`` spec that need no file: mode, one process, Kiln's config rules. The
+        teacher (local, the student's vocabulary) and the prompts are checked by the engine's prompt stage
+        (``kiln_core.engine.prompts``), with Kiln's codes."""
+        from kiln_core.contracts.opd_config import ConfigError, validate_config_rules
+
+        if not is_valid_name(self.adapter):
+            raise ValueError(f"`adapter` must be {NAME_RULE}")
+        if self.config.training_mode != "on_policy":
+            raise ValueError("`config.training_mode` must be on_policy for `prompts` (off_policy trains from a "
+                             "teacher-scored `corpus`)")
+        if self.distributed is not None and self.distributed.nproc > 1:
+            raise ValueError("`distributed.nproc`: on-policy training runs in one process (one candidate per step)")
+        for name in ("post_eval", "quality_gate", "eval"):  # not wired to the on-policy loop yet
+            if getattr(self, name) is not None:
+                raise ValueError(f"`{name}`: not available for on-policy runs yet; gate or watch an off-policy run, "
+                                 "or evaluate the published adapter with `kiln-flows eval`")
+        try:
+            validate_config_rules(self.config, pre_scored=False)
+        except ConfigError as error:
+            field = error.field if error.field and error.field.startswith("config") else f"config.{error.field or ''}".rstrip(".")
+            raise ValueError(f"`{field}`: {error.message}") from None
+        return self
 
 
 _STABLE_OPD_MODES = {"off": StableOpdOff, "auto": StableOpdAuto, "manual": StableOpdManual}

@@ -54,9 +54,6 @@ OnPolicySampling = create_model(
     **{name: (OpdConfig.model_fields[name].annotation, OpdConfig.model_fields[name]) for name in SAMPLING_FIELDS},
 )
 
-ON_POLICY_NOT_YET = ("on-policy training from prompts is not in the pipeline yet (it comes with the on-policy "
-                     "pipeline work); give a scored corpus or examples to score")
-
 
 class PromptsSource(BaseModel):
     """On-policy: prompts that the student answers and the teacher scores (Kiln's prompts)."""

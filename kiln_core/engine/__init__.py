@@ -6,6 +6,7 @@ the same stage functions. Modules, in the order the work happens:
 
 * ``request`` — a Kiln ``OpdRequest`` file → ``PipelineSpec`` (``kiln-flows train``);
 * ``stages`` — teacher manifest, scoring, fingerprint, admission, verification;
+* ``prompts`` — the on-policy source: prompt checks (the data stage) and ``train_on_policy`` (training);
 * ``runs`` — the run directory ``<root>/runs/<adapter>/<run key>/``, the seed, where to resume;
 * ``training`` — train in this process or under ``torchrun``; Ctrl-C stops at a step (``interrupt``);
 * ``publish`` — verify the adapter against its receipt, write ``latest.json``;

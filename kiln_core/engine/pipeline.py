@@ -1,6 +1,7 @@
 """``run_pipeline``: the one path from a ``PipelineSpec`` to a published adapter.
 
     manifest → (score) → fingerprint → admit → verify → plan → train → (gate) → publish
+    manifest → prompts → plan → train → publish                     (on-policy: ``spec.prompts``)
 
 The gate runs when the spec has ``post_eval`` or ``quality_gate`` (``kiln_core.engine.gate``): only
 an adapter it promotes (or an informational eval's) is published to ``latest.json``.
@@ -39,6 +40,9 @@ class Stages(Protocol):
 
     def verify(self, corpus: CorpusRef) -> CorpusRef: ...
 
+    def prompts(self, spec: PipelineSpec, manifest: ManifestRef, student_dir: str) -> CorpusRef:
+        """The on-policy data stage (``kiln_core.engine.prompts.check_prompts``)."""
+
     def train(self, plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir: str) -> TrainRef: ...
 
     def gate(self, trained: TrainRef, spec: PipelineSpec, ready: "PreparedRun") -> GateRef:
@@ -54,7 +58,8 @@ class LocalStages:
     """The stages as plain calls in this process (``kiln-flows train``).
 
     Args:
-        on_progress: ``(step, total_steps, loss)`` after each committed training step.
+        on_progress: ``(step, total_steps, loss)`` after each committed training step; on-policy runs
+            call it as ``(consumed candidates, total candidates, loss, rollout=OnPolicyProgress)``.
         should_cancel: Polled at each step boundary.
         on_step_committed: Called with the step number once a step (and its checkpoint, when due) is
             committed (``train_opd``'s hook: tests and drills stop a run there).
@@ -81,6 +86,11 @@ class LocalStages:
 
     def verify(self, corpus: CorpusRef) -> CorpusRef:
         return stages.verify(corpus)
+
+    def prompts(self, spec: PipelineSpec, manifest: ManifestRef, student_dir: str) -> CorpusRef:
+        from kiln_core.engine.prompts import check_prompts
+
+        return check_prompts(spec.prompts, manifest, spec.config, student_dir)
 
     def train(self, plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir: str) -> TrainRef:
         return train(plan, corpus, manifest, student_dir, on_progress=self.on_progress,
@@ -111,21 +121,25 @@ class PreparedRun:
 def prepare(spec: PipelineSpec, stages_: Stages | None = None, *, resume: str | None = "latest",
             device: str | None = None, precision: str | None = None,
             gradient_checkpointing: bool = False) -> PreparedRun:
-    """Every stage before training: manifest, (score), fingerprint, admit, verify, plan."""
+    """Every stage before training: manifest, (score), fingerprint, admit, verify — or, for ``prompts``,
+    the on-policy prompt checks — then plan."""
     from kiln_core.storage import localize_directory
 
     stages_ = stages_ or LocalStages()
     student_dir = localize_directory(spec.student)
     manifest = stages_.manifest(spec.teacher, spec.storage_root, max(32, spec.config.top_k))
-    corpus_uri = spec.corpus if spec.examples is None else stages_.score(spec, manifest, student_dir)
-    inputs = stages_.fingerprint(corpus_uri, student_dir, spec.config.top_k)
-    corpus = stages_.verify(stages_.admit(inputs, manifest, spec))
-    check_gate_inputs(spec, corpus, manifest, student_dir)  # Kiln checks post_eval overlap at admission
-    if spec.eval is not None:  # the held-out watch's corpus is refused here, not after the model loads
-        from kiln_core.training.watch import HeldOutSlice
+    if spec.prompts is not None:  # the one place the source decides the path: the data stage
+        corpus = stages_.prompts(spec, manifest, student_dir)
+    else:
+        corpus_uri = spec.corpus if spec.examples is None else stages_.score(spec, manifest, student_dir)
+        inputs = stages_.fingerprint(corpus_uri, student_dir, spec.config.top_k)
+        corpus = stages_.verify(stages_.admit(inputs, manifest, spec))
+        check_gate_inputs(spec, corpus, manifest, student_dir)  # Kiln checks post_eval overlap at admission
+        if spec.eval is not None:  # the held-out watch's corpus is refused here, not after the model loads
+            from kiln_core.training.watch import HeldOutSlice
 
-        HeldOutSlice.admit(spec.eval, student_dir, top_k=spec.config.top_k, teacher_manifest=manifest.manifest_line,
-                           train_corpus_uri=corpus.source_uri).record()
+            HeldOutSlice.admit(spec.eval, student_dir, top_k=spec.config.top_k,
+                               teacher_manifest=manifest.manifest_line, train_corpus_uri=corpus.source_uri).record()
     plan = plan_run(spec, corpus, manifest, student_dir, resume=resume, device=device, precision=precision,
                     gradient_checkpointing=gradient_checkpointing)
     return PreparedRun(spec=spec, manifest=manifest, corpus=corpus, plan=plan, student_dir=student_dir)

@@ -45,7 +45,13 @@ class ScoredRef(_Ref):
 
 
 class CorpusRef(_Ref):
-    """A committed, content-addressed corpus materialization."""
+    """A committed, content-addressed corpus materialization — or, with ``kind="prompts"``, an on-policy
+    prompt file checked against the teacher and the student (``kiln_core.engine.prompts``).
+
+    For prompts, ``uri`` is the prompt file, ``dataset_sha256`` Kiln's prompt-list digest
+    (``sha256:`` + ``prompts_content_sha256``), ``examples`` the prompt count and the token counts 0
+    (the tokens are sampled during training).
+    """
 
     uri: str
     dataset_sha256: str
@@ -56,6 +62,9 @@ class CorpusRef(_Ref):
     effective_top_k: int
     teacher_identity_revision: str | None
     reused: bool = False
+    kind: Literal["corpus", "prompts"] = "corpus"
+    samples_per_prompt: int | None = None
+    """Effective samples per prompt of an on-policy run (Kiln's auto-scaling applied); None for a corpus."""
 
 
 class TrainPlan(_Ref):

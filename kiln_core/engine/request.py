@@ -8,7 +8,11 @@
    corpus can move together; Kiln resolves it on its server) becomes the spec's corpus;
 4. ``post_eval`` (Kiln's ``OpdRequest.post_eval``, crates/kiln-train/src/opd.rs) is parsed and checked
    with Kiln's submit-time rules, the installed suite included (crates/kiln-server/src/api/training.rs ·
-   validate_post_eval_suite), and becomes the spec's gate (``kiln_core.engine.gate``).
+   validate_post_eval_suite), and becomes the spec's gate (``kiln_core.engine.gate``);
+5. an on-policy request's inline ``prompts`` (Kiln's default ``training_mode``) are written once to
+   ``<root>/prompts/<digest>.jsonl`` and become the spec's ``prompts``; the teacher must be a
+   registered local alias (the engine's prompt stage applies the rest of Kiln's on-policy checks
+   before any model loads: teacher vocabulary, prompt + ``max_tokens`` within the context, top-K).
 
 The spec then runs through ``run_pipeline`` like any other: admitted, planned (run directory
 ``<root>/runs/<adapter>/<run key>/``), trained in this process or under ``torchrun``, published.
@@ -56,6 +60,11 @@ def load_request(request_path: str) -> tuple[OpdRequest, list[str]]:
     except json.JSONDecodeError as error:
         raise ConfigError(f"OPD request {request_path} is not valid JSON: {error}", None, code="invalid_request") from None
     request = parse_opd_request(value)
+    if request.prompts or request.dataset_path is None:
+        # On-policy (or no source at all): Kiln's submit rules for prompts, `source_not_exactly_one` first.
+        from kiln_core.on_policy.submit import check_request
+
+        return request, check_request(request)
     return request, validate_request_for_offline_training(request)
 
 
@@ -90,7 +99,8 @@ def teacher_source(teacher: str, request_path: str, registry_root: str) -> Teach
 def spec_from_request(request_path: str, *, adapter: str, student_dir: str, out_root: str = "./kiln-data",
                       resume_checkpoint: str | None = None, nproc: int = 1, backend: str = "auto",
                       eval_watch: dict | None = None) -> RequestRun:
-    """Validate a request file and build the spec ``run_pipeline`` trains (nothing is read but the request).
+    """Validate a request file and build the spec ``run_pipeline`` trains (nothing is read but the request;
+    an on-policy request's inline prompts are written to ``<out_root>/prompts/<digest>.jsonl``).
 
     ``eval_watch`` is the held-out watch (``EvalWatch`` fields, from ``kiln-flows train --eval-corpus``);
     a Kiln request has no such field, so it is off unless the caller sets it.
@@ -117,11 +127,19 @@ def spec_from_request(request_path: str, *, adapter: str, student_dir: str, out_
     resume = resume_checkpoint or config.resume_checkpoint
     if resume is not None:  # traversal and foreign names are refused before any admission work
         check_resume_name(resume, out_root, adapter)
+    teacher = teacher_source(request.teacher, request_path, out_root)
+    if request.prompts:
+        if eval_watch is not None:
+            raise ConfigError("the held-out watch (--eval-corpus) is not available for on-policy requests yet",
+                              "eval", code="unsupported")
+        return RequestRun(spec=_on_policy_spec(request, teacher, adapter=adapter, student_dir=student_dir,
+                                               out_root=out_root, nproc=nproc, request_path=request_path),
+                          resume=resume, warnings=warnings)
     post_eval = parse_post_eval_config(request.post_eval)
     validate_post_eval_config(post_eval, SuiteRegistry.for_storage_root(out_root) if post_eval else None)
     watch = parse_eval_watch(eval_watch) if eval_watch is not None else None
     spec = parse_spec({
-        "teacher": teacher_source(request.teacher, request_path, out_root),
+        "teacher": teacher,
         "corpus": _anchored(request.dataset_path or "", request_path),
         "student": student_dir,
         "storage_root": out_root,
@@ -132,6 +150,24 @@ def spec_from_request(request_path: str, *, adapter: str, student_dir: str, out_
         "eval": watch,
     }, file=request_path)
     return RequestRun(spec=spec, resume=resume, warnings=warnings)
+
+
+def _on_policy_spec(request: OpdRequest, teacher: TeacherSource, *, adapter: str, student_dir: str, out_root: str,
+                    nproc: int, request_path: str) -> PipelineSpec:
+    """The spec of an on-policy request: its prompts written as a prompt file, a local teacher, one process."""
+    from kiln_core.engine.prompts import write_inline_prompts
+    from kiln_core.errors import Rejection
+
+    if teacher.kind != "local_registry":  # Kiln's require_remote_teacher_off_policy
+        raise Rejection("remote_teacher_on_policy", 'OPD cannot use a remote teacher with training_mode="on_policy": '
+                        f"{request.teacher!r} is a manifest file, not a registered local teacher "
+                        "(`kiln-flows teachers register ALIAS DIR`)", field="teacher")
+    if nproc != 1:
+        raise ConfigError(f"on-policy training runs in one process; got --nproc {nproc}", "nproc", code="unsupported")
+    return parse_spec({
+        "teacher": teacher, "prompts": write_inline_prompts(request.prompts, out_root), "student": student_dir,
+        "storage_root": out_root, "adapter": adapter, "config": request.config,
+    }, file=request_path)
 
 
 def train_request(request_path: str, *, adapter: str, student_dir: str, out_root: str = "./kiln-data",

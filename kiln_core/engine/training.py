@@ -5,7 +5,8 @@
 1. a run whose adapter and successful receipt are committed is finished: its outputs are returned;
 2. ``plan.resume == "latest"`` becomes the newest committed checkpoint of the run directory, if any;
 3. with ``plan.nproc == 1`` the trainer runs here (``kiln_core.training.trainer.train_opd``, with the
-   held-out watch when ``plan.eval_watch`` is set); above 1
+   held-out watch when ``plan.eval_watch`` is set; for ``prompts``, ``train_on_policy`` through
+   ``kiln_core.engine.prompts.train_prompts``, always here); above 1
    the job is launched under ``torchrun`` (``kiln_core.training.distributed.launcher.launch``): the
    ranks read the committed materialization and write into the same run directory, rank 0 publishes;
 4. Ctrl-C / SIGTERM (``kiln_core.engine.interrupt``) and ``should_cancel`` stop the run at the next
@@ -64,7 +65,12 @@ def train(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir
         def cancel_requested() -> bool:
             return stop.is_set() or (should_cancel is not None and should_cancel())
 
-        if plan.nproc > 1:
+        if corpus.kind == "prompts":  # on-policy: rollouts, teacher scoring and steps, in this process
+            from kiln_core.engine.prompts import train_prompts
+
+            result = train_prompts(plan, corpus, manifest, student_dir, resume, on_progress=on_progress,
+                                   should_cancel=cancel_requested, on_step_committed=on_step_committed)
+        elif plan.nproc > 1:
             result = _launch(plan, corpus, manifest, student_dir, resume, on_progress, cancel_requested)
         else:
             result = _train_here(plan, corpus, manifest, student_dir, resume, on_progress, cancel_requested,

@@ -10,6 +10,7 @@ in the order a run uses them:
 * ``schedule`` — candidate order, rollout seeds and the ``rollout-sampling`` RNG stream;
 * ``sampler`` — Kiln's sampling rule with a documented seeded draw and a KV-cached decode;
 * ``teacher`` — a local teacher with Kiln's ``LiveLocalTeacher`` semantics;
+* ``vllm_teacher`` — optional: the teacher on a vLLM server (Kiln's prompt-logprobs contract), an extension;
 * ``store`` — content-addressed Parquet storage of every rollout and its teacher scores;
 * ``collect`` — one candidate's rollout: read back from the store, or sampled, scored and committed.
 
