@@ -209,3 +209,49 @@ def test_a_spec_with_a_remote_teacher_is_refused_at_the_prompt_stage(tiny_studen
         run_pipeline(spec)
     assert caught.value.code == "remote_teacher_on_policy" and caught.value.field == "teacher"
     assert not (tmp_path / "root" / "runs").exists()
+
+
+def _register_suite(root: Path, name: str, prompts: list[str], targets: list[str]) -> None:
+    from kiln_core.post_eval import SuiteRegistry
+
+    doc = {"name": name, "default_scorer": {"kind": "exact_match", "strip_whitespace": False},
+           "generation": {"max_tokens": 2},
+           "examples": [{"id": f"q{i}", "messages": [{"role": "user", "content": p}], "target": t}
+                        for i, (p, t) in enumerate(zip(prompts, targets))]}
+    path = root / f"{name}.json"
+    path.write_text(json.dumps(doc))
+    SuiteRegistry.for_storage_root(str(root)).register(str(path))
+
+
+def test_post_eval_gates_an_on_policy_run_as_it_gates_an_off_policy_one(tiny_student, root, tmp_path, capsys):
+    """Kiln's post_eval on an on-policy request: a losing adapter is held back (exit 4), renamed
+    `.failed` with the evidence in its receipt, and latest.json is not written."""
+    questions = [f"Name the colour number {i}." for i in range(24)]
+    _register_suite(root, "on-policy-unreachable", questions, ["no model answers this"] * len(questions))
+    request = write_request(tmp_path)
+    body = json.loads(Path(request).read_text())
+    Path(request).write_text(json.dumps({**body, "post_eval": {"suite": "on-policy-unreachable", "min_accuracy": 0.5}}))
+    code, result = train(capsys, "--request", request, "--adapter", "onpol-gated", "--student", str(tiny_student),
+                         "--out", str(root), "--json")
+    assert code == 4, result
+    assert result["status"] == "success" and result["latest"] is None and result["gate"]["outcome"] == "demoted"
+    failed = root / "runs" / "onpol-gated" / "onpol-gated.failed"
+    receipt = json.loads((failed / "train_receipt.json").read_text())
+    assert receipt["opd"]["training_mode"] == "on_policy" and receipt["gate_outcome"] == "demoted"
+    assert receipt["post_eval"]["post_eval_gate_evidence"][0]["candidate_accuracy"] == 0.0
+    assert not (root / "runs" / "onpol-gated" / "latest.json").exists()
+
+
+def test_a_held_out_suite_sharing_a_training_turn_is_refused_before_training(tiny_student, root, tmp_path, capsys):
+    """Kiln's overlap rule (exact prompt and target) applied to the prompts' earlier assistant turns."""
+    _register_suite(root, "on-policy-leaky", ["What is two plus two?"], ["4"])
+    multi_turn = {"messages": [{"role": "user", "content": "What is two plus two?"},
+                               {"role": "assistant", "content": "4"},
+                               {"role": "user", "content": "And three plus three?"}]}
+    request = write_request(tmp_path, prompts=[*PROMPTS, multi_turn])
+    body = json.loads(Path(request).read_text())
+    Path(request).write_text(json.dumps({**body, "post_eval": {"suite": "on-policy-leaky", "min_accuracy": 0.5}}))
+    code, result = train(capsys, "--request", request, "--adapter", "onpol-leaky", "--student", str(tiny_student),
+                         "--out", str(root), "--json")
+    assert code == 2 and result["code"] == "post_eval_overlap", result
+    assert not (root / "runs" / "onpol-leaky").exists()

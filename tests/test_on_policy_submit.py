@@ -136,11 +136,11 @@ def test_the_prompt_count_and_size_limits(monkeypatch):
     _rejected(lambda: check_request(request([chat("q" * 150)] * 2)), "prompts_too_large", "more than 200 bytes")
 
 
-def test_post_eval_is_recorded_as_a_warning():
+def test_post_eval_is_no_warning_it_gates_the_run():
     from kiln_core.contracts.opd_config import parse_opd_request
 
     req = parse_opd_request({"teacher": "t", "prompts": [chat("q")], "post_eval": {"suite": "s"}})
-    assert check_request(req) == ["post_eval is recorded but not run by kiln-flows"]
+    assert check_request(req) == []
 
 
 def test_teacher_rules(registry, tiny_student, other_teachers, tmp_path):

@@ -47,6 +47,24 @@ def has_gate(spec: PipelineSpec) -> bool:
     return spec.post_eval is not None or spec.quality_gate is not None
 
 
+def _training_conversations(corpus: CorpusRef) -> Iterator[Any]:
+    """What the student trained on, as conversations: a corpus's examples, or an on-policy run's prompts."""
+    return _prompt_conversations(corpus.source_uri) if corpus.kind == "prompts" else _corpus_conversations(corpus.source_uri)
+
+
+def _prompt_conversations(prompts_uri: str) -> Iterator[Any]:
+    """An on-policy prompt file's prompts as conversations (``messages`` only: the answers are the
+    student's own, sampled during training)."""
+    from kiln_core.post_eval.overlap import TrainingConversation
+
+    location = resolve(prompts_uri)
+    with location.fs.open(location.path, "rb") as handle:
+        for line in handle:
+            if line.strip():
+                prompt = json.loads(line)
+                yield TrainingConversation(list(prompt.get("messages") or []), prompt)
+
+
 def _corpus_conversations(corpus_uri: str) -> Iterator[Any]:
     """The training corpus's examples as conversations (line 1 is the manifest)."""
     from kiln_core.post_eval import conversation_from_opd_example
@@ -73,7 +91,7 @@ def check_gate_inputs(spec: PipelineSpec, corpus: CorpusRef, manifest: ManifestR
         registry = SuiteRegistry.for_storage_root(spec.storage_root)
         validate_post_eval_config(spec.post_eval, registry)
         check_training_overlap(spec.post_eval, registry.load(spec.post_eval.suite),
-                               _corpus_conversations(corpus.source_uri))
+                               _training_conversations(corpus))
     if spec.quality_gate is not None:
         from kiln_core.evaluation import admit_eval_corpus
 

@@ -130,6 +130,7 @@ def prepare(spec: PipelineSpec, stages_: Stages | None = None, *, resume: str | 
     manifest = stages_.manifest(spec.teacher, spec.storage_root, max(32, spec.config.top_k))
     if spec.prompts is not None:  # the one place the source decides the path: the data stage
         corpus = stages_.prompts(spec, manifest, student_dir)
+        check_gate_inputs(spec, corpus, manifest, student_dir)  # post_eval: suite installed, no overlap
     else:
         corpus_uri = spec.corpus if spec.examples is None else stages_.score(spec, manifest, student_dir)
         inputs = stages_.fingerprint(corpus_uri, student_dir, spec.config.top_k)

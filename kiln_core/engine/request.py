@@ -28,7 +28,7 @@ from kiln_core.contracts.eval_watch import parse_eval_watch
 from kiln_core.contracts.names import check_name
 from kiln_core.contracts.opd_config import ConfigError, OpdRequest, parse_opd_request, validate_request_for_offline_training
 from kiln_core.contracts.pipeline import DistributedOptions, PipelineSpec, TeacherSource, parse_spec
-from kiln_core.post_eval.config import parse_post_eval_config, validate_post_eval_config
+from kiln_core.post_eval.config import PostEvalConfig, parse_post_eval_config, validate_post_eval_config
 from kiln_core.post_eval.registry import SuiteRegistry
 from kiln_core.storage import resolve
 
@@ -127,16 +127,16 @@ def spec_from_request(request_path: str, *, adapter: str, student_dir: str, out_
     resume = resume_checkpoint or config.resume_checkpoint
     if resume is not None:  # traversal and foreign names are refused before any admission work
         check_resume_name(resume, out_root, adapter)
+    post_eval = parse_post_eval_config(request.post_eval)
+    validate_post_eval_config(post_eval, SuiteRegistry.for_storage_root(out_root) if post_eval else None)
     teacher = teacher_source(request.teacher, request_path, out_root)
     if request.prompts:
         if eval_watch is not None:
             raise ConfigError("the held-out watch (--eval-corpus) is not available for on-policy requests yet",
                               "eval", code="unsupported")
-        return RequestRun(spec=_on_policy_spec(request, teacher, adapter=adapter, student_dir=student_dir,
+        return RequestRun(spec=_on_policy_spec(request, teacher, post_eval, adapter=adapter, student_dir=student_dir,
                                                out_root=out_root, nproc=nproc, request_path=request_path),
                           resume=resume, warnings=warnings)
-    post_eval = parse_post_eval_config(request.post_eval)
-    validate_post_eval_config(post_eval, SuiteRegistry.for_storage_root(out_root) if post_eval else None)
     watch = parse_eval_watch(eval_watch) if eval_watch is not None else None
     spec = parse_spec({
         "teacher": teacher,
@@ -152,9 +152,10 @@ def spec_from_request(request_path: str, *, adapter: str, student_dir: str, out_
     return RequestRun(spec=spec, resume=resume, warnings=warnings)
 
 
-def _on_policy_spec(request: OpdRequest, teacher: TeacherSource, *, adapter: str, student_dir: str, out_root: str,
-                    nproc: int, request_path: str) -> PipelineSpec:
-    """The spec of an on-policy request: its prompts written as a prompt file, a local teacher, one process."""
+def _on_policy_spec(request: OpdRequest, teacher: TeacherSource, post_eval: PostEvalConfig | None, *, adapter: str,
+                    student_dir: str, out_root: str, nproc: int, request_path: str) -> PipelineSpec:
+    """The spec of an on-policy request: its prompts written as a prompt file, a local teacher, one process,
+    and its ``post_eval`` gate."""
     from kiln_core.engine.prompts import write_inline_prompts
     from kiln_core.errors import Rejection
 
@@ -166,7 +167,7 @@ def _on_policy_spec(request: OpdRequest, teacher: TeacherSource, *, adapter: str
         raise ConfigError(f"on-policy training runs in one process; got --nproc {nproc}", "nproc", code="unsupported")
     return parse_spec({
         "teacher": teacher, "prompts": write_inline_prompts(request.prompts, out_root), "student": student_dir,
-        "storage_root": out_root, "adapter": adapter, "config": request.config,
+        "storage_root": out_root, "adapter": adapter, "config": request.config, "post_eval": post_eval,
     }, file=request_path)
 
 

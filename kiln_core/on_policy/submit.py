@@ -141,8 +141,6 @@ def check_request(request: OpdRequest) -> list[str]:
                         "score them into a corpus (kiln-flows score) and send it as dataset_path",
                         field="config.training_mode")
     _check_limits(request.prompts)
-    if request.post_eval is not None:
-        warnings.append("post_eval is recorded but not run by kiln-flows")
     return warnings
 
 
