@@ -186,8 +186,8 @@ def test_a_dumped_spec_is_what_the_server_accepts(schema):
 
 
 @pytest.mark.parametrize("spec, field, message", [
-    ({**BASE, "source": {"kind": "prompts", "prompts": "/p.jsonl"}, "post_eval": {"suite": "s"}}, "post_eval",
-     "not available for on-policy runs yet"),
+    ({**BASE, "source": {"kind": "prompts", "prompts": "/p.jsonl"}, "eval": {"corpus": "/h.jsonl", "every_steps": 5}},
+     "eval", "not available for on-policy runs yet"),
     ({**BASE, "source": {"kind": "corpus", "corpus": "/c"}, "examples": "/e"}, "source", "give the training data once"),
     ({**BASE, "source": {"kind": "corpus", "corpus": "/c", "examples": "/e"}}, "source.examples",
      "Extra inputs are not permitted"),

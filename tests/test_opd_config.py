@@ -15,9 +15,8 @@ from kiln_core.contracts.opd_config import (
     parse_opd_request,
     resolve_learning_rate,
     resolve_top_k,
-    validate_for_offline_training,
-    validate_request_for_offline_training,
 )
+from kiln_core.contracts.opd_submit import validate_for_offline_training, validate_request_for_offline_training
 
 OFF = {"training_mode": "off_policy"}
 

@@ -31,7 +31,6 @@ Example:
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -49,6 +48,7 @@ from kiln_core.contracts.opd_config import (
 )
 from kiln_core.contracts.quality_gate import QualityGate
 from kiln_core.contracts.sources import CorpusSource, ExamplesSource, OnPolicySampling, PromptsSource, Source
+from kiln_core.contracts.spec_blocks import DistributedOptions, RunOptions, TeacherSource
 from kiln_core.errors import Rejection
 from kiln_core.post_eval.config import PostEvalConfig
 
@@ -64,50 +64,6 @@ class SpecError(Rejection, ValueError):
         return self.message
 
 
-class TeacherSource(BaseModel):
-    """Where the teacher's identity comes from."""
-
-    model_config = ConfigDict(extra="forbid", title="Teacher",
-                              json_schema_extra={"description": "Where the teacher's identity comes from."})
-
-    kind: Literal["kiln_server", "local_registry", "local_dir", "manifest_file"] = Field(
-        default="local_registry",
-        description="kiln_server: fetch the manifest from a running Kiln server; local_registry: a teacher "
-        "registered with `kiln-flows teachers register`; local_dir: a Hugging Face teacher directory; "
-        "manifest_file: a file whose first line is the pinned manifest. Default: local_registry.",
-        json_schema_extra={"position": 0},
-    )
-    alias: str | None = Field(
-        default=None,
-        description="Teacher alias (kiln_server and local_registry only).",
-        json_schema_extra={"position": 1},
-    )
-    url: str = Field(
-        default="http://127.0.0.1:8420",
-        description="Kiln server base URL (kiln_server only). Default: http://127.0.0.1:8420.",
-        json_schema_extra={"position": 2},
-    )
-    path: str | None = Field(
-        default=None,
-        description="Teacher model directory (local_dir) or manifest file (manifest_file), a path or fsspec URI.",
-        json_schema_extra={"position": 3},
-    )
-
-    @model_validator(mode="after")
-    def _fields_for_kind(self) -> "TeacherSource":
-        if self.kind in ("kiln_server", "local_registry") and not self.alias:
-            raise ValueError(f"`alias` is required when `kind` is {self.kind}")
-        if self.kind in ("local_dir", "manifest_file") and not self.path:
-            raise ValueError(f"`path` is required when `kind` is {self.kind}")
-        if self.kind == "local_registry" and not is_valid_name(self.alias):
-            raise ValueError(f"`alias`: a local teacher alias must be {NAME_RULE}")
-        return self
-
-    def label(self) -> str:
-        """A short name for run names and receipts."""
-        return self.alias or Path(self.path or "teacher").name
-
-
 def _form_schema(schema: dict[str, Any]) -> None:
     # The form asks for the training data; a YAML spec may still name `corpus:` or `examples:` instead.
     schema.setdefault("required", []).append("source")
@@ -116,72 +72,6 @@ def _form_schema(schema: dict[str, Any]) -> None:
 
 def _default_config() -> OpdConfig:
     return OpdConfig(training_mode="off_policy")
-
-
-class RunOptions(BaseModel):
-    """How the pipeline runs (not what it trains)."""
-
-    model_config = ConfigDict(extra="forbid", title="Run options")
-
-    refresh: bool = Field(
-        default=False, description="Re-admit and re-materialize even when this exact corpus was admitted before. "
-        "Default: false."
-    )
-    train_retries: int = Field(
-        default=2, ge=0, le=10, description="Retries of the training stage (0-10); each resumes from the newest checkpoint. Default: 2."
-    )
-    kiln_strict: bool = Field(default=False, description="Accept only Kiln's vLLM teacher protocol in the manifest. Default: false.")
-    storage_block: str | None = Field(
-        default=None,
-        description="Prefect Secret block (secret/<name>) holding fsspec options per protocol, e.g. "
-        "{\"s3\": {\"key\": ..., \"secret\": ...}}, used by this run's storage calls only; credentials never "
-        "go in the spec itself. Default: empty (the environment's credentials).",
-    )
-    progress_every_seconds: float = Field(
-        default=5.0, gt=0, description="Seconds between updates of the training progress artifact. Default: 5."
-    )
-    cancel_poll_seconds: float = Field(
-        default=2.0, gt=0, description="Seconds between checks whether the flow run is being cancelled. Default: 2."
-    )
-    train_deployment: str | None = Field(
-        default=None,
-        description="Run training as this deployment of the kiln-train flow (e.g. kiln-train/gpu) on its "
-        "work pool, instead of in this flow run. Default: empty (train here).",
-    )
-
-
-class DistributedOptions(BaseModel):
-    """Data-parallel training on several processes of one machine (``torch.distributed``, via torchrun).
-
-    Each optimizer step takes ``nproc × config.sequences_per_step`` consecutive candidates (rank r
-    trains the r-th block of them) and the LoRA gradients are summed across ranks, so the result
-    equals a one-process run with ``sequences_per_step × nproc``. Checkpoints resume only with the
-    same ``nproc``. Storage must be reachable from every process (not ``memory://``).
-    """
-
-    model_config = ConfigDict(extra="forbid", title="Distributed training",
-                              json_schema_extra={"description": "Data-parallel training on several processes "
-                                                 "of one machine (torch.distributed via torchrun)."})
-
-    nproc: int = Field(default=1, ge=1, le=1024,
-                       description="Processes (ranks) on the training machine, 1-1024; 1 = no torchrun. Default: 1.")
-    backend: Literal["auto", "gloo", "nccl"] = Field(
-        default="auto",
-        description="torch.distributed backend: auto = gloo on CPU, nccl on CUDA (one GPU per rank). Default: auto.",
-    )
-    strategy: Literal["ddp", "fsdp"] = Field(
-        default="ddp",
-        description="ddp: the LoRA adapter is replicated and its gradients all-reduced; fsdp is not implemented "
-        "yet. Default: ddp.",
-    )
-
-    @field_validator("strategy")
-    @classmethod
-    def _implemented(cls, value: str) -> str:
-        # Where FSDP would plug in: kiln_core/training/distributed/world.py (module docstring).
-        if value == "fsdp":
-            raise ValueError("fsdp is not implemented; use ddp")
-        return value
 
 
 class PipelineSpec(BaseModel):
@@ -313,7 +203,8 @@ class PipelineSpec(BaseModel):
             raise ValueError(f"`adapter` must be {NAME_RULE}")
         if self.config.training_mode != "off_policy":
             raise ValueError("`config.training_mode` must be off_policy for a JSONL corpus")
-        from kiln_core.contracts.opd_config import ConfigError, validate_for_offline_training
+        from kiln_core.contracts.opd_config import ConfigError
+        from kiln_core.contracts.opd_submit import validate_for_offline_training
 
         try:
             validate_for_offline_training(self.config)
@@ -361,7 +252,8 @@ class PipelineSpec(BaseModel):
         """The rules of a ``prompts`` spec that need no file: mode, one process, Kiln's config rules. The
         teacher (local, the student's vocabulary) and the prompts are checked by the engine's prompt stage
         (``kiln_core.engine.prompts``), with Kiln's codes."""
-        from kiln_core.contracts.opd_config import ConfigError, validate_config_rules
+        from kiln_core.contracts.opd_config import ConfigError
+        from kiln_core.contracts.opd_submit import validate_config_rules
 
         if not is_valid_name(self.adapter):
             raise ValueError(f"`adapter` must be {NAME_RULE}")

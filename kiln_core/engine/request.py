@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 
 from kiln_core.contracts.eval_watch import parse_eval_watch
 from kiln_core.contracts.names import check_name
-from kiln_core.contracts.opd_config import ConfigError, OpdRequest, parse_opd_request, validate_request_for_offline_training
+from kiln_core.contracts.opd_config import ConfigError, OpdRequest, parse_opd_request
+from kiln_core.contracts.opd_submit import validate_request_for_offline_training
 from kiln_core.contracts.pipeline import DistributedOptions, PipelineSpec, TeacherSource, parse_spec
 from kiln_core.post_eval.config import PostEvalConfig, parse_post_eval_config, validate_post_eval_config
 from kiln_core.post_eval.registry import SuiteRegistry

@@ -82,7 +82,7 @@ def train_opd(
         dataset_path: The dataset path as given (recorded in the receipt).
         student_dir: Local student model directory.
         adapter_name: Adapter name; checkpoints are ``<adapter>-checkpoint-step-<8d>.kiln-checkpoint``.
-        config: The validated ``OpdConfig`` (``validate_for_offline_training`` already applied).
+        config: The validated ``OpdConfig`` (``kiln_core.contracts.opd_submit.validate_for_offline_training`` already applied).
         run_root: URI of the run directory ``<root>/runs/<adapter>`` (local path or fsspec URI).
         teacher_identity: The corpus manifest's ``TeacherIdentity``, or None.
         teacher_alias: The request's ``teacher`` (receipt ``teacher_id``).
