@@ -130,17 +130,16 @@ def prepare(spec: PipelineSpec, stages_: Stages | None = None, *, resume: str | 
     manifest = stages_.manifest(spec.teacher, spec.storage_root, max(32, spec.config.top_k))
     if spec.prompts is not None:  # the one place the source decides the path: the data stage
         corpus = stages_.prompts(spec, manifest, student_dir)
-        check_gate_inputs(spec, corpus, manifest, student_dir)  # post_eval: suite installed, no overlap
     else:
         corpus_uri = spec.corpus if spec.examples is None else stages_.score(spec, manifest, student_dir)
         inputs = stages_.fingerprint(corpus_uri, student_dir, spec.config.top_k)
         corpus = stages_.verify(stages_.admit(inputs, manifest, spec))
-        check_gate_inputs(spec, corpus, manifest, student_dir)  # Kiln checks post_eval overlap at admission
-        if spec.eval is not None:  # the held-out watch's corpus is refused here, not after the model loads
-            from kiln_core.training.watch import HeldOutSlice
+    check_gate_inputs(spec, corpus, manifest, student_dir)  # Kiln checks post_eval overlap at admission
+    if spec.eval is not None:  # the held-out watch's corpus is refused here, not after the model loads
+        from kiln_core.training.watch import HeldOutSlice
 
-            HeldOutSlice.admit(spec.eval, student_dir, top_k=spec.config.top_k,
-                               teacher_manifest=manifest.manifest_line, train_corpus_uri=corpus.source_uri).record()
+        HeldOutSlice.admit(spec.eval, student_dir, top_k=spec.config.top_k,
+                           teacher_manifest=manifest.manifest_line, train_corpus_uri=corpus.source_uri).record()
     plan = plan_run(spec, corpus, manifest, student_dir, resume=resume, device=device, precision=precision,
                     gradient_checkpointing=gradient_checkpointing)
     return PreparedRun(spec=spec, manifest=manifest, corpus=corpus, plan=plan, student_dir=student_dir)
