@@ -150,3 +150,26 @@ def test_kiln_flows_serve_creates_deployment_and_runs_it(live_server, pipeline_i
             proc.wait(timeout=60)
     # pause_on_shutdown: the schedule stops with the serving process.
     assert live_server.deployment("opd-distill", "itest-served")["paused"] is True
+
+
+def test_an_on_policy_run_from_the_form_trains_and_publishes(live_server, deployment, worker, pipeline_inputs, tmp_path):
+    """The form's *Prompts (on-policy)* tab, as the UI submits it: the student samples, the teacher
+    scores, the run publishes an on-policy receipt and latest.json."""
+    prompts = tmp_path / "prompts.jsonl"
+    # Kiln's on-policy prompt shape: the user turn, then an empty assistant turn the student fills in
+    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": text},
+                                                         {"role": "assistant", "content": ""}]}) + "\n"
+                               for text in ("What is two plus two?", "Name a colour.")), encoding="utf-8")
+    adapter = "itest-on-policy"
+    spec = pipeline_spec(pipeline_inputs, pipeline_inputs["short_corpus"], adapter, checkpoint_interval=2)
+    spec["source"] = {"kind": "prompts", "prompts": str(prompts),
+                      "sampling": {"samples_per_prompt": 2, "max_tokens": 4}}
+    run = live_server.create_run(deployment, {"spec": spec}, name="itest-ui-on-policy")
+
+    final = live_server.wait_for_state(run["id"], {"COMPLETED", "FAILED", "CRASHED"}, timeout=600)
+    assert final["state"]["type"] == "COMPLETED", f"{final['state']}\n{live_server.tails()}"
+    storage_root = pipeline_inputs["storage_root"]
+    _, receipt = _receipt(storage_root, adapter)
+    assert receipt["status"] == "success" and receipt["opd"]["training_mode"] == "on_policy", receipt
+    assert receipt["opd"]["samples_per_prompt"] == 2 and receipt["config"]["max_tokens"] == 4
+    assert (storage_root / "runs" / adapter / "latest.json").is_file()
