@@ -210,3 +210,12 @@ def test_kiln_request_files_parse_as_before():
     config = parse_opd_config({"training_mode": "on_policy", "temperature": 0.7, "top_p": 0.5, "max_tokens": 9,
                                "samples_per_prompt": 2, "rollout_prompt_rendering": "chat_template"})
     assert (config.training_mode, config.temperature, config.top_p, config.max_tokens) == ("on_policy", 0.7, 0.5, 9)
+
+
+def test_every_optional_group_has_its_own_title(schema):
+    """An optional nested block renders as a group titled by the property's title; without one the UI
+    shows "Field (Optional)"."""
+    untitled = [f"{model}.{name}" for model, definition in schema["definitions"].items()
+                for name, prop in definition.get("properties", {}).items()
+                if any("$ref" in option for option in prop.get("anyOf", [])) and not prop.get("title")]
+    assert untitled == []

@@ -139,6 +139,7 @@ class PipelineSpec(BaseModel):
     )
     post_eval: PostEvalConfig | None = Field(
         default=None,
+        title="Promotion gate (Kiln post_eval)",
         description="Kiln's post-training eval (suite, data_scope, generation, min_accuracy, include_baseline). "
         "With min_accuracy, only a promoted adapter moves runs/<adapter>/latest.json; a losing one is renamed "
         "<adapter>.failed (docs/post-eval.md).",
@@ -146,12 +147,14 @@ class PipelineSpec(BaseModel):
     )
     quality_gate: QualityGate | None = Field(
         default=None,
+        title="Quality gate (held-out metrics)",
         description="Optional second gate: thresholds on the adapter's held-out distillation metrics "
         "(reverse KL, top-1 agreement, teacher-token NLL).",
         json_schema_extra={"position": 10},
     )
     eval: EvalWatch | None = Field(
         default=None,
+        title="Held-out watch during training",
         description="Optional held-out watch during training: score a held-out slice every N steps, warn on "
         "divergence, optionally stop (docs/eval-watch.md). Off by default.",
         json_schema_extra={"position": 11},

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kiln_core.post_eval.errors import PostEvalRejection
 from kiln_core.post_eval.suite import EvalGenerationParams
@@ -28,7 +28,7 @@ class PostEvalConfig(BaseModel):
     """Name of an eval suite registered under <eval_root>/suites/<name>/."""
     data_scope: Literal["held-out", "train-set-eval"] = "held-out"
     """held-out (default): training data overlapping the suite is rejected; train-set-eval: a diagnostic that may overlap and never gates."""
-    generation: EvalGenerationParams | None = None
+    generation: EvalGenerationParams | None = Field(default=None, title="Generation override")
     """Generation settings for both arms, replacing the suite's (an example's own settings still win); default none."""
     min_accuracy: float | None = None
     """Accuracy floor in [0, 1] (compared as f32); when set, the paired promotion gate runs. Default none: report only."""
