@@ -79,3 +79,16 @@ def tiny_student_plain(models_dir) -> Path:
     from kiln_core.tiny_models import build_tiny_model
 
     return build_tiny_model(models_dir / "student-plain", seed=1, generation_blocks=False)
+
+
+@pytest.fixture
+def one_torch_thread():
+    """One torch thread for the duration of a test: tiny matrices run faster and steadier on one thread
+    than on two on a shared runner, and a subprocess driver set to one thread runs the very same kernels.
+    Modules that train use it for every test: ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -76,12 +76,7 @@ if world.is_main:
 """
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny matrices: one thread (conftest)
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,9 @@ from kiln_core.training.distributed.world import World
 from kiln_core.training.receipt import read_receipt
 from kiln_core.training.watch import HeldOutSlice
 from test_trainer import Crash, adapter_bytes, crash_after, make_config, receipt, resume_from_latest, run
-from test_trainer import _one_thread, synthetic_tables  # noqa: F401  (the fixture: one thread)
+from test_trainer import synthetic_tables
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny matrices: one thread (conftest)
 
 HELD_OUT_SHA = "sha256:" + "cd" * 32
 

@@ -9,7 +9,8 @@ import pytest
 
 from flows.cli import main
 from gate_support import training_and_held_out
-from test_trainer import _one_thread  # noqa: F401  (the fixture: one thread for tiny matrices)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny matrices: one thread (conftest)
 
 CONFIG = {"training_mode": "off_policy", "top_k": 16, "lora_rank": 4, "lora_alpha": 8.0, "seed": 3,
           "learning_rate": 0.02, "checkpoint_interval": 2, "epochs": 2}

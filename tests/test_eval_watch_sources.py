@@ -16,7 +16,9 @@ from kiln_core.training.watch import HeldOutSlice
 from on_policy_support import chat
 from test_eval_watch import adapter_bytes
 from test_evaluation import score
-from test_on_policy_trainer import _one_thread, identity, make_request, run, teacher  # noqa: F401  (fixtures)
+from test_on_policy_trainer import identity, make_request, run, teacher  # noqa: F401  (fixtures)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny matrices: one thread (conftest)
 
 HELD_OUT = [
     ("What is the capital of France?", "Paris."),

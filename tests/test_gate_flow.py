@@ -16,9 +16,8 @@ import pytest
 
 from kiln_core.post_eval import SuiteRegistry
 from gate_support import training_and_held_out
-from test_trainer import _one_thread  # noqa: F401  (the fixture: one thread for tiny matrices)
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_torch_thread")]  # one thread: conftest
 
 CONFIG = {"training_mode": "off_policy", "top_k": 16, "epochs": 2, "checkpoint_interval": 4, "learning_rate": 0.05,
           "lora_rank": 4, "lora_alpha": 8, "optimizer": {"kind": "adam_w"}, "seed": 5}

@@ -31,12 +31,7 @@ NAME = f"{ADAPTER}-checkpoint-step-{STEP:08d}.kiln-checkpoint"
 ALIAS = "tiny-teacher"
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny matrices: one thread (conftest)
 
 
 @pytest.fixture(scope="module")

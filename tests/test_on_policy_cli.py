@@ -15,7 +15,6 @@ import signal
 from pathlib import Path
 
 import pytest
-import torch
 
 from flows.cli import main
 from kiln_core.contracts.opd_prompt import OpdPrompt, prompts_content_sha256
@@ -29,12 +28,7 @@ CONFIG = {"samples_per_prompt": 2, "max_tokens": 4, "top_k": 16, "lora_rank": 4,
           "learning_rate": 2e-2, "checkpoint_interval": 2, "epochs": 1}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny matrices: one thread (conftest)
 
 
 @pytest.fixture(scope="module")

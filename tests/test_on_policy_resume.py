@@ -30,12 +30,7 @@ EOS_FIRST_MODULUS = 3  # about a third of the rollouts are empty: steps and cand
 CANDIDATES = 12  # 3 kept prompts × 2 samples × 2 epochs, none skipped
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny matrices: one thread (conftest)
 
 
 def request_body() -> dict:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from kiln_core.errors import EnvironmentFailure
 from kiln_core.on_policy.teacher import LiveLocalTeacher, TeacherSource
@@ -22,12 +21,7 @@ from test_scoring_vllm import manifest_file, server_url, vllm_identity  # noqa: 
 TOP_K = 16
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny matrices: one thread (conftest)
 
 
 def test_vllm_rows_match_the_local_teacher(tiny_teacher, server_url, vllm_identity):  # noqa: F811

@@ -8,7 +8,6 @@ import signal
 from pathlib import Path
 
 import pytest
-import torch
 
 from flows.cli import main
 from kiln_core.canonical import sha256_prefixed
@@ -19,13 +18,7 @@ CONFIG = {"training_mode": "off_policy", "objective": "reverse_kl", "loss": "tea
           "lora_alpha": 8.0, "seed": 3, "learning_rate": 0.02, "checkpoint_interval": 2, "epochs": 2}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny matrices: one thread is faster and steadier than two on a shared runner.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny matrices: one thread (conftest)
 
 
 @pytest.fixture(scope="module")

@@ -40,14 +40,7 @@ def table_arrays(tables: CorpusTables) -> dict[str, np.ndarray]:
     return {name: value for name in tables.__dataclass_fields__ if isinstance(value := getattr(tables, name), np.ndarray)}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny matrices: one thread is faster and steadier than two on a shared runner. The SIGKILL
-    # driver below uses one thread too, so both processes run the very same kernels.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny matrices: one thread (conftest)
 
 
 def synthetic_tables(n: int = 6, k: int = 16, seed: int = 0, vocab: int = 400, nan_example: int | None = None) -> CorpusTables:
