@@ -99,6 +99,9 @@ class RolloutCollector:
             self.counters.reused += 1
             return stored
         started = time.perf_counter()
+        sync_weights = getattr(self.backend, "sync_weights", None)
+        if sync_weights is not None:  # a backend serving a copy of the weights (vLLM) catches up first
+            sync_weights(global_step)
         sampled = self.backend.sample(prompt.rollout_prefix.tolist(), params=self.params, max_tokens=self.max_tokens,
                                       eos_token_ids=self.eos_token_ids, seed=seed)
         scored = time.perf_counter()

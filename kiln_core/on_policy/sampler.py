@@ -234,7 +234,14 @@ def _decode_step(model: Any, ids: Any, cache: Any, cache_argument: str) -> tuple
 
 
 class RolloutBackend(Protocol):
-    """Where rollouts are sampled: the training model itself, or (optionally) an inference server."""
+    """Where rollouts are sampled: the training model itself, or (optionally) an inference server.
+
+    A backend that samples from a *copy* of the weights (``kiln_core.on_policy.vllm_rollouts``) also
+    defines ``sync_weights(global_step)``: the collector calls it before every rollout it samples (not
+    before one read back from the store), with the number of optimizer steps the trainer's weights have
+    taken, so the copy is refreshed exactly when the weights changed. It may define ``close()``, called
+    when the run ends, and ``receipt_label`` (``local`` when absent), recorded in the receipt.
+    """
 
     def sample(self, prompt_ids: Sequence[int], *, params: SamplingParams, max_tokens: int,
                eos_token_ids: Sequence[int], seed: int) -> list[int]:

@@ -14,8 +14,8 @@ local teacher's mean: raw full-vocabulary logprobs of the K best ids, rank order
 A vLLM server down mid-run is an ``EnvironmentFailure`` (``vllm_unreachable``, ``vllm_http_error``): the
 run fails with a receipt and a retry resumes from its newest checkpoint, reading committed rollouts back.
 
-Only the teacher side exists: rollouts are sampled by the student being trained (its LoRA changes
-every step, which a vLLM server would have to reload each step).
+Rollouts can come from a vLLM server as well: ``kiln_core.on_policy.vllm_rollouts`` (the LoRA is
+reloaded there after every optimizer step).
 
 Example:
     >>> source = vllm_teacher_source("tiny-teacher", identity, "http://127.0.0.1:8000")  # doctest: +SKIP
@@ -46,6 +46,8 @@ class VllmRolloutScorer:
         teacher_id: The alias in messages and receipts.
         timeout_s: Seconds per request.
     """
+
+    receipt_label = "vllm"
 
     def __init__(self, base_url: str, identity: TeacherIdentity, *, top_k: int, teacher_id: str = "teacher",
                  timeout_s: float | None = None) -> None:

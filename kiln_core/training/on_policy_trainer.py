@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -168,7 +169,8 @@ def train_on_policy(
         on_progress: Called with an ``OnPolicyProgress`` after each committed step.
         on_step_committed: Called with the step number once a step and its checkpoint (when one is due)
             are published; whatever it raises ends the run like any other error.
-        rollout_backend: Builds the sampler from the loaded student (default ``StudentRollouts``).
+        rollout_backend: Builds the sampler from the loaded student (default ``StudentRollouts``; a vLLM
+            server: ``kiln_core.on_policy.vllm_rollouts.vllm_rollout_backend``).
         device: ``cpu``/``cuda`` (default: CUDA when available).
         precision: ``fp32``/``bf16`` (default: bf16 on CUDA, fp32 on CPU).
         gradient_checkpointing: Recompute activations in backward to save memory.
@@ -205,7 +207,7 @@ def train_on_policy(
     counters = RolloutCounters()
 
     with (deterministic(plan.device), stop_signals(handle_signals) as signalled,
-          outcome_recorded(plan, outcome, progress, clock)):
+          outcome_recorded(plan, outcome, progress, clock), ExitStack() as cleanup):
         # ---- 2. setup: the student (restored exactly on resume), its sampler, the teacher
         student, optimizer = start_student(plan, student_dir, progress, gradient_checkpointing=gradient_checkpointing,
                                            clock=clock)
@@ -216,11 +218,16 @@ def train_on_policy(
                                           eval_curve=(lambda: watch.curve) if watch is not None else None)
         with clock.phase("setup"):
             scorer = teacher.load(plan.facts.top_k)
+        backend = (rollout_backend or StudentRollouts)(student)
+        cleanup.callback(getattr(backend, "close", lambda: None))  # e.g. unload the LoRA a vLLM server holds
+        outcome.rollout_backend = getattr(backend, "receipt_label", "local")
+        outcome.teacher_backend = getattr(scorer, "receipt_label", "local")
         collector = RolloutCollector(
-            rollouts.store, rollouts.run_key, (rollout_backend or StudentRollouts)(student), scorer,
+            rollouts.store, rollouts.run_key, backend, scorer,
             params=rollouts.sampling, max_tokens=rollouts.max_tokens, eos_token_ids=rollouts.eos_token_ids,
             top_k=plan.facts.top_k, vocab_size=teacher.identity.vocab_size, teacher_id=teacher.alias,
-            metadata={"teacher_content_revision": plan.facts.teacher_content_revision, "adapter_name": adapter_name})
+            metadata={"teacher_content_revision": plan.facts.teacher_content_revision, "adapter_name": adapter_name,
+                      "rollout_backend": outcome.rollout_backend})
         counters = collector.counters
 
         # ---- 3. the loop: one candidate at a time; only non-empty rollouts make an optimizer step

@@ -127,6 +127,10 @@ class RunOutcome:
     """Ours: the held-out watch rule that stopped the run (``diverged``, ``stalled``, ``flat``)."""
     eval_curve: EvalCurve | None = None
     """Ours: the held-out curve of a watched run."""
+    rollout_backend: str | None = None
+    """Ours, on-policy: what sampled the rollouts (``local``: the training process; ``vllm``)."""
+    teacher_backend: str | None = None
+    """Ours, on-policy: what scored them (``local``; ``vllm``)."""
 
 
 def _prefixed(raw_hex: str | None) -> str | None:
@@ -174,7 +178,8 @@ def build_receipt(facts: RunFacts, outcome: RunOutcome) -> TrainReceipt:
             action_tokens=outcome.token_counts.get("action_tokens", 0), env_tokens=outcome.token_counts.get("env_tokens", 0),
             echo_combined=fired, echo_lambda=echo["lambda"] if echo else None,
             final_opd_loss=outcome.loss_history[-1] if outcome.loss_history else None, loss=config["loss"],
-            teacher_identity_revision=facts.teacher_identity_revision),
+            teacher_identity_revision=facts.teacher_identity_revision, rollout_backend=outcome.rollout_backend,
+            teacher_backend=outcome.teacher_backend),
         echo=_echo_receipt(echo, outcome),
         data=DataReceipt(examples_read=facts.examples_read, examples_filtered=facts.examples_filtered,
                          examples_trained=outcome.global_step,

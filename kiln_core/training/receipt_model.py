@@ -105,6 +105,10 @@ class OpdReceipt(_Receipt):
     """Ours: the loss trained (``teacher_top_k_tail`` is our extension of ``teacher_top_k``)."""
     teacher_identity_revision: str | None = None
     """Ours: ``sha256:`` of the teacher identity (what ``GET /v1/teachers`` lists)."""
+    rollout_backend: str | None = Field(default=None, exclude_if=_omit_none)
+    """Ours, on-policy only: what sampled the rollouts: ``local`` (the training process) or ``vllm``."""
+    teacher_backend: str | None = Field(default=None, exclude_if=_omit_none)
+    """Ours, on-policy only: what scored the rollouts: ``local`` or ``vllm``."""
 
 
 class EchoReceipt(_Receipt):
