@@ -34,7 +34,8 @@ output), greedy argmax at temperature 0, else temperature, top-k, top-p, min-p a
 Rollout scenarios: ``rollout-bad-token`` (an id outside the vocabulary), ``rollout-no-token-ids``
 (no ``token_ids``), ``rollout-bad-request`` (HTTP 400), ``rollout-server-error`` (HTTP 500),
 ``lora-rank-2`` (loads refuse ranks above 2). ``GET /stats`` counts the rollouts sampled and the
-LoRAs loaded, unloaded and currently held.
+LoRAs loaded, unloaded and currently held. Like ``vllm serve``, a ``VLLM_API_KEY`` in the server's
+environment makes every POST require ``Authorization: Bearer <key>`` (HTTP 401 otherwise).
 """
 
 from __future__ import annotations
@@ -216,9 +217,15 @@ class Handler(BaseHTTPRequestHandler):
             self._send(404, {"error": f"unknown route {self.path}"})
 
     def do_POST(self) -> None:  # noqa: N802
+        import os
+
         scenario, _, route = self.path.strip("/").partition("/")
         length = int(self.headers.get("Content-Length") or 0)
         raw = self.rfile.read(length)
+        key = os.environ.get("VLLM_API_KEY")
+        if key and self.headers.get("Authorization") != f"Bearer {key}":
+            self._send(401, {"error": "Unauthorized"})
+            return
         routes = ("v1/completions", "v1/load_lora_adapter", "v1/unload_lora_adapter")
         if scenario not in SCENARIOS or route not in routes:
             self._send(404, {"error": f"unknown route {self.path}"})

@@ -35,11 +35,11 @@ PROMPTS = [chat("What is two plus two?"), chat("Name a colour."), chat("Say hi."
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny matrices: one thread (conftest)
 
 
-def start_server(args: list[str], log: Path):
+def start_server(args: list[str], log: Path, env: dict | None = None):
     """The fake server as a subprocess; returns (process, base URL)."""
     with open(log, "w") as stderr:  # a file, not a pipe: an unread pipe could block the server
         process = subprocess.Popen([sys.executable, str(SERVER), "--port", "0", *args], stdout=subprocess.PIPE,
-                                   stderr=stderr, text=True)
+                                   stderr=stderr, text=True, env=env)
     port: list[str] = []
     reader = threading.Thread(target=lambda: port.append(process.stdout.readline()), daemon=True)
     reader.start()
@@ -224,6 +224,26 @@ def test_a_server_without_runtime_lora_updates_is_named(tiny_student, teacher, t
         stop_server(process)
     assert caught.value.code == "vllm_lora_updates_disabled"
     assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" in caught.value.message
+
+
+def test_the_api_key_comes_from_the_environment(tiny_student, teacher, tmp_path, monkeypatch):
+    import os
+
+    process, url = start_server(["--student", str(tiny_student)], tmp_path / "log",
+                                env={**os.environ, "VLLM_API_KEY": "s3cret-key"})
+    try:
+        monkeypatch.delenv("VLLM_API_KEY", raising=False)
+        with pytest.raises(Rejection) as caught:  # no key: the server refuses the first LoRA load
+            run(tiny_student, teacher, tmp_path / "no-key", temperature=1.0,
+                backend=vllm_rollout_backend(f"{url}/ok", sync_dir=str(tmp_path / "sync")))
+        assert caught.value.code == "vllm_lora_load" and "401" in caught.value.message
+        monkeypatch.setenv("VLLM_API_KEY", "s3cret-key")
+        result = run(tiny_student, teacher, tmp_path / "key", temperature=1.0,
+                     backend=vllm_rollout_backend(f"{url}/ok", sync_dir=str(tmp_path / "sync")))
+    finally:
+        stop_server(process)
+    assert result.status == "success"
+    assert "s3cret-key" not in (tmp_path / "key" / "train_receipt.json").read_text()
 
 
 def test_greedy_requests_send_no_penalties_and_sampled_ones_send_kilns_rule():

@@ -30,7 +30,10 @@ An on-policy request (Kiln's default ``training_mode``) sends ``prompts`` instea
 names a teacher registered with ``kiln-flows teachers register``; the student samples its own answers,
 the teacher scores them and the same engine trains, stores rollouts under the run directory, publishes
 and resumes. The progress bar then counts candidates and shows rollouts/s and teacher tokens scored;
-the receipt records ``training_mode: "on_policy"`` and the effective ``samples_per_prompt``.
+the receipt records ``training_mode: "on_policy"`` and the effective ``samples_per_prompt``. With
+``--vllm-rollouts URL`` a vLLM server serving the student base model (``--enable-lora``) samples the
+rollouts, the LoRA reloaded there after every step (``--vllm-sync-dir``: a directory it can read); with
+``--vllm-teacher URL`` a vLLM server serving the pinned teacher scores them; the receipt says which.
 
 Several processes on this machine (data parallel on ``torch.distributed``)::
 
@@ -73,6 +76,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-every", type=int, metavar="N", help="score the held-out slice every N optimizer steps")
     parser.add_argument("--stop-on-divergence", action="store_true",
                         help="stop cleanly (checkpoint, failed receipt) when a watch rule fires")
+    parser.add_argument("--vllm-rollouts", metavar="URL",
+                        help="on-policy: sample rollouts on this vLLM server (the student base model served with "
+                        "--enable-lora; the LoRA is reloaded there after every step)")
+    parser.add_argument("--vllm-teacher", metavar="URL",
+                        help="on-policy: score rollouts on this vLLM server serving the pinned teacher")
+    parser.add_argument("--vllm-sync-dir", metavar="DIR",
+                        help="directory the rollout server can read, for the per-step LoRA (default: "
+                        "vllm-sync in the run directory)")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON line on stdout")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -94,6 +105,10 @@ def resume_command(args: argparse.Namespace, checkpoint: str) -> str:
             argv.append("--stop-on-divergence")
     if args.nproc != 1:
         argv += ["--nproc", str(args.nproc), "--backend", args.backend]
+    for flag, value in (("--vllm-rollouts", args.vllm_rollouts), ("--vllm-teacher", args.vllm_teacher),
+                        ("--vllm-sync-dir", args.vllm_sync_dir)):
+        if value:
+            argv += [flag, value]
     return shlex.join(argv + ["--resume-checkpoint", checkpoint])
 
 
@@ -106,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
 
     prepared = spec_from_request(args.request, adapter=args.adapter, student_dir=args.student, out_root=args.out,
                                  resume_checkpoint=args.resume_checkpoint, nproc=args.nproc, backend=args.backend,
-                                 eval_watch=watch_from_arguments(args))
+                                 eval_watch=watch_from_arguments(args), vllm=vllm_from_arguments(args))
     for warning in prepared.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     bar = _ProgressBar(enabled=not (args.quiet or args.json))
@@ -160,6 +175,21 @@ def watch_from_arguments(args: argparse.Namespace) -> dict | None:
     if args.eval_every is None:
         raise ConfigError("--eval-corpus needs --eval-every N", "eval.every_steps")
     return {"corpus": args.eval_corpus, "every_steps": args.eval_every, "stop_on_divergence": args.stop_on_divergence}
+
+
+def vllm_from_arguments(args: argparse.Namespace) -> dict | None:
+    """The spec's ``vllm:`` block from ``--vllm-rollouts/--vllm-teacher/--vllm-sync-dir`` (None: all local).
+
+    Raises:
+        ConfigError: ``--vllm-sync-dir`` without ``--vllm-rollouts``.
+    """
+    from kiln_core.contracts.opd_config import ConfigError
+
+    if args.vllm_rollouts is None and args.vllm_teacher is None:
+        if args.vllm_sync_dir is not None:
+            raise ConfigError("--vllm-sync-dir needs --vllm-rollouts URL", "vllm.sync_dir")
+        return None
+    return {"rollouts_url": args.vllm_rollouts, "teacher_url": args.vllm_teacher, "sync_dir": args.vllm_sync_dir}
 
 
 class _ProgressBar:

@@ -48,7 +48,7 @@ from kiln_core.contracts.opd_config import (
 )
 from kiln_core.contracts.quality_gate import QualityGate
 from kiln_core.contracts.sources import CorpusSource, ExamplesSource, OnPolicySampling, PromptsSource, Source
-from kiln_core.contracts.spec_blocks import DistributedOptions, RunOptions, TeacherSource
+from kiln_core.contracts.spec_blocks import DistributedOptions, RunOptions, TeacherSource, VllmBackends
 from kiln_core.errors import Rejection
 from kiln_core.post_eval.config import PostEvalConfig
 
@@ -160,6 +160,14 @@ class PipelineSpec(BaseModel):
         json_schema_extra={"position": 11},
     )
 
+    vllm: VllmBackends | None = Field(
+        default=None,
+        title="vLLM servers (on-policy)",
+        description="On-policy only: sample rollouts and/or score them on vLLM servers instead of the training "
+        "process (rollouts_url, teacher_url, sync_dir). Empty = both local.",
+        json_schema_extra={"position": 12},
+    )
+
     @field_validator("config", mode="before")
     @classmethod
     def _no_unknown_config_keys(cls, value: Any) -> Any:
@@ -200,6 +208,9 @@ class PipelineSpec(BaseModel):
                              f"`prompts` (on-policy); {given}")
         if self.prompts is not None:
             return self._on_policy_consistent()
+        if self.vllm is not None:
+            raise ValueError("`vllm`: vLLM rollout and teacher servers are for on-policy `prompts` only; a corpus "
+                             "is already scored")
         if self.examples is not None and self.teacher.kind not in ("local_dir", "local_registry"):
             raise ValueError("`examples` needs a local teacher to score with (teacher.kind local_dir or local_registry)")
         if not is_valid_name(self.adapter):
@@ -270,6 +281,10 @@ class PipelineSpec(BaseModel):
                 raise ValueError(f"`{name}`: not available for on-policy runs yet (it measures against a "
                                  "teacher-scored corpus); use `post_eval`, or `kiln-flows eval` on the published adapter")
         self._check_gates()
+        if self.vllm is not None and self.vllm.rollouts_url and self.vllm.sync_dir is None \
+                and "://" in self.storage_root and not self.storage_root.startswith("file://"):
+            raise ValueError("`vllm.sync_dir`: required when storage_root is not local (the vLLM server reads "
+                             "the LoRA from a local directory)")
         try:
             validate_config_rules(self.config, pre_scored=False)
         except ConfigError as error:

@@ -1,5 +1,6 @@
-"""The smaller blocks of a ``PipelineSpec``: where the teacher comes from, how the pipeline runs, and
-how many processes train (``kiln_core.contracts.pipeline`` assembles them into the spec).
+"""The smaller blocks of a ``PipelineSpec``: where the teacher comes from, how the pipeline runs, how
+many processes train, and which vLLM servers an on-policy run uses (``kiln_core.contracts.pipeline``
+assembles them into the spec).
 
 Example:
     >>> TeacherSource(kind="local_registry", alias="qwen-teacher").label()
@@ -15,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from kiln_core.contracts.names import NAME_RULE, is_valid_name
 
-__all__ = ["TeacherSource", "RunOptions", "DistributedOptions"]
+__all__ = ["TeacherSource", "RunOptions", "DistributedOptions", "VllmBackends"]
 
 
 class TeacherSource(BaseModel):
@@ -127,3 +128,43 @@ class DistributedOptions(BaseModel):
         if value == "fsdp":
             raise ValueError("fsdp is not implemented; use ddp")
         return value
+
+
+class VllmBackends(BaseModel):
+    """vLLM servers for an on-policy run: one samples the rollouts, one scores them (either or both).
+
+    The rollout server serves the student base model with runtime LoRA loading
+    (``kiln_core.on_policy.vllm_rollouts``); the teacher server serves the pinned teacher
+    (``kiln_core.on_policy.vllm_teacher``). Plain HTTP only to a loopback host; an API key comes from
+    the ``VLLM_API_KEY`` environment variable, never from here.
+    """
+
+    model_config = ConfigDict(extra="forbid", title="vLLM servers (on-policy)",
+                              json_schema_extra={"description": "vLLM servers for an on-policy run: one samples "
+                                                 "the rollouts, one scores them (either or both)."})
+
+    rollouts_url: str | None = Field(
+        default=None,
+        description="Base URL of a vLLM server serving the student base model with --enable-lora and "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True; it samples the rollouts with the LoRA reloaded after every step. "
+        "Empty: the training process samples.",
+    )
+    teacher_url: str | None = Field(
+        default=None,
+        description="Base URL of a vLLM server serving the pinned teacher (its served_model_id and Kiln "
+        "fingerprint); it scores the rollouts. Empty: the local teacher scores.",
+    )
+    sync_dir: str | None = Field(
+        default=None,
+        description="Local directory the rollout server can read (a filesystem both see), where the LoRA is "
+        "saved after every step. Default: vllm-sync inside the run directory (a local storage_root only).",
+    )
+    timeout_seconds: float = Field(default=120.0, gt=0, description="Seconds per request to either server. Default: 120.")
+
+    @model_validator(mode="after")
+    def _something_to_do(self) -> "VllmBackends":
+        if self.rollouts_url is None and self.teacher_url is None:
+            raise ValueError("`rollouts_url`: give rollouts_url, teacher_url or both (or remove the vllm block)")
+        if self.sync_dir is not None and "://" in self.sync_dir:
+            raise ValueError("`sync_dir`: must be a local directory the vLLM server can read, not a URI")
+        return self

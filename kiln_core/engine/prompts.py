@@ -12,7 +12,9 @@ rule, publication and ``latest.json``. Only two steps differ, and both live here
   content, not the file's bytes or place. Only the student's tokenizer is read;
 * ``train_prompts`` — the training stage's branch: ``train_on_policy`` in this process with the
   teacher loaded from its local directory; rollouts and their teacher scores are stored under the run
-  directory, so a retry resumes from the newest checkpoint and reads committed rollouts back.
+  directory, so a retry resumes from the newest checkpoint and reads committed rollouts back. With the
+  spec's ``vllm:`` block, a vLLM server samples the rollouts (the LoRA synced after every step) and/or
+  one scores them (``vllm_backends``).
 
 ``write_inline_prompts`` turns a request's inline prompts into the prompt file a spec names
 (``kiln-flows train``), content-addressed under ``<root>/prompts/``.
@@ -129,6 +131,9 @@ def train_prompts(plan: TrainPlan, prompts: CorpusRef, manifest: ManifestRef, st
                         "rollouts with", field="teacher")
     identity = parse_manifest_line(manifest.manifest_line).teacher_identity
     teacher = TeacherSource.local(manifest.teacher, identity, manifest.teacher_dir, device=plan.device)
+    rollout_backend = None
+    if plan.vllm is not None:
+        teacher, rollout_backend = vllm_backends(plan.vllm, teacher, plan.run_uri, plan.adapter)
 
     def report(progress) -> None:
         if on_progress is not None:
@@ -138,4 +143,35 @@ def train_prompts(plan: TrainPlan, prompts: CorpusRef, manifest: ManifestRef, st
         prompts=loaded, student_dir=student_dir, teacher=teacher, adapter_name=plan.adapter,
         config=OpdConfig.model_validate(plan.config), run_root=plan.run_uri, resume_checkpoint=resume,
         should_cancel=should_cancel, on_progress=report, on_step_committed=on_step_committed, device=plan.device,
-        precision=plan.precision, gradient_checkpointing=plan.gradient_checkpointing, handle_signals=False)
+        precision=plan.precision, gradient_checkpointing=plan.gradient_checkpointing, handle_signals=False,
+        rollout_backend=rollout_backend)
+
+
+def vllm_backends(block: dict[str, Any], teacher, run_uri: str, adapter: str):
+    """The spec's ``vllm:`` block as ``(teacher source, rollout backend factory or None)``; URLs are checked
+    here, before any model loads.
+
+    Raises:
+        Rejection: ``invalid_option`` (plain HTTP to a non-loopback host, a URL with credentials).
+    """
+    from kiln_core.contracts.spec_blocks import VllmBackends
+    from kiln_core.on_policy.vllm_rollouts import vllm_rollout_backend
+    from kiln_core.on_policy.vllm_teacher import vllm_teacher_source
+    from kiln_core.scoring.vllm import completions_url
+
+    options = VllmBackends.model_validate(block)
+    if options.teacher_url:
+        completions_url(options.teacher_url)
+        teacher = vllm_teacher_source(teacher.alias, teacher.identity, options.teacher_url,
+                                      timeout_s=options.timeout_seconds)
+    if not options.rollouts_url:
+        return teacher, None
+    sync_dir = options.sync_dir
+    if sync_dir is None:
+        run_dir = run_uri[len("file://"):] if run_uri.startswith("file://") else run_uri
+        if "://" in run_dir:
+            raise Rejection("invalid_spec", "vllm.sync_dir is required when the run directory is not local "
+                            f"({run_uri})", field="vllm.sync_dir")
+        sync_dir = f"{run_dir.rstrip('/')}/vllm-sync"
+    return teacher, vllm_rollout_backend(options.rollouts_url, sync_dir=sync_dir, timeout_s=options.timeout_seconds,
+                                         name_prefix=adapter)

@@ -92,6 +92,9 @@ class TrainPlan(_Ref):
     eval_watch: dict[str, Any] | None = None
     """The spec's ``eval:`` block (``EvalWatch`` as JSON) when the run is watched; not part of the run's
     identity, since a watched run trains the same bytes."""
+    vllm: dict[str, Any] | None = None
+    """The spec's ``vllm:`` block (``VllmBackends`` as JSON) of an on-policy run using vLLM servers; not part
+    of the run's identity: committed rollouts are reused whichever backend sampled them."""
 
     @property
     def run_key(self) -> str:

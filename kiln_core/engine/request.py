@@ -99,12 +99,13 @@ def teacher_source(teacher: str, request_path: str, registry_root: str) -> Teach
 
 def spec_from_request(request_path: str, *, adapter: str, student_dir: str, out_root: str = "./kiln-data",
                       resume_checkpoint: str | None = None, nproc: int = 1, backend: str = "auto",
-                      eval_watch: dict | None = None) -> RequestRun:
+                      eval_watch: dict | None = None, vllm: dict | None = None) -> RequestRun:
     """Validate a request file and build the spec ``run_pipeline`` trains (nothing is read but the request;
     an on-policy request's inline prompts are written to ``<out_root>/prompts/<digest>.jsonl``).
 
     ``eval_watch`` is the held-out watch (``EvalWatch`` fields, from ``kiln-flows train --eval-corpus``);
-    a Kiln request has no such field, so it is off unless the caller sets it.
+    a Kiln request has no such field, so it is off unless the caller sets it. ``vllm`` is the spec's
+    ``vllm:`` block (``VllmBackends`` fields, from ``--vllm-rollouts``/``--vllm-teacher``): on-policy only.
 
     Raises:
         ConfigError: the request, the adapter name (``invalid_adapter_name``), ``nproc``, the watch
@@ -136,7 +137,8 @@ def spec_from_request(request_path: str, *, adapter: str, student_dir: str, out_
             raise ConfigError("the held-out watch (--eval-corpus) is not available for on-policy requests yet",
                               "eval", code="unsupported")
         return RequestRun(spec=_on_policy_spec(request, teacher, post_eval, adapter=adapter, student_dir=student_dir,
-                                               out_root=out_root, nproc=nproc, request_path=request_path),
+                                               out_root=out_root, nproc=nproc, request_path=request_path,
+                                               vllm=vllm),
                           resume=resume, warnings=warnings)
     watch = parse_eval_watch(eval_watch) if eval_watch is not None else None
     spec = parse_spec({
@@ -149,12 +151,14 @@ def spec_from_request(request_path: str, *, adapter: str, student_dir: str, out_
         "distributed": DistributedOptions(nproc=nproc, backend=backend) if nproc > 1 else None,
         "post_eval": post_eval,
         "eval": watch,
+        "vllm": vllm,  # refused (invalid_spec): a corpus is already scored
     }, file=request_path)
     return RequestRun(spec=spec, resume=resume, warnings=warnings)
 
 
 def _on_policy_spec(request: OpdRequest, teacher: TeacherSource, post_eval: PostEvalConfig | None, *, adapter: str,
-                    student_dir: str, out_root: str, nproc: int, request_path: str) -> PipelineSpec:
+                    student_dir: str, out_root: str, nproc: int, request_path: str,
+                    vllm: dict | None = None) -> PipelineSpec:
     """The spec of an on-policy request: its prompts written as a prompt file, a local teacher, one process,
     and its ``post_eval`` gate."""
     from kiln_core.engine.prompts import write_inline_prompts
@@ -169,6 +173,7 @@ def _on_policy_spec(request: OpdRequest, teacher: TeacherSource, post_eval: Post
     return parse_spec({
         "teacher": teacher, "prompts": write_inline_prompts(request.prompts, out_root), "student": student_dir,
         "storage_root": out_root, "adapter": adapter, "config": request.config, "post_eval": post_eval,
+        "vllm": vllm,
     }, file=request_path)
 
 

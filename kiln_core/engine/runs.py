@@ -104,7 +104,8 @@ def plan_run(spec: PipelineSpec, corpus: CorpusRef, manifest: ManifestRef, stude
     return TrainPlan(run_uri=run.uri, inputs_key=key, adapter=spec.adapter, config=config.model_dump(mode="json", by_alias=True),
                      resume=resume, nproc=nproc, backend=distributed.backend if distributed else "auto",
                      device=device, precision=precision, gradient_checkpointing=gradient_checkpointing,
-                     eval_watch=spec.eval.model_dump(mode="json") if spec.eval is not None else None)
+                     eval_watch=spec.eval.model_dump(mode="json") if spec.eval is not None else None,
+                     vllm=spec.vllm.model_dump(mode="json") if spec.vllm is not None else None)
 
 
 def check_resume_name(value: str, storage_root: str, adapter: str) -> str:

@@ -16,14 +16,14 @@ Rollouts are ``POST /v1/completions`` with ``model`` = the loaded LoRA's name, `
 ids, Kiln's rollout sampling rule (``kiln_core.on_policy.sampler``: top-k 20, min-p 0, presence 1.5,
 repetition 1, frequency 0, the request's temperature and top-p), ``seed`` = the candidate seed,
 ``stop_token_ids`` = the EOS ids and ``return_token_ids: true``, whose ``choices[0].token_ids`` holds
-the sampled ids. A trailing EOS id is stripped (Kiln never keeps EOS). Field names as vLLM defines
-them: ``vllm/entrypoints/openai/protocol.py`` (``CompletionRequest.return_token_ids``,
-``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``, ``seed``;
-``CompletionResponseChoice.token_ids``) and ``vllm/entrypoints/openai/protocol.py`` /
-``vllm/entrypoints/serve/lora/protocol.py`` (``LoadLoRAAdapterRequest {lora_name, lora_path}``,
-``UnloadLoRAAdapterRequest {lora_name}``), and the LoRA docs' "Dynamically serving LoRA adapters"
-(docs.vllm.ai, ``features/lora``). A rank above the server's limit is refused by vLLM at load ("LoRA
-rank R is greater than max_lora_rank M"); that answer becomes ``vllm_lora_rank_exceeded``.
+the sampled ids. A trailing EOS id is stripped (Kiln never keeps EOS). Field names are vLLM's
+(``vllm-project/vllm``): ``vllm/entrypoints/openai/protocol.py`` · ``CompletionRequest`` (``top_k``,
+``min_p``, ``repetition_penalty``, ``seed``, ``stop_token_ids``, ``return_token_ids``, vLLM ≥ 0.10.2),
+``CompletionResponseChoice.token_ids``, ``LoadLoRAAdapterRequest {lora_name, lora_path}`` and
+``UnloadLoRAAdapterRequest {lora_name}`` (moved to ``vllm/entrypoints/serve/lora/protocol.py`` in later
+versions); the LoRA docs' "Dynamically serving LoRA adapters" (docs.vllm.ai ``features/lora``). A rank
+above the server's limit is refused at load ("LoRA rank R is greater than max_lora_rank M",
+``vllm/lora/worker_manager.py``); that answer becomes ``vllm_lora_rank_exceeded``.
 
 Greedy. Kiln's rule takes the argmax of the *raw* logits at temperature 0 (no penalties), while vLLM
 applies its penalties before its greedy argmax (``vllm/v1/sample/sampler.py``); at temperature 0 the
