@@ -118,3 +118,24 @@ def test_a_vllm_block_is_refused_where_it_cannot_work(spec, field):
     with pytest.raises(SpecError) as caught:
         parse_spec(spec)
     assert caught.value.code == "invalid_spec" and caught.value.field == field, caught.value.message
+
+
+@pytest.mark.integration
+def test_the_flow_samples_on_vllm_from_a_spec_block(prefect_harness, server, tiny_student, tiny_teacher, tmp_path):
+    """``opd_distill`` (what ``kiln-flows run SPEC`` and the UI start) with a ``vllm:`` block."""
+    from flows.opd_distill import opd_distill
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    before = httpx.get(f"{server}/stats").json()
+    spec = parse_spec({"teacher": {"kind": "local_dir", "path": str(tiny_teacher)}, "prompts": str(prompts),
+                       "student": str(tiny_student), "storage_root": str(tmp_path / "root"), "adapter": "vllm-flow",
+                       "config": {"training_mode": "on_policy", **CONFIG},
+                       "vllm": {"rollouts_url": f"{server}/ok"}})
+    state = opd_distill(spec, return_state=True)
+    assert state.is_completed(), f"{state.type}: {state.message}"
+    summary = state.result()
+    receipt = json.loads((Path(summary["run"]) / "train_receipt.json").read_text())
+    assert receipt["opd"]["rollout_backend"] == "vllm" and receipt["opd"]["teacher_backend"] == "local"
+    assert httpx.get(f"{server}/stats").json()["rollouts"] - before["rollouts"] == 4
+    assert (Path(summary["run"]) / "vllm-sync").is_dir()  # the default sync directory: inside the run directory
