@@ -2,7 +2,7 @@
 
 What a user depends on: a request trained from the command line with ``--vllm-rollouts`` (and
 ``--vllm-teacher``) samples on the server and says so in its receipt; a server that is down ends the
-command with exit 3 and a resume hint; a ``vllm:`` block is refused for a corpus (it is already scored)
+command with exit 3 and names the code; a ``vllm:`` block is refused for a corpus (it is already scored)
 and where the server could not read the LoRA, before any work.
 """
 
@@ -19,9 +19,9 @@ import pytest
 from flows.cli import main
 from kiln_core.contracts.pipeline import SpecError, parse_spec
 from on_policy_support import chat
+from test_on_policy_cli import ALIAS, root  # noqa: F401 - a storage root with the tiny teacher registered
 from test_on_policy_vllm_rollouts import start_server, stop_server
 
-ALIAS = "tiny-teacher"
 PROMPTS = [chat("What is two plus two?"), chat("Name a colour.")]
 CONFIG = {"samples_per_prompt": 2, "max_tokens": 4, "top_k": 16, "lora_rank": 4, "lora_alpha": 8.0, "seed": 5,
           "learning_rate": 2e-2, "checkpoint_interval": 2, "epochs": 1}
@@ -31,15 +31,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny matrices: one t
 
 
 @pytest.fixture(scope="module")
-def root(tiny_teacher, tmp_path_factory) -> Path:
-    directory = tmp_path_factory.mktemp("vllm-root")
-    assert main(["teachers", "register", ALIAS, str(tiny_teacher), "--out", str(directory), "--device", "cpu",
-                 "--json"]) == 0
-    return directory
-
-
-@pytest.fixture(scope="module")
-def server(root, tiny_student, tiny_teacher, tmp_path_factory):
+def server(root, tiny_student, tiny_teacher, tmp_path_factory):  # noqa: F811
     """One fake server: the student with LoRA loading, and the registered teacher's identity for scoring."""
     from kiln_core.teachers.local_registry import get_local_teacher
 
@@ -65,7 +57,7 @@ def write_request(directory: Path) -> str:
     return str(path)
 
 
-def test_train_with_vllm_rollouts_and_teacher_end_to_end(root, server, tiny_student, tmp_path):
+def test_train_with_vllm_rollouts_and_teacher_end_to_end(root, server, tiny_student, tmp_path):  # noqa: F811
     before = httpx.get(f"{server}/stats").json()
     done = kiln_flows("train", "--request", write_request(tmp_path), "--adapter", "vllm-cli", "--student",
                       str(tiny_student), "--out", str(root), "--vllm-rollouts", f"{server}/ok", "--vllm-teacher",
@@ -81,14 +73,14 @@ def test_train_with_vllm_rollouts_and_teacher_end_to_end(root, server, tiny_stud
     assert "vllm-cli" in result["adapter"] and list((tmp_path / "sync").iterdir()) == []
 
 
-def test_a_rollout_server_that_is_down_exits_3_with_a_resume_hint(root, tiny_student, tmp_path):
+def test_a_rollout_server_that_is_down_exits_3_naming_the_code(root, tiny_student, tmp_path):  # noqa: F811
     done = kiln_flows("train", "--request", write_request(tmp_path), "--adapter", "vllm-down", "--student",
                       str(tiny_student), "--out", str(root), "--vllm-rollouts", "http://127.0.0.1:9")
     assert done.returncode == 3, done.stderr[-3000:]
     assert "vllm_unreachable" in done.stderr and "Traceback" not in done.stderr
 
 
-def test_sync_dir_without_a_rollout_server_is_refused(root, tiny_student, tmp_path, capsys):
+def test_sync_dir_without_a_rollout_server_is_refused(root, tiny_student, tmp_path, capsys):  # noqa: F811
     code = main(["train", "--request", write_request(tmp_path), "--adapter", "vllm-bad", "--student",
                  str(tiny_student), "--out", str(root), "--vllm-sync-dir", str(tmp_path)])
     assert code == 2 and "--vllm-sync-dir needs --vllm-rollouts" in capsys.readouterr().err
