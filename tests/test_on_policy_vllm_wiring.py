@@ -131,3 +131,18 @@ def test_the_flow_samples_on_vllm_from_a_spec_block(prefect_harness, server, tin
     assert receipt["opd"]["rollout_backend"] == "vllm" and receipt["opd"]["teacher_backend"] == "local"
     assert httpx.get(f"{server}/stats").json()["rollouts"] - before["rollouts"] == 4
     assert (Path(summary["run"]) / "vllm-sync").is_dir()  # the default sync directory: inside the run directory
+
+
+def test_the_resume_command_keeps_the_vllm_servers():
+    import argparse
+    import shlex
+
+    from flows.commands.train import add_arguments, resume_command
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--request", "r.json", "--adapter", "a", "--student", "s", "--vllm-rollouts",
+                              "http://127.0.0.1:8000", "--vllm-sync-dir", "/shared/sync"])
+    argv = shlex.split(resume_command(args, "a-checkpoint-step-00000002.kiln-checkpoint"))
+    assert argv[argv.index("--vllm-rollouts") + 1] == "http://127.0.0.1:8000"
+    assert argv[argv.index("--vllm-sync-dir") + 1] == "/shared/sync" and "--vllm-teacher" not in argv
