@@ -35,7 +35,7 @@ not bit-reproducible across machines, GPUs or vLLM versions. Exact resume still 
 committed rollout is read back from the rollout store (``kiln_core.on_policy.collect``), never sampled
 again; only candidates never committed are sampled on a retry.
 
-Errors: unreachable or 5xx → ``EnvironmentFailure`` (``vllm_unreachable``, ``vllm_http_error``: the
+Errors: unreachable, 5xx, 408 or 429 → ``EnvironmentFailure`` (``vllm_unreachable``, ``vllm_http_error``: the
 pipeline retries, the retry resumes and reuses committed rollouts); any other refusal or a malformed
 answer → a ``Rejection`` naming the rule. An API key, when the server needs one, comes from the
 ``VLLM_API_KEY`` environment variable (sent as a bearer token; never a parameter, log or receipt).
@@ -61,6 +61,7 @@ __all__ = ["API_KEY_ENV", "VllmRollouts", "vllm_rollout_backend"]
 API_KEY_ENV = "VLLM_API_KEY"
 DEFAULT_TIMEOUT_S = 120.0
 _EXCERPT_CHARS = 400
+_TRANSIENT_4XX = (408, 429)  # timed out, too many requests: the world, not the input
 
 
 def endpoint_urls(base_url: str) -> dict[str, str]:
@@ -186,7 +187,7 @@ class VllmRollouts:
     def _refuse_load(self, response: Any, files: dict[str, bytes]) -> None:
         text = response.text[:_EXCERPT_CHARS]
         where = f"POST {self.urls['load']} -> HTTP {response.status_code}: {text}"
-        if response.status_code >= 500:
+        if response.status_code >= 500 or response.status_code in _TRANSIENT_4XX:
             raise EnvironmentFailure("vllm_http_error", where)
         if "max_lora_rank" in text:
             rank = json.loads(files["adapter_config.json"]).get("r")
@@ -233,7 +234,7 @@ class VllmRollouts:
                             eos_token_ids=eos_token_ids, seed=seed)
         response = self._post(self.urls["completions"], body)
         where = f"POST {self.urls['completions']}"
-        if response.status_code >= 500:
+        if response.status_code >= 500 or response.status_code in _TRANSIENT_4XX:
             raise EnvironmentFailure("vllm_http_error", f"{where} -> HTTP {response.status_code}: "
                                      f"{response.text[:_EXCERPT_CHARS]}")
         if response.status_code != 200:
