@@ -265,11 +265,7 @@ class PipelineSpec(BaseModel):
                              "teacher-scored `corpus`)")
         if self.distributed is not None and self.distributed.nproc > 1:
             raise ValueError("`distributed.nproc`: on-policy training runs in one process (one candidate per step)")
-        for name in ("quality_gate", "eval"):  # need a teacher-scored corpus; post_eval gates on-policy too
-            if getattr(self, name) is not None:
-                raise ValueError(f"`{name}`: not available for on-policy runs yet (it measures against a "
-                                 "teacher-scored corpus); use `post_eval`, or `kiln-flows eval` on the published adapter")
-        self._check_gates()
+        self._check_gates()  # `eval` and `quality_gate` measure against a held-out corpus, as off-policy
         try:
             validate_config_rules(self.config, pre_scored=False)
         except ConfigError as error:

@@ -105,11 +105,12 @@ def write_inline_prompts(prompts: Sequence[OpdPrompt], storage_root: str) -> str
 
 def train_prompts(plan: TrainPlan, prompts: CorpusRef, manifest: ManifestRef, student_dir: str, resume: str | None, *,
                   on_progress: Callable[..., None] | None, should_cancel: Callable[[], bool],
-                  on_step_committed: Callable[[int], None] | None):
+                  on_step_committed: Callable[[int], None] | None, eval_watch=None):
     """Train the planned on-policy run here (``train_on_policy``); returns its ``OnPolicyTrainResult``.
 
     ``on_progress`` is called as ``(consumed candidates, total candidates, loss, rollout=OnPolicyProgress)``
     after each committed step: Kiln's progress fraction, plus rollouts/s and teacher tokens scored.
+    ``eval_watch`` is the held-out watch (``HeldOutSlice``), as off-policy.
 
     Raises:
         Rejection: ``remote_teacher_on_policy`` (no local model directory); the trainer's refusals.
@@ -138,4 +139,5 @@ def train_prompts(plan: TrainPlan, prompts: CorpusRef, manifest: ManifestRef, st
         prompts=loaded, student_dir=student_dir, teacher=teacher, adapter_name=plan.adapter,
         config=OpdConfig.model_validate(plan.config), run_root=plan.run_uri, resume_checkpoint=resume,
         should_cancel=should_cancel, on_progress=report, on_step_committed=on_step_committed, device=plan.device,
-        precision=plan.precision, gradient_checkpointing=plan.gradient_checkpointing, handle_signals=False)
+        precision=plan.precision, gradient_checkpointing=plan.gradient_checkpointing, handle_signals=False,
+        eval_watch=eval_watch)
