@@ -2,7 +2,7 @@
 
 What a user depends on: ``kiln-flows train --request ON_POLICY.json --eval-corpus HELDOUT.jsonl`` records
 the held-out curve (a baseline, then every ``--eval-every`` steps and after the last) in the receipt and
-the checkpoints; a spec with ``prompts`` and ``quality_gate`` promotes a passing adapter and holds a
+the checkpoints, and an interrupted watched run resumes its curve to the same adapter bytes; a spec with ``prompts`` and ``quality_gate`` promotes a passing adapter and holds a
 failing one back (renamed ``.failed``, the reason in its receipt); ``stop_on_divergence`` stops an
 on-policy run at a step boundary with a checkpoint; and a held-out corpus sharing a prompt with the
 training prompts is refused (``eval_train_overlap``, exit 2) naming the held-out line and the prompt
@@ -98,6 +98,46 @@ def test_train_eval_corpus_records_the_held_out_curve(tiny_student, root, held_o
 
     checkpoint = load_checkpoint(resolve(result["run"]), "onpol-watched-checkpoint-step-00000002.kiln-checkpoint")
     assert [point.step for point in checkpoint.extension.eval_curve.points] == [0, 2]
+
+
+def test_an_interrupted_watched_run_resumes_its_curve_and_trains_the_same_bytes(tiny_student, tiny_teacher, root,
+                                                                                 held_out, tmp_path, capsys, monkeypatch):
+    """SIGTERM after step 2, then the printed resume command: the curve continues from the checkpoint's,
+    and the adapter is the uninterrupted watched run's (watching never changes what training computes)."""
+    import os
+    import signal
+
+    import kiln_core.training.on_policy_trainer as trainer
+    from test_on_policy_cli import adapter_bytes
+
+    request = write_request(tmp_path)
+    watch = ["--eval-corpus", str(held_out), "--eval-every", "2"]
+    args = ["--request", request, "--adapter", "onpol-watch-resume", "--student", str(tiny_student), "--json", *watch]
+    code, reference = train(capsys, *args, "--out", str(root))
+    assert code == 0, reference
+    other = tmp_path / "other-root"
+    assert main(["teachers", "register", ALIAS, str(tiny_teacher), "--out", str(other), "--device", "cpu"]) == 0
+    capsys.readouterr()
+    original = trainer.train_on_policy
+
+    def terminated_after_step_2(**kwargs):
+        def committed(step):
+            if step == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+        return original(**{**kwargs, "on_step_committed": committed})
+
+    monkeypatch.setattr(trainer, "train_on_policy", terminated_after_step_2)
+    code, cancelled = train(capsys, *args, "--out", str(other))
+    assert code == 3 and cancelled["latest_checkpoint"].endswith("step-00000002.kiln-checkpoint")
+    monkeypatch.setattr(trainer, "train_on_policy", original)
+    code, refused = train(capsys, *args, "--out", str(other))
+    assert code == 2 and f"--eval-corpus {held_out} --eval-every 2" in refused["message"]  # the exact resume command
+    code, resumed = train(capsys, *args, "--out", str(other), "--resume-checkpoint", cancelled["latest_checkpoint"])
+    assert code == 0, resumed
+    assert adapter_bytes(resumed) == adapter_bytes(reference)
+    curves = [json.loads((Path(r["run"]) / "train_receipt.json").read_text())["eval_curve"] for r in (reference, resumed)]
+    assert [p["step"] for p in curves[1]["points"]] == [p["step"] for p in curves[0]["points"]]
+    assert [p["reverse_kl"] for p in curves[1]["points"]] == pytest.approx([p["reverse_kl"] for p in curves[0]["points"]])
 
 
 def test_stop_on_divergence_stops_an_on_policy_run_with_a_checkpoint(tiny_student, root, held_out, tmp_path):
