@@ -49,18 +49,20 @@ def has_gate(spec: PipelineSpec) -> bool:
     return spec.post_eval is not None or spec.quality_gate is not None
 
 
-def training_data(corpus: CorpusRef) -> dict[str, Any]:
+def training_data(corpus: CorpusRef, config: Any) -> dict[str, Any]:
     """What the held-out rules compare a held-out corpus against (``admit_eval_corpus``'s and
-    ``HeldOutSlice.admit``'s keywords): the training corpus, or an on-policy run's prompt file.
+    ``HeldOutSlice.admit``'s keywords): the training corpus, or an on-policy run's prompt file and how
+    its prompts are rendered (``config``: the run's ``OpdConfig`` or its dict).
 
     Example:
-        >>> training_data(corpus_ref)  # doctest: +SKIP
+        >>> training_data(corpus_ref, spec.config)  # doctest: +SKIP
         {'train_corpus_uri': '/abs/train.jsonl'}
     """
     if corpus.kind == "prompts":
         from kiln_core.on_policy.prompt_file import read_prompt_file
 
-        return {"train_prompts": read_prompt_file(corpus.uri)}
+        rendering = config["rollout_prompt_rendering"] if isinstance(config, dict) else config.rollout_prompt_rendering
+        return {"train_prompts": read_prompt_file(corpus.uri), "prompt_rendering": rendering}
     return {"train_corpus_uri": corpus.source_uri}
 
 
@@ -111,7 +113,7 @@ def check_gate_inputs(spec: PipelineSpec, corpus: CorpusRef, manifest: ManifestR
         from kiln_core.evaluation import admit_eval_corpus
 
         admit_eval_corpus(spec.quality_gate.corpus, student_dir, top_k=spec.config.top_k,
-                          teacher_manifest=manifest.manifest_line, **training_data(corpus))
+                          teacher_manifest=manifest.manifest_line, **training_data(corpus, spec.config))
 
 
 def _quality_gate(spec: PipelineSpec, manifest: ManifestRef, student_dir: str, adapter_dir: str,
@@ -121,7 +123,7 @@ def _quality_gate(spec: PipelineSpec, manifest: ManifestRef, student_dir: str, a
 
     gate = spec.quality_gate
     admission = admit_eval_corpus(gate.corpus, student_dir, top_k=spec.config.top_k,
-                                  teacher_manifest=manifest.manifest_line, **training_data(training))
+                                  teacher_manifest=manifest.manifest_line, **training_data(training, spec.config))
     base = evaluate_tables(load_eval_model(student_dir, device=device), admission.tables).to_json()
     distilled = evaluate_tables(load_eval_model(student_dir, adapter_dir, device=device), admission.tables).to_json()
     failures = []

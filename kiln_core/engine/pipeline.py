@@ -141,7 +141,7 @@ def prepare(spec: PipelineSpec, stages_: Stages | None = None, *, resume: str | 
         from kiln_core.training.watch import HeldOutSlice
 
         HeldOutSlice.admit(spec.eval, student_dir, top_k=spec.config.top_k, teacher_manifest=manifest.manifest_line,
-                           **training_data(corpus)).record()
+                           **training_data(corpus, spec.config)).record()
     plan = plan_run(spec, corpus, manifest, student_dir, resume=resume, device=device, precision=precision,
                     gradient_checkpointing=gradient_checkpointing)
     return PreparedRun(spec=spec, manifest=manifest, corpus=corpus, plan=plan, student_dir=student_dir)

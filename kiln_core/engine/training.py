@@ -112,7 +112,7 @@ def held_out_slice(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, st
     from kiln_core.training.watch import HeldOutSlice
 
     return HeldOutSlice.admit(parse_eval_watch(plan.eval_watch), student_dir, top_k=plan.config["top_k"],
-                              teacher_manifest=manifest.manifest_line, **training_data(corpus))
+                              teacher_manifest=manifest.manifest_line, **training_data(corpus, plan.config))
 
 
 def distributed_job(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir: str, resume: str | None):

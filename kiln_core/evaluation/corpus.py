@@ -11,8 +11,11 @@ builder as training; a pinned teacher manifest makes a corpus scored by another 
   Two examples have the same prompt when their ``messages`` are equal message by message after
   admission's normalization (role, content as text, every other field), i.e. the same conversation up
   to the teacher's answer. Against on-policy prompts (``check_no_prompt_overlap``), a prompt's
-  conversation is its ``messages`` before the last assistant turn (the turn that marks where the
-  rollout starts, as the on-policy preparation reads it).
+  conversation is the one the student samples its answer after
+  (``kiln_core.on_policy.render.rollout_messages``): with Kiln's default ``legacy_action_boundary``
+  rendering its ``messages`` before the first assistant turn, with ``chat_template`` its ``messages``
+  without trailing assistant turns. A single-turn prompt (user turn, then Kiln's empty assistant turn)
+  is its user turn either way.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ __all__ = ["admit_eval_corpus", "prompt_key", "check_no_overlap", "check_no_prom
 
 
 def admit_eval_corpus(corpus_uri: str, student_dir: str, *, top_k: int = 32, teacher_manifest: str | None = None,
-                      train_corpus_uri: str | None = None, train_prompts: Any = None) -> Any:
+                      train_corpus_uri: str | None = None, train_prompts: Any = None,
+                      prompt_rendering: str = "legacy_action_boundary") -> Any:
     """Admit a held-out corpus for ``student_dir`` and apply the held-out rules.
 
     Args:
@@ -37,6 +41,7 @@ def admit_eval_corpus(corpus_uri: str, student_dir: str, *, top_k: int = 32, tea
         train_corpus_uri: The corpus the student was trained on; overlapping prompts are refused.
         train_prompts: The on-policy prompts the student was trained on (``OpdPrompt``s, or the
             ``PromptFile`` they were read from); overlapping prompts are refused.
+        prompt_rendering: The run's ``rollout_prompt_rendering`` (which conversation a prompt is).
 
     Returns:
         The ``AdmissionResult`` (validated in memory, not materialized).
@@ -54,7 +59,7 @@ def admit_eval_corpus(corpus_uri: str, student_dir: str, *, top_k: int = 32, tea
     if train_corpus_uri is not None:
         check_no_overlap(corpus_uri, train_corpus_uri)
     if train_prompts is not None:
-        check_no_prompt_overlap(corpus_uri, train_prompts)
+        check_no_prompt_overlap(corpus_uri, train_prompts, rendering=prompt_rendering)
     return admission
 
 
@@ -97,26 +102,27 @@ def check_no_overlap(eval_uri: str, train_uri: str) -> None:
     _refuse_shared_prompts(eval_uri, train_prompts)
 
 
-def check_no_prompt_overlap(eval_uri: str, prompts: Any) -> None:
+def check_no_prompt_overlap(eval_uri: str, prompts: Any, *, rendering: str = "legacy_action_boundary") -> None:
     """Refuse a held-out corpus that shares a prompt with on-policy training prompts.
 
     Args:
         eval_uri: The held-out teacher-scored JSONL.
         prompts: ``OpdPrompt``s, or the ``PromptFile`` they were read from (the message then names its
             file and line).
+        rendering: The run's ``rollout_prompt_rendering``.
 
     Raises:
         EvalInputError: ``eval_train_overlap`` naming the first held-out line and the training prompt.
     """
     from kiln_core.contracts.opd_prompt import kiln_prompt_value
+    from kiln_core.on_policy.render import rollout_messages
 
     lines, source = getattr(prompts, "lines", None), getattr(prompts, "uri", None)
     train_prompts: dict[str, str] = {}
     for index, prompt in enumerate(getattr(prompts, "prompts", prompts)):
-        messages = kiln_prompt_value(prompt)["messages"]
-        last_assistant = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=len(messages))
+        messages = rollout_messages(kiln_prompt_value(prompt)["messages"], rendering)
         where = f"training prompt {index}" + (f" (line {lines[index]} of the prompt file {source})" if lines else "")
-        train_prompts.setdefault(prompt_key(messages[:last_assistant]), where)
+        train_prompts.setdefault(prompt_key(messages), where)
     _refuse_shared_prompts(eval_uri, train_prompts)
 
 

@@ -93,7 +93,8 @@ class HeldOutSlice:
 
     @classmethod
     def admit(cls, watch: EvalWatch, student_dir: str, *, top_k: int, teacher_manifest: str | None = None,
-              train_corpus_uri: str | None = None, train_prompts: Sequence[Any] | None = None) -> "HeldOutSlice":
+              train_corpus_uri: str | None = None, train_prompts: Sequence[Any] | None = None,
+              prompt_rendering: str = "legacy_action_boundary") -> "HeldOutSlice":
         """Admit ``watch.corpus`` for ``student_dir`` with the held-out rules, before any training work.
 
         Args:
@@ -104,6 +105,7 @@ class HeldOutSlice:
             train_corpus_uri: The off-policy training corpus; a shared prompt is refused.
             train_prompts: The on-policy prompts (``OpdPrompt``s or their ``PromptFile``); a shared prompt is
                 refused.
+            prompt_rendering: The on-policy run's ``rollout_prompt_rendering``.
 
         Raises:
             AdmissionError, EvalInputError: ``identity_mismatch``, ``vocabulary_mismatch``,
@@ -116,7 +118,8 @@ class HeldOutSlice:
         from kiln_core.evaluation.corpus import admit_eval_corpus
 
         admission = admit_eval_corpus(watch.corpus, student_dir, top_k=top_k, teacher_manifest=teacher_manifest,
-                                      train_corpus_uri=train_corpus_uri, train_prompts=train_prompts)
+                                      train_corpus_uri=train_corpus_uri, train_prompts=train_prompts,
+                                      prompt_rendering=prompt_rendering)
         return cls(watch=watch, tables=admission.tables, corpus_sha256=admission.dataset_sha256)
 
     def record(self) -> HeldOutSliceRecord:
