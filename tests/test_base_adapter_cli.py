@@ -222,3 +222,18 @@ def test_bad_base_adapters_are_refused_before_any_work(tiny_student, root, tmp_p
     assert code == 2 and result["code"] == "base_adapter_missing"
     assert not (root / "runs" / "refused").exists()  # nothing was written for a refused run
 
+
+
+
+def test_a_distributed_job_carries_the_resolved_base_adapter(tiny_student, root):
+    """``--nproc N``: every torchrun rank gets the base adapter the launching process resolved and pinned."""
+    from kiln_core.engine.pipeline import prepare
+    from kiln_core.engine.request import spec_from_request
+    from kiln_core.engine.training import distributed_job
+
+    run = spec_from_request(off_policy_request(root, "nproc.json", base_adapter="base"), adapter="warm-ddp",
+                            student_dir=str(tiny_student), out_root=str(root), nproc=2)
+    ready = prepare(run.spec, resume=run.resume, device="cpu")
+    job = distributed_job(ready.plan, ready.corpus, ready.manifest, ready.student_dir, None)
+    assert job.base_adapter["uri"] == latest(root, "base")["adapter"]
+    assert job.base_adapter["adapter_model_sha256"] == latest(root, "base")["adapter_model_sha256"]
