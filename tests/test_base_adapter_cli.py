@@ -237,3 +237,18 @@ def test_a_distributed_job_carries_the_resolved_base_adapter(tiny_student, root)
     job = distributed_job(ready.plan, ready.corpus, ready.manifest, ready.student_dir, None)
     assert job.base_adapter["uri"] == latest(root, "base")["adapter"]
     assert job.base_adapter["adapter_model_sha256"] == latest(root, "base")["adapter_model_sha256"]
+
+
+def test_an_adapter_can_warm_start_from_its_own_published_self(tiny_student, root, capsys):
+    """Kiln allows ``base_adapter`` = the output name (it continues that adapter); so does kiln-flows: the
+    name's published adapter is the base, the new run is another run of the name and becomes latest."""
+    args = ["--student", str(tiny_student), "--out", str(root), "--json", "--adapter", "continued"]
+    code, first = train(capsys, "--request", off_policy_request(root, "first.json", epochs=1), *args)
+    assert code == 0
+    published = latest(root, "continued")
+    code, second = train(capsys, "--request", off_policy_request(root, "again.json", epochs=1,
+                                                                 base_adapter="continued"), *args)
+    assert code == 0 and second["status"] == "success" and second["run"] != first["run"]
+    receipt = json.loads(Path(second["receipt"]).read_text())
+    assert receipt["adapters"]["base"]["path"] == published["adapter"] == first["adapter"]
+    assert latest(root, "continued")["adapter"] == second["adapter"]

@@ -4,9 +4,10 @@ A run's directory is ``<root>/runs/<adapter>/<run key>/``: the run key is a dige
 decides what training produces (corpus bytes, effective top-K, teacher identity revision, student
 weights, the effective config, the world size, a base adapter's weights digest), so a retry — in the
 same process, from the UI, on new infrastructure, or ``kiln-flows train`` run again — finds the same
-directory, while new data (or a re-published base adapter) for the same adapter name gets a new one. ``<root>/runs/<adapter>/latest.json`` points at the newest
-published run of that adapter (``kiln_core.engine.publish``). When the config leaves ``seed`` null it
-is derived from the run key, so every attempt of a run draws the same one.
+directory, while new data (or a re-published base adapter) for the same adapter name gets a new one.
+``<root>/runs/<adapter>/latest.json`` points at the newest published run of that adapter
+(``kiln_core.engine.publish``). When the config leaves ``seed`` null it is derived from the run key, so
+every attempt of a run draws the same one.
 
 Resuming:
 
