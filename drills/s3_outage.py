@@ -28,146 +28,33 @@ import hashlib
 import json
 import os
 import random
-import signal
-import socket
 import subprocess
-import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from drills import DrillReport, fresh_dir, one_torch_thread, prepare_training_inputs, subprocess_env, where
+from drills.s3_server import S3Server, aws_environment
 from drills.sigkill import Driver, adapter_bytes, checkpoint_step_of
 
 CATEGORIES = ("corpus", "checkpoint-file", "checkpoint-commit", "adapter", "receipt")
 BUCKET = "kiln-drill"
-ACCESS_KEY, SECRET_KEY, REGION = "drill-access-key", "drill-secret-key", "us-east-1"
-_AWS_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_DEFAULT_REGION", "AWS_REGION",
-                  "AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE")
-
-
-# ------------------------------------------------------------------------------------- moto server
-
-
-class MotoServer:
-    """``python -m moto.server`` on a free loopback port; ``pause``/``resume`` freeze it (state kept)."""
-
-    def __init__(self, log_path: Path) -> None:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = sock.getsockname()[1]
-        self.endpoint_url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self.process: subprocess.Popen | None = None
-
-    def start(self, timeout: float = 90.0) -> "MotoServer":
-        env = {k: v for k, v in os.environ.items() if k not in _AWS_VARIABLES}
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-                                            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                            start_new_session=True)
-        self.wait_ready(timeout)
-        return self
-
-    def wait_ready(self, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.process is None or self.process.poll() is not None:
-                raise RuntimeError(f"moto server exited: {self.log_path.read_text()[-2000:]}")
-            try:
-                with urllib.request.urlopen(f"{self.endpoint_url}/moto-api/", timeout=2) as response:
-                    response.read()
-                return
-            except urllib.error.HTTPError:
-                return
-            except (OSError, ValueError):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"moto server not ready after {timeout}s") from None
-                time.sleep(0.1)
-
-    def pause(self) -> None:
-        assert self.process is not None
-        os.kill(self.process.pid, signal.SIGSTOP)
-
-    def resume(self) -> None:
-        assert self.process is not None
-        os.kill(self.process.pid, signal.SIGCONT)
-
-    def stop(self) -> None:
-        process, self.process = self.process, None
-        if process is None or process.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(process.pid, signal.SIGCONT)
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(10)
-
-    def environment(self) -> dict[str, str]:
-        return {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_DEFAULT_REGION": REGION,
-                "AWS_ENDPOINT_URL_S3": self.endpoint_url}
-
-    def client(self):
-        import boto3
-        from botocore.config import Config
-
-        return boto3.client("s3", endpoint_url=self.endpoint_url, aws_access_key_id=ACCESS_KEY,
-                            aws_secret_access_key=SECRET_KEY, region_name=REGION,
-                            config=Config(connect_timeout=5, read_timeout=30, retries={"max_attempts": 2}))
-
-    def objects(self, bucket: str, prefix: str) -> dict[str, int]:
-        """key -> size of every object under ``prefix``."""
-        client = self.client()
-        found: dict[str, int] = {}
-        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
-            for item in page.get("Contents", []):
-                found[item["Key"]] = int(item["Size"])
-        return found
-
-    def get(self, bucket: str, key: str) -> bytes:
-        return self.client().get_object(Bucket=bucket, Key=key)["Body"].read()
-
-
-@contextlib.contextmanager
-def aws_environment(server: MotoServer) -> Iterator[None]:
-    """Point this process's s3fs at ``server`` for the block (previous environment restored)."""
-    import s3fs
-
-    saved = {name: os.environ.get(name) for name in _AWS_VARIABLES}
-    for name in _AWS_VARIABLES:
-        os.environ.pop(name, None)
-    os.environ.update(server.environment())
-    s3fs.S3FileSystem.clear_instance_cache()
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        s3fs.S3FileSystem.clear_instance_cache()
 
 
 # ------------------------------------------------------------------------------------------ checks
 
 
-def verify_store(server: MotoServer, root_prefix: str, adapter: str) -> tuple[list[str], dict[str, int]]:
+def verify_store(server: S3Server, root_prefix: str, adapter: str) -> tuple[list[str], dict[str, int]]:
     """Check every committed prefix under ``s3://BUCKET/<root_prefix>/`` byte for byte (boto3).
 
     Returns (problems, counts of committed/uncommitted checkpoint and corpus prefixes).
     """
-    objects = server.objects(BUCKET, root_prefix + "/")
+    objects = server.object_sizes(BUCKET, root_prefix + "/")
     problems: list[str] = []
     counts = {"committed_checkpoints": 0, "uncommitted_checkpoints": 0, "committed_corpora": 0, "uncommitted_corpora": 0}
 
     def digest(key: str) -> str:
-        return hashlib.sha256(server.get(BUCKET, key)).hexdigest()
+        return hashlib.sha256(server.get_object(BUCKET, key)).hexdigest()
 
     prefixes: dict[str, set[str]] = {}
     for key in objects:
@@ -184,7 +71,7 @@ def verify_store(server: MotoServer, root_prefix: str, adapter: str) -> tuple[li
                 counts["uncommitted_checkpoints"] += 1
                 continue
             counts["committed_checkpoints"] += 1
-            manifest = json.loads(server.get(BUCKET, base + "checkpoint_manifest.json"))
+            manifest = json.loads(server.get_object(BUCKET, base + "checkpoint_manifest.json"))
             for rel, entry in manifest["files"].items():
                 key = base + rel
                 if key not in objects:
@@ -201,7 +88,7 @@ def verify_store(server: MotoServer, root_prefix: str, adapter: str) -> tuple[li
                 counts["uncommitted_corpora"] += 1
                 continue
             counts["committed_corpora"] += 1
-            record = json.loads(server.get(BUCKET, base + "admission.json"))
+            record = json.loads(server.get_object(BUCKET, base + "admission.json"))
             for rel, entry in record["files"].items():
                 key = base + rel
                 if key not in objects:
@@ -216,7 +103,7 @@ def verify_store(server: MotoServer, root_prefix: str, adapter: str) -> tuple[li
                     and key.endswith("/train_receipt.json")]  # runs/<adapter>/<run key>/train_receipt.json
     for receipt_key in receipt_keys:
         try:
-            receipt = json.loads(server.get(BUCKET, receipt_key))
+            receipt = json.loads(server.get_object(BUCKET, receipt_key))
         except ValueError:
             problems.append(f"{receipt_key} is not whole JSON")
         else:
@@ -313,9 +200,9 @@ def run(*, workdir: Path, trials: int = 8, seed: int = 0, **_: Any) -> dict[str,
     dataset_hex = sha256_hex(inputs.corpus.read_bytes())
     identity = load_student_tokenizer(str(inputs.student)).identity()
     rng = random.Random(seed)
-    server = MotoServer(logs / "moto.log").start()
+    server = S3Server(log_path=str(logs / "moto.log")).start()
     try:
-        server.client().create_bucket(Bucket=BUCKET)
+        server.create_bucket(BUCKET)
         for trial in range(trials):
             category = CATEGORIES[trial] if trial < len(CATEGORIES) else rng.choice(CATEGORIES)
             prefix = f"trial-{trial:03d}"

@@ -93,7 +93,7 @@ def test_s3_without_s3fs_is_a_rejection_naming_the_package(tiny_student):
 
 
 def test_s3_without_credentials_is_an_environment_failure(tiny_student):
-    from s3_server import AWS_VARIABLES
+    from drills.s3_server import AWS_VARIABLES
 
     env = {name: "" for name in AWS_VARIABLES} | {"AWS_EC2_METADATA_DISABLED": "true",
                                                   "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent",
@@ -108,7 +108,7 @@ def test_s3_without_credentials_is_an_environment_failure(tiny_student):
 
 def test_a_frozen_s3_endpoint_fails_a_write_in_bounded_time(monkeypatch):
     """The product's own settings (no patching): a PUT to a server that stopped answering fails."""
-    from s3_server import aws_environment, clear_s3fs_cache, running_s3_server
+    from drills.s3_server import aws_environment, clear_s3fs_cache, running_s3_server
 
     from kiln_core.storage import StorageFailure, as_environment_failure, resolve, write_bytes_atomic
 

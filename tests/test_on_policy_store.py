@@ -164,7 +164,7 @@ def test_storage_failures_are_environment_failures(store, monkeypatch):
 
 @pytest.mark.integration
 def test_the_store_on_s3(tmp_path_factory):
-    from s3_server import S3Server, aws_environment, clear_s3fs_cache
+    from drills.s3_server import S3Server, aws_environment, clear_s3fs_cache
 
     server = S3Server(log_path=str(tmp_path_factory.mktemp("moto-rollouts") / "moto.log"))
     server.start()

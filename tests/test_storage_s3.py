@@ -1,8 +1,8 @@
-"""Everything kiln-flows publishes, on a real S3 endpoint (moto's standalone server, tests/s3_server.py).
+"""Everything kiln-flows publishes, on a real S3 endpoint (moto's standalone server, drills/s3_server.py).
 
 No S3 client is patched: s3fs talks HTTP to a separate process on loopback. The session's endpoint and
 dummy credentials reach s3fs through the environment (``AWS_ENDPOINT_URL_S3`` and friends, see
-tests/s3_server.py); one flow test removes them all and supplies credentials from a Prefect ``Secret``
+drills/s3_server.py); one flow test removes them all and supplies credentials from a Prefect ``Secret``
 block instead.
 
 1. storage primitives: commit order, absent-until-committed, ``write_bytes_atomic``, ``list_children``,
@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from s3_server import S3Server, aws_environment, clear_s3fs_cache, fsspec_config, without_aws_environment
+from drills.s3_server import S3Server, aws_environment, clear_s3fs_cache, fsspec_config, without_aws_environment
 
 from kiln_core.canonical import sha256_hex, sha256_prefixed
 from kiln_core.storage import StagedDirectory, list_children, localize_directory, resolve, write_bytes_atomic, write_bytes_exclusive

@@ -1,4 +1,4 @@
-"""A real S3 endpoint for tests: moto's standalone server as a subprocess on loopback.
+"""A real S3 endpoint for tests and drills: moto's standalone server as a subprocess on loopback.
 
 Nothing is patched in-process (no ``mock_aws``): s3fs, boto3 and the trainer talk HTTP to a separate
 process, so connection errors, restarts and stalls behave as they would against a real object store.
@@ -233,6 +233,14 @@ class S3Server:
 
     def get_object(self, bucket: str, key: str) -> bytes:
         return self.boto3_client().get_object(Bucket=bucket, Key=key)["Body"].read()
+
+    def object_sizes(self, bucket: str, prefix: str = "") -> dict[str, int]:
+        """key -> size of every object under ``prefix`` (boto3, no s3fs cache)."""
+        client = self.boto3_client()
+        sizes: dict[str, int] = {}
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+            sizes.update((item["Key"], int(item["Size"])) for item in page.get("Contents", []))
+        return sizes
 
 
 def _port_free(host: str, port: int) -> bool:
