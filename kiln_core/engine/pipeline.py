@@ -127,7 +127,10 @@ def prepare(spec: PipelineSpec, stages_: Stages | None = None, *, resume: str | 
     the on-policy prompt checks — then plan."""
     from kiln_core.storage import localize_directory
 
+    from kiln_core.engine.base_adapter import plan_base_adapter
+
     stages_ = stages_ or LocalStages()
+    base_adapter = plan_base_adapter(spec.config, spec.storage_root)  # refused before any admission work
     student_dir = localize_directory(spec.student)
     manifest = stages_.manifest(spec.teacher, spec.storage_root, max(32, spec.config.top_k))
     if spec.prompts is not None:  # the one place the source decides the path: the data stage
@@ -143,7 +146,7 @@ def prepare(spec: PipelineSpec, stages_: Stages | None = None, *, resume: str | 
         HeldOutSlice.admit(spec.eval, student_dir, top_k=spec.config.top_k, teacher_manifest=manifest.manifest_line,
                            **training_data(corpus, spec.config)).record()
     plan = plan_run(spec, corpus, manifest, student_dir, resume=resume, device=device, precision=precision,
-                    gradient_checkpointing=gradient_checkpointing)
+                    gradient_checkpointing=gradient_checkpointing, base_adapter=base_adapter)
     return PreparedRun(spec=spec, manifest=manifest, corpus=corpus, plan=plan, student_dir=student_dir)
 
 

@@ -117,6 +117,7 @@ def train_prompts(plan: TrainPlan, prompts: CorpusRef, manifest: ManifestRef, st
         EnvironmentFailure: ``corpus_changed`` when the prompt file no longer holds the planned prompts.
     """
     from kiln_core.contracts.identity import parse_manifest_line
+    from kiln_core.engine.base_adapter import base_adapter_of
     from kiln_core.on_policy.prompt_file import read_prompt_file
     from kiln_core.on_policy.teacher import TeacherSource
     from kiln_core.training.on_policy_trainer import train_on_policy
@@ -140,4 +141,4 @@ def train_prompts(plan: TrainPlan, prompts: CorpusRef, manifest: ManifestRef, st
         config=OpdConfig.model_validate(plan.config), run_root=plan.run_uri, resume_checkpoint=resume,
         should_cancel=should_cancel, on_progress=report, on_step_committed=on_step_committed, device=plan.device,
         precision=plan.precision, gradient_checkpointing=plan.gradient_checkpointing, handle_signals=False,
-        eval_watch=eval_watch)
+        eval_watch=eval_watch, base_adapter=base_adapter_of(plan))

@@ -92,6 +92,9 @@ class TrainPlan(_Ref):
     eval_watch: dict[str, Any] | None = None
     """The spec's ``eval:`` block (``EvalWatch`` as JSON) when the run is watched; not part of the run's
     identity, since a watched run trains the same bytes."""
+    base_adapter: dict[str, Any] | None = None
+    """The resolved ``config.base_adapter`` (``kiln_core.training.base_adapter.BaseAdapter`` as JSON): the
+    directory and weights digest the run warm-starts from; its digest is part of the run key."""
 
     @property
     def run_key(self) -> str:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from kiln_core.engine.base_adapter import base_adapter_of
 from kiln_core.engine.interrupt import stop_requests
 from kiln_core.engine.refs import CorpusRef, ManifestRef, TrainPlan, TrainRef
 from kiln_core.engine.runs import finished_run, newest_checkpoint
@@ -99,7 +100,8 @@ def _train_here(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, stude
         run_root=plan.run_uri, teacher_identity=parse_manifest_line(manifest.manifest_line).teacher_identity,
         teacher_alias=manifest.teacher, resume_checkpoint=resume, should_cancel=should_cancel,
         on_progress=on_progress, on_step_committed=on_step_committed, device=plan.device, precision=plan.precision,
-        gradient_checkpointing=plan.gradient_checkpointing, handle_signals=False, eval_watch=held_out)
+        gradient_checkpointing=plan.gradient_checkpointing, handle_signals=False, eval_watch=held_out,
+        base_adapter=base_adapter_of(plan))
 
 
 def held_out_slice(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir: str):
@@ -133,7 +135,7 @@ def distributed_job(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, s
         student_dir=student_dir, adapter_name=plan.adapter, config=plan.config, run_root=plan.run_uri,
         manifest_line=manifest.manifest_line, teacher_alias=manifest.teacher, resume_checkpoint=resume,
         device=plan.device, precision=plan.precision, gradient_checkpointing=plan.gradient_checkpointing,
-        backend=plan.backend)
+        backend=plan.backend, base_adapter=plan.base_adapter)
 
 
 def _launch(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir: str, resume: str | None,
