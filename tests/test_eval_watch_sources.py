@@ -65,3 +65,37 @@ def test_an_on_policy_run_watched_trains_what_it_trains_unwatched(held_out_corpu
     steps = [p.step for p in watched.eval_curve.points]  # before training, every 2 steps, and after the last
     expected = sorted({0, *range(2, plain.steps + 1, 2), plain.steps})
     assert steps == expected and plain.eval_curve is None
+
+
+MULTI_TURN = {"messages": [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "Red."},
+                           {"role": "user", "content": "Another one?"}, {"role": "assistant", "content": ""}]}
+
+
+@pytest.mark.parametrize("rendering", ["legacy_action_boundary", "chat_template"])
+def test_the_held_out_conversation_of_a_prompt_is_what_the_student_samples_after(tiny_student, rendering):
+    """``rollout_messages`` (the overlap rule's conversation) rendered with the generation cue is the very
+    rollout prefix the on-policy preparation builds, in both renderings."""
+    from kiln_core.contracts.opd_prompt import kiln_prompt_value
+    from kiln_core.on_policy.prepare import prepare_prompts
+    from kiln_core.on_policy.render import encode_text, render_for_generation, rollout_messages
+    from kiln_core.tokenization import load_student_tokenizer
+
+    student = load_student_tokenizer(str(tiny_student))
+    prompts = make_request([MULTI_TURN, chat("Name a color.", system="Be brief.")]).prompts
+    prepared = prepare_prompts(prompts, student, rendering=rendering)
+    for prompt, kept in zip(prompts, prepared.prompts):
+        messages = rollout_messages(kiln_prompt_value(prompt)["messages"], rendering)
+        text = render_for_generation(student.chat_template, messages, enable_thinking=False)
+        assert encode_text(student.tokenizer, text).tolist() == kept.rollout_prefix.tolist()
+
+
+def test_a_multi_turn_prompt_is_held_out_as_the_conversation_the_student_answers(held_out_corpus, tiny_student):
+    prompts = make_request([MULTI_TURN]).prompts
+    # Kiln's default rendering: the first assistant turn is the first action, so the student answers "Name a color."
+    with pytest.raises(EvalInputError) as refused:
+        HeldOutSlice.admit(watch(held_out_corpus), str(tiny_student), top_k=16, train_prompts=prompts)
+    assert (refused.value.code, refused.value.line) == ("eval_train_overlap", 3)
+    # chat_template: the student answers after the whole conversation, which no held-out example is
+    admitted = HeldOutSlice.admit(watch(held_out_corpus), str(tiny_student), top_k=16, train_prompts=prompts,
+                                  prompt_rendering="chat_template")
+    assert admitted.tables.num_examples == 3

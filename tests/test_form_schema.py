@@ -176,6 +176,17 @@ def test_the_prompts_source_is_an_on_policy_spec_with_its_sampling_settings():
     assert parse_spec(yaml_view.model_dump(mode="json", by_alias=True)).config == yaml_view.config
 
 
+def test_the_prompts_tab_takes_the_held_out_watch_and_the_quality_gate():
+    """The watch and the quality gate measure against a teacher-scored held-out corpus, for either mode."""
+    from kiln_core.contracts.pipeline import parse_spec
+
+    spec = parse_spec({**BASE, "source": {"kind": "prompts", "prompts": "/p.jsonl"}, "config": {"top_k": 16},
+                       "eval": {"corpus": "/h.jsonl", "every_steps": 5, "stop_on_divergence": True},
+                       "quality_gate": {"corpus": "/h.jsonl", "max_reverse_kl": 2.0}})
+    assert spec.config.training_mode == "on_policy" and spec.eval.every_steps == 5 and spec.eval.stop_on_divergence
+    assert spec.quality_gate.thresholds() == {"max_reverse_kl": 2.0}
+
+
 def test_a_dumped_spec_is_what_the_server_accepts(schema):
     from prefect.utilities.schema_tools import validate
 
@@ -186,8 +197,6 @@ def test_a_dumped_spec_is_what_the_server_accepts(schema):
 
 
 @pytest.mark.parametrize("spec, field, message", [
-    ({**BASE, "source": {"kind": "prompts", "prompts": "/p.jsonl"}, "eval": {"corpus": "/h.jsonl", "every_steps": 5}},
-     "eval", "not available for on-policy runs yet"),
     ({**BASE, "source": {"kind": "corpus", "corpus": "/c"}, "examples": "/e"}, "source", "give the training data once"),
     ({**BASE, "source": {"kind": "corpus", "corpus": "/c", "examples": "/e"}}, "source.examples",
      "Extra inputs are not permitted"),

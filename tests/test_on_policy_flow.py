@@ -113,6 +113,40 @@ def test_a_retried_train_task_resumes_and_reuses_committed_rollouts(world, refer
     assert adapter_bytes(summary) == adapter_bytes(reference.summary)
 
 
+def test_kiln_flows_run_watches_and_gates_an_on_policy_run(world, prefect_harness, tmp_path, capsys):
+    """``kiln-flows run`` with prompts, ``eval:`` and a failing ``quality_gate:``: the curve in the receipt,
+    the adapter held back (exit 4, ``.failed``, the reason in the receipt), the rejected event and the
+    before/after table, as for a corpus."""
+    import yaml
+    from prefect.artifacts import Artifact
+
+    from flows.cli import main
+    from kiln_core.scoring import score_examples
+    from test_evaluation import examples, write_jsonl
+    from test_gate_flow import adapter_events
+
+    source = write_jsonl(tmp_path / "heldout-examples.jsonl", examples([("Name a fruit.", "Apple."), ("Say hi.", "Hi.")]))
+    held_out = tmp_path / "heldout.jsonl"
+    score_examples(str(source), teacher_dir=world.teacher, student_dir=world.student, top_k=16, out_uri=str(held_out),
+                   device="cpu")
+    adapter = "onpol-flow-gated"
+    spec = {**spec_dict(world, tmp_path / "root"), "adapter": adapter,
+            "eval": {"corpus": str(held_out), "every_steps": 2, "flat_window": None},
+            "quality_gate": {"corpus": str(held_out), "max_reverse_kl": 0.0}}
+    (tmp_path / "pipeline.yaml").write_text(yaml.safe_dump(spec))
+    code = main(["run", str(tmp_path / "pipeline.yaml"), "--json"])
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 4 and summary["status"] == "success" and summary["gate"]["outcome"] == "demoted", summary
+    assert summary["run"].endswith(f"/{adapter}.failed") and summary["latest"] is None
+    receipt = json.loads(Path(summary["receipt"]).read_text())
+    assert receipt["opd"]["training_mode"] == "on_policy" and receipt["gate_outcome"] == "demoted"
+    assert receipt["quality_gate"]["failures"][0].startswith("reverse_kl ")
+    assert [point["step"] for point in receipt["eval_curve"]["points"]] == [0, 2, 4, 6]
+    assert [event.event for event in adapter_events(adapter)] == ["kiln-flows.adapter.rejected"]
+    table = json.loads(Artifact.get(f"before-after-{adapter}").data)
+    assert [row["metric"] for row in table] == ["reverse_kl", "top1_agreement", "teacher_token_nll"]
+
+
 def test_flow_refuses_a_prompt_file_it_cannot_run(world, prefect_harness, tmp_path):
     from flows.opd_distill import opd_distill
 

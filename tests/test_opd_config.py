@@ -124,11 +124,16 @@ def test_checkpoint_interval_null_disables_and_zero_is_refused():
         ({"learning_rate": -1.0}, "OPD learning_rate must be a positive finite number", "config.learning_rate"),
         ({"base_adapter": "warm", "resume_checkpoint": "a-checkpoint-step-00000001.kiln-checkpoint"},
          "OPD base_adapter cannot be combined with resume_checkpoint", "config.base_adapter"),
-        ({"base_adapter": "warm"}, "not supported by kiln-flows yet", "config.base_adapter"),  # our limitation
+        ({"base_adapter": "  "}, "OPD base_adapter must not be blank", "config.base_adapter"),
     ],
 )
 def test_every_submit_time_rejection(overrides, message, field):
     _rejects(overrides, message, field)
+
+
+def test_a_warm_start_passes_the_submit_rules():
+    """base_adapter alone is a valid request: what it names is resolved when the run is planned."""
+    assert validate_for_offline_training(OpdConfig(training_mode="off_policy", base_adapter="warm")) == []
 
 
 def test_submit_time_rejections_carry_kiln_wording_exactly():

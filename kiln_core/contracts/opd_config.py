@@ -265,7 +265,7 @@ class OpdConfig(BaseModel):
     allow_high_lora_scale: bool = False
     """Train even when lora_alpha/lora_rank is above 2. Kiln default: false."""
     base_adapter: str | None = None
-    """Adapter to warm-start from; not supported by kiln-flows yet (leave empty). Kiln default: empty."""
+    """Warm start from this adapter's weights (a published adapter name, or an adapter directory); fresh optimizer. Kiln default: empty."""
     output_name: str | None = None
     """Kiln's name for the trained adapter; a pipeline run uses its adapter field instead. Kiln default: empty."""
     auto_load: bool = True

@@ -117,17 +117,16 @@ def validate_config_rules(config: OpdConfig, *, pre_scored: bool = True) -> list
         )
     _check_lora_scale(config)
     if config.base_adapter is not None and config.resume_checkpoint is not None:
+        # A warm-started run resumes with `kiln-flows train --resume-checkpoint` (or the pipeline's
+        # `resume: latest`): the request keeps its base_adapter, the checkpoint restores the LoRA.
         raise ConfigError(
             "OPD base_adapter cannot be combined with resume_checkpoint: exact resume restores the "
             "adapter from the checkpoint",
             "config.base_adapter",
         )
-    if config.base_adapter is not None:
-        raise ConfigError(
-            "OPD base_adapter warm starts are not supported by kiln-flows yet; use null",
-            "config.base_adapter",
-            code="unsupported",
-        )
+    if config.base_adapter is not None and not config.base_adapter.strip():
+        raise ConfigError("OPD base_adapter must not be blank; use null for a cold start", "config.base_adapter",
+                          code="base_adapter_missing")
     return _learning_rate_warnings(config)
 
 

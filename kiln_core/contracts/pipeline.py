@@ -276,11 +276,7 @@ class PipelineSpec(BaseModel):
                              "teacher-scored `corpus`)")
         if self.distributed is not None and self.distributed.nproc > 1:
             raise ValueError("`distributed.nproc`: on-policy training runs in one process (one candidate per step)")
-        for name in ("quality_gate", "eval"):  # need a teacher-scored corpus; post_eval gates on-policy too
-            if getattr(self, name) is not None:
-                raise ValueError(f"`{name}`: not available for on-policy runs yet (it measures against a "
-                                 "teacher-scored corpus); use `post_eval`, or `kiln-flows eval` on the published adapter")
-        self._check_gates()
+        self._check_gates()  # `eval` and `quality_gate` measure against a held-out corpus, as off-policy
         if self.vllm is not None and self.vllm.rollouts_url and self.vllm.sync_dir is None \
                 and "://" in self.storage_root and not self.storage_root.startswith("file://"):
             raise ValueError("`vllm.sync_dir`: required when storage_root is not local (the vLLM server reads "

@@ -22,8 +22,10 @@ pointer moves, so ``latest.json``'s receipt digest covers it. A retry finds the 
 receipt and does not evaluate again.
 
 ``check_gate_inputs`` runs in the validation phase, before training: the suite must be installed, a
-``held-out`` suite must not overlap the training corpus (``post_eval_overlap``), and the quality
-gate's corpus must be admissible (same teacher, same vocabulary, no shared prompt).
+``held-out`` suite must not overlap the training data (``post_eval_overlap``), and the quality
+gate's corpus must be admissible (same teacher, same vocabulary, no shared prompt). The training data
+are a corpus's examples or, on-policy, the prompts (``training_data``): the gates themselves are the
+same for both modes.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from kiln_core.engine.refs import CorpusRef, GateRef, ManifestRef, TrainRef
 from kiln_core.errors import EnvironmentFailure
 from kiln_core.storage import localize_directory, resolve
 
-__all__ = ["has_gate", "check_gate_inputs", "run_gate", "before_after_rows", "describe_gate"]
+__all__ = ["has_gate", "training_data", "check_gate_inputs", "run_gate", "before_after_rows", "describe_gate"]
 
 PUBLISHING_OUTCOMES = (None, "promoted")
 
@@ -47,22 +49,37 @@ def has_gate(spec: PipelineSpec) -> bool:
     return spec.post_eval is not None or spec.quality_gate is not None
 
 
+def training_data(corpus: CorpusRef, config: Any) -> dict[str, Any]:
+    """What the held-out rules compare a held-out corpus against (``admit_eval_corpus``'s and
+    ``HeldOutSlice.admit``'s keywords): the training corpus, or an on-policy run's prompt file and how
+    its prompts are rendered (``config``: the run's ``OpdConfig`` or its dict).
+
+    Example:
+        >>> training_data(corpus_ref, spec.config)  # doctest: +SKIP
+        {'train_corpus_uri': '/abs/train.jsonl'}
+    """
+    if corpus.kind == "prompts":
+        from kiln_core.on_policy.prompt_file import read_prompt_file
+
+        rendering = config["rollout_prompt_rendering"] if isinstance(config, dict) else config.rollout_prompt_rendering
+        return {"train_prompts": read_prompt_file(corpus.uri), "prompt_rendering": rendering}
+    return {"train_corpus_uri": corpus.source_uri}
+
+
 def _training_conversations(corpus: CorpusRef) -> Iterator[Any]:
     """What the student trained on, as conversations: a corpus's examples, or an on-policy run's prompts."""
-    return _prompt_conversations(corpus.source_uri) if corpus.kind == "prompts" else _corpus_conversations(corpus.source_uri)
+    return _prompt_conversations(corpus.uri) if corpus.kind == "prompts" else _corpus_conversations(corpus.source_uri)
 
 
 def _prompt_conversations(prompts_uri: str) -> Iterator[Any]:
     """An on-policy prompt file's prompts as conversations (``messages`` only: the answers are the
-    student's own, sampled during training)."""
+    student's own, sampled during training), each with its row as written (for Kiln's row identities)."""
+    from kiln_core.on_policy.prompt_file import read_prompt_file
     from kiln_core.post_eval.overlap import TrainingConversation
 
-    location = resolve(prompts_uri)
-    with location.fs.open(location.path, "rb") as handle:
-        for line in handle:
-            if line.strip():
-                prompt = json.loads(line)
-                yield TrainingConversation(list(prompt.get("messages") or []), prompt)
+    prompts = read_prompt_file(prompts_uri)
+    for row in prompts.rows:
+        yield TrainingConversation(list(row["messages"]), row)
 
 
 def _corpus_conversations(corpus_uri: str) -> Iterator[Any]:
@@ -96,17 +113,17 @@ def check_gate_inputs(spec: PipelineSpec, corpus: CorpusRef, manifest: ManifestR
         from kiln_core.evaluation import admit_eval_corpus
 
         admit_eval_corpus(spec.quality_gate.corpus, student_dir, top_k=spec.config.top_k,
-                          teacher_manifest=manifest.manifest_line, train_corpus_uri=corpus.source_uri)
+                          teacher_manifest=manifest.manifest_line, **training_data(corpus, spec.config))
 
 
 def _quality_gate(spec: PipelineSpec, manifest: ManifestRef, student_dir: str, adapter_dir: str,
-                  train_corpus_uri: str, device: str | None) -> dict[str, Any]:
+                  training: CorpusRef, device: str | None) -> dict[str, Any]:
     """Evaluate the base and the distilled student on the quality gate's corpus and decide."""
     from kiln_core.evaluation import admit_eval_corpus, evaluate_tables, load_eval_model
 
     gate = spec.quality_gate
     admission = admit_eval_corpus(gate.corpus, student_dir, top_k=spec.config.top_k,
-                                  teacher_manifest=manifest.manifest_line, train_corpus_uri=train_corpus_uri)
+                                  teacher_manifest=manifest.manifest_line, **training_data(training, spec.config))
     base = evaluate_tables(load_eval_model(student_dir, device=device), admission.tables).to_json()
     distilled = evaluate_tables(load_eval_model(student_dir, adapter_dir, device=device), admission.tables).to_json()
     failures = []
@@ -144,7 +161,7 @@ def _decided(trained: TrainRef, receipt: Any) -> GateRef:
 
 
 def run_gate(trained: TrainRef, spec: PipelineSpec, manifest: ManifestRef, student_dir: str, *, seed: int | None,
-             train_corpus_uri: str, device: str | None = None) -> GateRef:
+             training: CorpusRef, device: str | None = None) -> GateRef:
     """Evaluate a successfully trained adapter, record the evidence, and act on the outcome.
 
     Args:
@@ -153,7 +170,8 @@ def run_gate(trained: TrainRef, spec: PipelineSpec, manifest: ManifestRef, stude
         manifest: The training teacher's manifest (the quality gate's corpus must match it).
         student_dir: Local base student directory.
         seed: The run's seed (the eval's effective seed, as Kiln derives it from the job).
-        train_corpus_uri: The training corpus (the quality gate's corpus must not share a prompt).
+        training: The training data (a corpus or on-policy prompts; the quality gate's corpus must not share
+            a prompt with them).
         device: ``cpu``/``cuda`` (default: CUDA when available).
 
     Returns:
@@ -163,7 +181,7 @@ def run_gate(trained: TrainRef, spec: PipelineSpec, manifest: ManifestRef, stude
         EnvironmentFailure: storage refused the receipt update or the rename (retried by the flow).
 
     Example:
-        >>> ref = run_gate(trained, spec, manifest, "./student", seed=7, train_corpus_uri="train.jsonl")  # doctest: +SKIP
+        >>> ref = run_gate(trained, spec, manifest, "./student", seed=7, training=corpus_ref)  # doctest: +SKIP
         >>> ref.outcome, ref.publish  # doctest: +SKIP
         ('demoted', False)
     """
@@ -179,7 +197,7 @@ def run_gate(trained: TrainRef, spec: PipelineSpec, manifest: ManifestRef, stude
     if spec.quality_gate is not None:
         from kiln_core.post_eval import aggregate_gate_outcome
 
-        quality = _quality_gate(spec, manifest, student_dir, localize_directory(trained.adapter_uri), train_corpus_uri,
+        quality = _quality_gate(spec, manifest, student_dir, localize_directory(trained.adapter_uri), training,
                                 device)
         outcome, verdict = aggregate_gate_outcome(outcome, quality["outcome"], quality["verdict"])
     return _act_and_record(trained, spec, outcome, verdict, post, quality)

@@ -1,10 +1,12 @@
 """``run_pipeline``: the one path from a ``PipelineSpec`` to a published adapter.
 
     manifest → (score) → fingerprint → admit → verify → plan → train → (gate) → publish
-    manifest → prompts → plan → train → publish                     (on-policy: ``spec.prompts``)
+    manifest → prompts → plan → train → (gate) → publish            (on-policy: ``spec.prompts``)
 
 The gate runs when the spec has ``post_eval`` or ``quality_gate`` (``kiln_core.engine.gate``): only
-an adapter it promotes (or an informational eval's) is published to ``latest.json``.
+an adapter it promotes (or an informational eval's) is published to ``latest.json``. The held-out
+watch (``eval``) and both gates work the same for both sources; their overlap rules compare the
+held-out data with a corpus's examples or with the prompts (``kiln_core.engine.gate.training_data``).
 
 ``kiln-flows train`` runs it with ``LocalStages`` (plain function calls); the ``opd_distill`` flow runs
 the very same function with stages that are Prefect tasks (``tasks.stages.PrefectStages``: retries,
@@ -20,7 +22,7 @@ from typing import Callable, Protocol
 from kiln_core.contracts.pipeline import PipelineSpec, TeacherSource
 import kiln_core.engine.stages as stages
 from kiln_core.engine.publish import publish
-from kiln_core.engine.gate import check_gate_inputs, has_gate, run_gate
+from kiln_core.engine.gate import check_gate_inputs, has_gate, run_gate, training_data
 from kiln_core.engine.refs import (CorpusRef, GateRef, InputsRef, ManifestRef, PipelineResult, PublishRef, TrainPlan,
                                    TrainRef)
 from kiln_core.engine.runs import plan_run
@@ -125,7 +127,10 @@ def prepare(spec: PipelineSpec, stages_: Stages | None = None, *, resume: str | 
     the on-policy prompt checks — then plan."""
     from kiln_core.storage import localize_directory
 
+    from kiln_core.engine.base_adapter import plan_base_adapter
+
     stages_ = stages_ or LocalStages()
+    base_adapter = plan_base_adapter(spec.config, spec.storage_root)  # refused before any admission work
     student_dir = localize_directory(spec.student)
     manifest = stages_.manifest(spec.teacher, spec.storage_root, max(32, spec.config.top_k))
     if spec.prompts is not None:  # the one place the source decides the path: the data stage
@@ -138,10 +143,10 @@ def prepare(spec: PipelineSpec, stages_: Stages | None = None, *, resume: str | 
     if spec.eval is not None:  # the held-out watch's corpus is refused here, not after the model loads
         from kiln_core.training.watch import HeldOutSlice
 
-        HeldOutSlice.admit(spec.eval, student_dir, top_k=spec.config.top_k,
-                           teacher_manifest=manifest.manifest_line, train_corpus_uri=corpus.source_uri).record()
+        HeldOutSlice.admit(spec.eval, student_dir, top_k=spec.config.top_k, teacher_manifest=manifest.manifest_line,
+                           **training_data(corpus, spec.config)).record()
     plan = plan_run(spec, corpus, manifest, student_dir, resume=resume, device=device, precision=precision,
-                    gradient_checkpointing=gradient_checkpointing)
+                    gradient_checkpointing=gradient_checkpointing, base_adapter=base_adapter)
     return PreparedRun(spec=spec, manifest=manifest, corpus=corpus, plan=plan, student_dir=student_dir)
 
 
@@ -195,6 +200,6 @@ def run_pipeline(spec: PipelineSpec, stages_: Stages | None = None, *, resume: s
 
 
 def gate_stage(trained: TrainRef, spec: PipelineSpec, ready: PreparedRun, *, device: str | None = None) -> GateRef:
-    """``run_gate`` with what the prepared run knows (seed, teacher, training corpus, device)."""
+    """``run_gate`` with what the prepared run knows (seed, teacher, training data, device)."""
     return run_gate(trained, spec, ready.manifest, ready.student_dir, seed=ready.plan.config.get("seed"),
-                    train_corpus_uri=ready.corpus.source_uri, device=device or ready.plan.device)
+                    training=ready.corpus, device=device or ready.plan.device)

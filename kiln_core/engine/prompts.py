@@ -107,17 +107,19 @@ def write_inline_prompts(prompts: Sequence[OpdPrompt], storage_root: str) -> str
 
 def train_prompts(plan: TrainPlan, prompts: CorpusRef, manifest: ManifestRef, student_dir: str, resume: str | None, *,
                   on_progress: Callable[..., None] | None, should_cancel: Callable[[], bool],
-                  on_step_committed: Callable[[int], None] | None):
+                  on_step_committed: Callable[[int], None] | None, eval_watch=None):
     """Train the planned on-policy run here (``train_on_policy``); returns its ``OnPolicyTrainResult``.
 
     ``on_progress`` is called as ``(consumed candidates, total candidates, loss, rollout=OnPolicyProgress)``
     after each committed step: Kiln's progress fraction, plus rollouts/s and teacher tokens scored.
+    ``eval_watch`` is the held-out watch (``HeldOutSlice``), as off-policy.
 
     Raises:
         Rejection: ``remote_teacher_on_policy`` (no local model directory); the trainer's refusals.
         EnvironmentFailure: ``corpus_changed`` when the prompt file no longer holds the planned prompts.
     """
     from kiln_core.contracts.identity import parse_manifest_line
+    from kiln_core.engine.base_adapter import base_adapter_of
     from kiln_core.on_policy.prompt_file import read_prompt_file
     from kiln_core.on_policy.teacher import TeacherSource
     from kiln_core.training.on_policy_trainer import train_on_policy
@@ -144,7 +146,7 @@ def train_prompts(plan: TrainPlan, prompts: CorpusRef, manifest: ManifestRef, st
         config=OpdConfig.model_validate(plan.config), run_root=plan.run_uri, resume_checkpoint=resume,
         should_cancel=should_cancel, on_progress=report, on_step_committed=on_step_committed, device=plan.device,
         precision=plan.precision, gradient_checkpointing=plan.gradient_checkpointing, handle_signals=False,
-        rollout_backend=rollout_backend)
+        eval_watch=eval_watch, base_adapter=base_adapter_of(plan), rollout_backend=rollout_backend)
 
 
 def vllm_backends(block: dict[str, Any], teacher, run_uri: str, adapter: str):

@@ -95,6 +95,9 @@ class TrainPlan(_Ref):
     vllm: dict[str, Any] | None = None
     """The spec's ``vllm:`` block (``VllmBackends`` as JSON) of an on-policy run using vLLM servers; not part
     of the run's identity: committed rollouts are reused whichever backend sampled them."""
+    base_adapter: dict[str, Any] | None = None
+    """The resolved ``config.base_adapter`` (``kiln_core.training.base_adapter.BaseAdapter`` as JSON): the
+    directory and weights digest the run warm-starts from; its digest is part of the run key."""
 
     @property
     def run_key(self) -> str:

@@ -24,7 +24,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from kiln_core.contracts.eval_watch import parse_eval_watch
+from kiln_core.contracts.eval_watch import EvalWatch, parse_eval_watch
 from kiln_core.contracts.names import check_name
 from kiln_core.contracts.opd_config import ConfigError, OpdRequest, parse_opd_request
 from kiln_core.contracts.opd_submit import validate_request_for_offline_training
@@ -132,15 +132,12 @@ def spec_from_request(request_path: str, *, adapter: str, student_dir: str, out_
     post_eval = parse_post_eval_config(request.post_eval)
     validate_post_eval_config(post_eval, SuiteRegistry.for_storage_root(out_root) if post_eval else None)
     teacher = teacher_source(request.teacher, request_path, out_root)
-    if request.prompts:
-        if eval_watch is not None:
-            raise ConfigError("the held-out watch (--eval-corpus) is not available for on-policy requests yet",
-                              "eval", code="unsupported")
-        return RequestRun(spec=_on_policy_spec(request, teacher, post_eval, adapter=adapter, student_dir=student_dir,
-                                               out_root=out_root, nproc=nproc, request_path=request_path,
-                                               vllm=vllm),
-                          resume=resume, warnings=warnings)
     watch = parse_eval_watch(eval_watch) if eval_watch is not None else None
+    if request.prompts:
+        return RequestRun(spec=_on_policy_spec(request, teacher, post_eval, watch, adapter=adapter,
+                                               student_dir=student_dir, out_root=out_root, nproc=nproc,
+                                               request_path=request_path, vllm=vllm),
+                          resume=resume, warnings=warnings)
     spec = parse_spec({
         "teacher": teacher,
         "corpus": _anchored(request.dataset_path or "", request_path),
@@ -156,11 +153,11 @@ def spec_from_request(request_path: str, *, adapter: str, student_dir: str, out_
     return RequestRun(spec=spec, resume=resume, warnings=warnings)
 
 
-def _on_policy_spec(request: OpdRequest, teacher: TeacherSource, post_eval: PostEvalConfig | None, *, adapter: str,
-                    student_dir: str, out_root: str, nproc: int, request_path: str,
-                    vllm: dict | None = None) -> PipelineSpec:
+def _on_policy_spec(request: OpdRequest, teacher: TeacherSource, post_eval: PostEvalConfig | None,
+                    watch: EvalWatch | None, *, adapter: str, student_dir: str, out_root: str, nproc: int,
+                    request_path: str, vllm: dict | None = None) -> PipelineSpec:
     """The spec of an on-policy request: its prompts written as a prompt file, a local teacher, one process,
-    and its ``post_eval`` gate."""
+    its ``post_eval`` gate and the held-out watch, if any."""
     from kiln_core.engine.prompts import write_inline_prompts
     from kiln_core.errors import Rejection
 
@@ -173,7 +170,7 @@ def _on_policy_spec(request: OpdRequest, teacher: TeacherSource, post_eval: Post
     return parse_spec({
         "teacher": teacher, "prompts": write_inline_prompts(request.prompts, out_root), "student": student_dir,
         "storage_root": out_root, "adapter": adapter, "config": request.config, "post_eval": post_eval,
-        "vllm": vllm,
+        "eval": watch, "vllm": vllm,
     }, file=request_path)
 
 

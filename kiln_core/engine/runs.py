@@ -2,11 +2,12 @@
 
 A run's directory is ``<root>/runs/<adapter>/<run key>/``: the run key is a digest of everything that
 decides what training produces (corpus bytes, effective top-K, teacher identity revision, student
-weights, the effective config, the world size), so a retry — in the same process, from the UI, on new
-infrastructure, or ``kiln-flows train`` run again — finds the same directory, while new data for the
-same adapter name gets a new one. ``<root>/runs/<adapter>/latest.json`` points at the newest
-published run of that adapter (``kiln_core.engine.publish``). When the config leaves ``seed`` null it
-is derived from the run key, so every attempt of a run draws the same one.
+weights, the effective config, the world size, a base adapter's weights digest), so a retry — in the
+same process, from the UI, on new infrastructure, or ``kiln-flows train`` run again — finds the same
+directory, while new data (or a re-published base adapter) for the same adapter name gets a new one.
+``<root>/runs/<adapter>/latest.json`` points at the newest published run of that adapter
+(``kiln_core.engine.publish``). When the config leaves ``seed`` null it is derived from the run key, so
+every attempt of a run draws the same one.
 
 Resuming:
 
@@ -26,9 +27,11 @@ from typing import Any
 
 from kiln_core.contracts.opd_config import OpdConfig
 from kiln_core.contracts.pipeline import PipelineSpec
+from kiln_core.engine.base_adapter import plan_base_adapter
 from kiln_core.engine.refs import CorpusRef, ManifestRef, TrainPlan, TrainRef
 from kiln_core.errors import Rejection
 from kiln_core.storage import Location, list_children, resolve
+from kiln_core.training.base_adapter import BaseAdapter
 
 RUNS_DIR = "runs"
 LATEST_FILE = "latest.json"
@@ -72,14 +75,21 @@ def run_key(corpus: CorpusRef, manifest: ManifestRef, student_weights_sha256: st
 
 def plan_run(spec: PipelineSpec, corpus: CorpusRef, manifest: ManifestRef, student_dir: str, *,
              resume: str | None = "latest", device: str | None = None, precision: str | None = None,
-             gradient_checkpointing: bool = False) -> TrainPlan:
+             gradient_checkpointing: bool = False, base_adapter: BaseAdapter | None = None) -> TrainPlan:
     """The run directory, the effective config (seed, output name) and the resume point of a spec.
+
+    ``base_adapter`` is the spec's resolved ``config.base_adapter`` when the caller already has it
+    (``prepare`` resolves it before admission); otherwise it is resolved here.
 
     Raises:
         ResumeRequired: ``resume`` is None and the run directory already holds committed checkpoints.
         CheckpointError: ``resume`` is a basename that is not a checkpoint name of this adapter.
+        BaseAdapterError: ``base_adapter_missing``/``base_adapter_mismatch`` (``kiln_core.engine.base_adapter``).
     """
     from kiln_core.identity.hashing import base_model_sha256
+
+    if base_adapter is None:
+        base_adapter = plan_base_adapter(spec.config, spec.storage_root)
 
     # The adapter name is part of the effective config (output_name), so every run of it agrees; the
     # resume point is not part of a run's identity.
@@ -89,6 +99,10 @@ def plan_run(spec: PipelineSpec, corpus: CorpusRef, manifest: ManifestRef, stude
     if nproc > 1:
         # The world size decides which candidates share a step, so it decides the run (and its checkpoints).
         decides["world_size"] = nproc
+    if base_adapter is not None:
+        # The warm start's content, not just its name: a base adapter re-published under the same name
+        # is another run (and on-policy, other rollouts).
+        decides["base_adapter_sha256"] = base_adapter.adapter_model_sha256
     key = run_key(corpus, manifest, base_model_sha256(student_dir), decides)
     if config.seed is None:
         # Kiln draws a seed once per job; deriving it from the run key gives every attempt the same one.
@@ -105,6 +119,7 @@ def plan_run(spec: PipelineSpec, corpus: CorpusRef, manifest: ManifestRef, stude
                      resume=resume, nproc=nproc, backend=distributed.backend if distributed else "auto",
                      device=device, precision=precision, gradient_checkpointing=gradient_checkpointing,
                      eval_watch=spec.eval.model_dump(mode="json") if spec.eval is not None else None,
+                     base_adapter=base_adapter.model_dump(mode="json") if base_adapter is not None else None,
                      vllm=spec.vllm.model_dump(mode="json") if spec.vllm is not None else None)
 
 

@@ -6,7 +6,7 @@
 2. ``plan.resume == "latest"`` becomes the newest committed checkpoint of the run directory, if any;
 3. with ``plan.nproc == 1`` the trainer runs here (``kiln_core.training.trainer.train_opd``, with the
    held-out watch when ``plan.eval_watch`` is set; for ``prompts``, ``train_on_policy`` through
-   ``kiln_core.engine.prompts.train_prompts``, always here); above 1
+   ``kiln_core.engine.prompts.train_prompts``, always here, with the same watch); above 1
    the job is launched under ``torchrun`` (``kiln_core.training.distributed.launcher.launch``): the
    ranks read the committed materialization and write into the same run directory, rank 0 publishes;
 4. Ctrl-C / SIGTERM (``kiln_core.engine.interrupt``) and ``should_cancel`` stop the run at the next
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from kiln_core.engine.base_adapter import base_adapter_of
 from kiln_core.engine.interrupt import stop_requests
 from kiln_core.engine.refs import CorpusRef, ManifestRef, TrainPlan, TrainRef
 from kiln_core.engine.runs import finished_run, newest_checkpoint
@@ -69,7 +70,8 @@ def train(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir
             from kiln_core.engine.prompts import train_prompts
 
             result = train_prompts(plan, corpus, manifest, student_dir, resume, on_progress=on_progress,
-                                   should_cancel=cancel_requested, on_step_committed=on_step_committed)
+                                   should_cancel=cancel_requested, on_step_committed=on_step_committed,
+                                   eval_watch=held_out_slice(plan, corpus, manifest, student_dir))
         elif plan.nproc > 1:
             result = _launch(plan, corpus, manifest, student_dir, resume, on_progress, cancel_requested)
         else:
@@ -91,20 +93,28 @@ def _train_here(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, stude
     from kiln_core.training import trainer
 
     materialization = read_materialization(corpus.uri)
-    held_out = None
-    if plan.eval_watch is not None:  # the spec's `eval:` block (docs/eval-watch.md)
-        from kiln_core.contracts.eval_watch import parse_eval_watch
-        from kiln_core.training.watch import HeldOutSlice
-
-        held_out = HeldOutSlice.admit(parse_eval_watch(plan.eval_watch), student_dir, top_k=plan.config["top_k"],
-                                      teacher_manifest=manifest.manifest_line, train_corpus_uri=corpus.source_uri)
+    held_out = held_out_slice(plan, corpus, manifest, student_dir)
     return trainer.train_opd(
         tables=materialization.tables, dataset_sha256=corpus.dataset_sha256, dataset_path=corpus.source_uri,
         student_dir=student_dir, adapter_name=plan.adapter, config=OpdConfig.model_validate(plan.config),
         run_root=plan.run_uri, teacher_identity=parse_manifest_line(manifest.manifest_line).teacher_identity,
         teacher_alias=manifest.teacher, resume_checkpoint=resume, should_cancel=should_cancel,
         on_progress=on_progress, on_step_committed=on_step_committed, device=plan.device, precision=plan.precision,
-        gradient_checkpointing=plan.gradient_checkpointing, handle_signals=False, eval_watch=held_out)
+        gradient_checkpointing=plan.gradient_checkpointing, handle_signals=False, eval_watch=held_out,
+        base_adapter=base_adapter_of(plan))
+
+
+def held_out_slice(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir: str):
+    """The held-out watch of the spec's ``eval:`` block (docs/eval-watch.md) as the trainers take it
+    (``HeldOutSlice``), with the held-out rules against this run's training data; None without one."""
+    if plan.eval_watch is None:
+        return None
+    from kiln_core.contracts.eval_watch import parse_eval_watch
+    from kiln_core.engine.gate import training_data
+    from kiln_core.training.watch import HeldOutSlice
+
+    return HeldOutSlice.admit(parse_eval_watch(plan.eval_watch), student_dir, top_k=plan.config["top_k"],
+                              teacher_manifest=manifest.manifest_line, **training_data(corpus, plan.config))
 
 
 def distributed_job(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir: str, resume: str | None):
@@ -125,7 +135,7 @@ def distributed_job(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, s
         student_dir=student_dir, adapter_name=plan.adapter, config=plan.config, run_root=plan.run_uri,
         manifest_line=manifest.manifest_line, teacher_alias=manifest.teacher, resume_checkpoint=resume,
         device=plan.device, precision=plan.precision, gradient_checkpointing=plan.gradient_checkpointing,
-        backend=plan.backend)
+        backend=plan.backend, base_adapter=plan.base_adapter)
 
 
 def _launch(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir: str, resume: str | None,

@@ -6,18 +6,22 @@ builder as training; a pinned teacher manifest makes a corpus scored by another 
 
 * **same vocabulary** — the corpus teacher's ``tokenizer_vocab_sha256`` must be the student's
   (admission checks only the logit width): ``vocabulary_mismatch``;
-* **no overlap with training** — when a training corpus is given, no held-out example may have the
-  same prompt as a training example: ``eval_train_overlap``. Two examples have the same prompt when
-  their ``messages`` are equal message by message after admission's normalization (role, content as
-  text, every other field), i.e. the same conversation up to the teacher's answer. Against on-policy
-  prompts (``check_no_prompt_overlap``), a prompt's conversation is its ``messages`` without the
-  trailing assistant turn that marks where the rollout starts, as the on-policy preparation reads it.
+* **no overlap with training** — when the training data are given (a corpus, or an on-policy run's
+  prompts), no held-out example may have the same prompt as a training example: ``eval_train_overlap``.
+  Two examples have the same prompt when their ``messages`` are equal message by message after
+  admission's normalization (role, content as text, every other field), i.e. the same conversation up
+  to the teacher's answer. Against on-policy prompts (``check_no_prompt_overlap``), a prompt's
+  conversation is the one the student samples its answer after
+  (``kiln_core.on_policy.render.rollout_messages``): with Kiln's default ``legacy_action_boundary``
+  rendering its ``messages`` before the first assistant turn, with ``chat_template`` its ``messages``
+  without trailing assistant turns. A single-turn prompt (user turn, then Kiln's empty assistant turn)
+  is its user turn either way.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Sequence
+from typing import Any
 
 from kiln_core.evaluation.models import EvalInputError
 
@@ -25,7 +29,8 @@ __all__ = ["admit_eval_corpus", "prompt_key", "check_no_overlap", "check_no_prom
 
 
 def admit_eval_corpus(corpus_uri: str, student_dir: str, *, top_k: int = 32, teacher_manifest: str | None = None,
-                      train_corpus_uri: str | None = None) -> Any:
+                      train_corpus_uri: str | None = None, train_prompts: Any = None,
+                      prompt_rendering: str = "legacy_action_boundary") -> Any:
     """Admit a held-out corpus for ``student_dir`` and apply the held-out rules.
 
     Args:
@@ -34,6 +39,9 @@ def admit_eval_corpus(corpus_uri: str, student_dir: str, *, top_k: int = 32, tea
         top_k: Requested K, resolved as admission does (32 or 16).
         teacher_manifest: The expected teacher's manifest line; another teacher is refused.
         train_corpus_uri: The corpus the student was trained on; overlapping prompts are refused.
+        train_prompts: The on-policy prompts the student was trained on (``OpdPrompt``s, or the
+            ``PromptFile`` they were read from); overlapping prompts are refused.
+        prompt_rendering: The run's ``rollout_prompt_rendering`` (which conversation a prompt is).
 
     Returns:
         The ``AdmissionResult`` (validated in memory, not materialized).
@@ -50,6 +58,8 @@ def admit_eval_corpus(corpus_uri: str, student_dir: str, *, top_k: int = 32, tea
     admission = admit_corpus(corpus_uri, student_dir, top_k=top_k, pinned_manifest=teacher_manifest, student=student)
     if train_corpus_uri is not None:
         check_no_overlap(corpus_uri, train_corpus_uri)
+    if train_prompts is not None:
+        check_no_prompt_overlap(corpus_uri, train_prompts, rendering=prompt_rendering)
     return admission
 
 
@@ -92,19 +102,27 @@ def check_no_overlap(eval_uri: str, train_uri: str) -> None:
     _refuse_shared_prompts(eval_uri, train_prompts)
 
 
-def check_no_prompt_overlap(eval_uri: str, prompts: Sequence[Any]) -> None:
-    """Refuse a held-out corpus that shares a prompt with on-policy training prompts (``OpdPrompt``).
+def check_no_prompt_overlap(eval_uri: str, prompts: Any, *, rendering: str = "legacy_action_boundary") -> None:
+    """Refuse a held-out corpus that shares a prompt with on-policy training prompts.
+
+    Args:
+        eval_uri: The held-out teacher-scored JSONL.
+        prompts: ``OpdPrompt``s, or the ``PromptFile`` they were read from (the message then names its
+            file and line).
+        rendering: The run's ``rollout_prompt_rendering``.
 
     Raises:
-        EvalInputError: ``eval_train_overlap`` naming the first held-out line and the prompt's index.
+        EvalInputError: ``eval_train_overlap`` naming the first held-out line and the training prompt.
     """
     from kiln_core.contracts.opd_prompt import kiln_prompt_value
+    from kiln_core.on_policy.render import rollout_messages
 
+    lines, source = getattr(prompts, "lines", None), getattr(prompts, "uri", None)
     train_prompts: dict[str, str] = {}
-    for index, prompt in enumerate(prompts):
-        messages = kiln_prompt_value(prompt)["messages"]
-        last_assistant = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=len(messages))
-        train_prompts.setdefault(prompt_key(messages[:last_assistant]), f"training prompt {index}")
+    for index, prompt in enumerate(getattr(prompts, "prompts", prompts)):
+        messages = rollout_messages(kiln_prompt_value(prompt)["messages"], rendering)
+        where = f"training prompt {index}" + (f" (line {lines[index]} of the prompt file {source})" if lines else "")
+        train_prompts.setdefault(prompt_key(messages), where)
     _refuse_shared_prompts(eval_uri, train_prompts)
 
 

@@ -44,11 +44,14 @@ class PromptFile:
         uri: Where they were read from.
         prompts: The prompts, in file order.
         lines: The 1-based physical line of each prompt.
+        rows: Each prompt's JSON object as written, unknown fields included (Kiln's overlap check hashes
+            training rows as written: ``kiln_core.post_eval.overlap.row_identity``).
     """
 
     uri: str
     prompts: tuple[OpdPrompt, ...]
     lines: tuple[int, ...]
+    rows: tuple[dict[str, Any], ...] = ()
 
 
 def read_prompt_file(uri: str, storage_options: dict[str, Any] | None = None) -> PromptFile:
@@ -75,8 +78,9 @@ def read_prompt_file(uri: str, storage_options: dict[str, Any] | None = None) ->
     if len(data) > MAX_PROMPT_FILE_BYTES:
         raise Rejection("file_too_large", f"prompt file is larger than {MAX_PROMPT_FILE_BYTES} bytes; split it into "
                         "smaller jobs", file=uri)
-    prompts, lines = parse_prompt_lines(data, file=uri)
-    return PromptFile(uri=location.uri, prompts=prompts, lines=lines)
+    records = _parse_records(data, uri)
+    return PromptFile(uri=location.uri, prompts=tuple(prompt for prompt, _, _ in records),
+                      lines=tuple(line for _, line, _ in records), rows=tuple(row for _, _, row in records))
 
 
 def parse_prompt_lines(data: bytes, *, file: str | None = None) -> tuple[tuple[OpdPrompt, ...], tuple[int, ...]]:
@@ -86,13 +90,18 @@ def parse_prompt_lines(data: bytes, *, file: str | None = None) -> tuple[tuple[O
         >>> parse_prompt_lines(b'\\n{"messages": [{"role": "user", "content": "hi"}]}\\n')[1]
         (2,)
     """
+    records = _parse_records(data, file)
+    return tuple(prompt for prompt, _, _ in records), tuple(line for _, line, _ in records)
+
+
+def _parse_records(data: bytes, file: str | None) -> list[tuple[OpdPrompt, int, dict[str, Any]]]:
+    """``(prompt, physical line, JSON object)`` of every prompt line, or the first rule a line breaks."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as error:
         line = data[: error.start].count(b"\n") + 1
         raise Rejection("invalid_utf8", f"not valid UTF-8 at byte {error.start}", line=line, file=file) from None
-    prompts: list[OpdPrompt] = []
-    lines: list[int] = []
+    records: list[tuple[OpdPrompt, int, dict[str, Any]]] = []
     for number, raw in enumerate(text.split("\n"), start=1):
         stripped = raw.removesuffix("\r").strip()
         if not stripped:
@@ -108,13 +117,12 @@ def parse_prompt_lines(data: bytes, *, file: str | None = None) -> tuple[tuple[O
             where = ".".join(str(part) for part in first["loc"])
             raise Rejection("invalid_prompt", f"{first['msg']}", line=number, field=where or None, file=file) from None
         if not prompt.messages:
-            raise Rejection("prompt_no_messages", f"OPD prompt {len(prompts)} has no messages", line=number,
+            raise Rejection("prompt_no_messages", f"OPD prompt {len(records)} has no messages", line=number,
                             field="messages", file=file)
-        prompts.append(prompt)
-        lines.append(number)
-    if not prompts:
+        records.append((prompt, number, value))
+    if not records:
         raise Rejection("no_prompts", "the prompt file holds no prompt (only blank lines)", file=file)
-    return tuple(prompts), tuple(lines)
+    return records
 
 
 def _parse_json(text: str, line: int, file: str | None) -> Any:

@@ -111,6 +111,26 @@ def without_trailing_assistant(messages: Sequence[dict[str, Any]]) -> list[dict[
     return kept
 
 
+def rollout_messages(messages: Sequence[dict[str, Any]], rendering: str) -> list[dict[str, Any]]:
+    """The conversation the student samples its answer after, as ``kiln_core.on_policy.prepare`` builds the
+    rollout prefix: ``chat_template`` renders the messages without trailing assistant turns;
+    ``legacy_action_boundary`` cuts the training render at its first action token, and every assistant
+    turn is an action (``kiln_core.assistant_mask``), so the messages before the first assistant turn.
+
+    Example:
+        >>> chat = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+        ...         {"role": "user", "content": "c"}, {"role": "assistant", "content": ""}]
+        >>> [m["content"] for m in rollout_messages(chat, "legacy_action_boundary")]
+        ['a']
+        >>> [m["content"] for m in rollout_messages(chat, "chat_template")]
+        ['a', 'b', 'c']
+    """
+    if rendering == "chat_template":
+        return without_trailing_assistant(messages)
+    first = next((i for i, message in enumerate(messages) if message["role"] == "assistant"), len(messages))
+    return list(messages[:first])
+
+
 def teacher_messages(messages: Sequence[dict[str, Any]], extra: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """The asymmetric teacher's chat: extra contents joined by a blank line, merged into the system turn.
 

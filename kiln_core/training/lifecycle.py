@@ -26,6 +26,7 @@ from pydantic import BaseModel
 from safetensors.torch import save as save_safetensors
 
 from kiln_core.training import checkpoint as ckpt
+from kiln_core.training.base_adapter import BaseAdapterError, load_base_adapter
 from kiln_core.training.checkpoint.format import KilnFlowsState, RankRngState
 from kiln_core.training.eval_curve import EvalCurve
 from kiln_core.training.finish import finish_run
@@ -73,10 +74,13 @@ def new_progress(plan: RunPlan) -> LoopProgress:
 def start_student(plan: RunPlan, student_dir: str, progress: LoopProgress, *, gradient_checkpointing: bool,
                   clock: Clock) -> tuple[Student, torch.optim.Optimizer]:
     """Load the student with its seeded LoRA and build the optimizer; on resume, restore every state
-    (``progress`` takes the checkpoint's loop counters in place).
+    (``progress`` takes the checkpoint's loop counters in place); on a fresh warm-started run, copy the
+    base adapter's LoRA weights in (weights only: the optimizer state and RNG streams start fresh, as
+    Kiln's warm start does). A resumed run never reloads the base adapter: the checkpoint holds the LoRA.
 
     Raises:
         ResumeError: the checkpoint's tensors do not fit this student.
+        BaseAdapterError: ``base_adapter_mismatch`` — the base adapter's tensors do not fit this student.
     """
     config = plan.config
     with clock.phase("setup"):
@@ -92,6 +96,8 @@ def start_student(plan: RunPlan, student_dir: str, progress: LoopProgress, *, gr
                                  loaded.loop_state.global_step)
             ckpt.restore_rng_state(loaded.extension.rank_rng[plan.world.rank])
             progress.restore(loaded.loop_state, plan.schedule.candidates_per_epoch)
+        elif plan.base_adapter is not None:  # a warm start: the base adapter's weights, everything else fresh
+            load_base_adapter(student, plan.base_adapter)
     return student, optimizer
 
 
@@ -105,10 +111,19 @@ def outcome_recorded(plan: RunPlan, outcome: RunOutcome, progress: LoopProgress,
         outcome.failure_reason, outcome.failure_message = stop.reason, stop.message
         outcome.stop_reason = stop.stop_reason
     except BaseException as error:
-        outcome.failure_reason = "oom" if isinstance(error, torch.OutOfMemoryError) else "training_error"
+        outcome.failure_reason = _failure_reason(error)
         outcome.failure_message = f"{type(error).__name__}: {error}"
         finish_run(plan, outcome, progress, clock)
         raise
+
+
+def _failure_reason(error: BaseException) -> str:
+    """The receipt's ``failure_reason`` of an unexpected end (Kiln's ``train_receipt.rs`` classifier)."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return "oom"
+    if isinstance(error, BaseAdapterError):
+        return "base_adapter_missing" if error.code == "base_adapter_missing" else "shape_mismatch"
+    return "training_error"
 
 
 class CheckpointPublisher:

@@ -37,6 +37,7 @@ from kiln_core.on_policy.submit import effective_top_k
 from kiln_core.on_policy.teacher import TeacherSource
 from kiln_core.storage import resolve
 from kiln_core.training import checkpoint as ckpt
+from kiln_core.training.base_adapter import BaseAdapter
 from kiln_core.training.data_identity import teacher_capabilities
 from kiln_core.training.distributed.world import World
 from kiln_core.training.plan import DataPlan, RunPlan, Schedule, build_plan
@@ -70,7 +71,7 @@ class RolloutPlan:
 def plan_on_policy_run(*, prompts: Sequence[OpdPrompt], student_dir: str, teacher: TeacherSource, adapter_name: str,
                        config: OpdConfig, run_root: str, rollout_root: str | None, resume_checkpoint: str | None,
                        device: str | None, precision: str | None, gradient_checkpointing: bool,
-                       world: World) -> tuple[RunPlan, RolloutPlan]:
+                       world: World, base_adapter: BaseAdapter | None = None) -> tuple[RunPlan, RolloutPlan]:
     """Resolve an on-policy run and apply every refusal before any model loads.
 
     Raises:
@@ -109,7 +110,8 @@ def plan_on_policy_run(*, prompts: Sequence[OpdPrompt], student_dir: str, teache
         on_policy=True)
     plan = build_plan(data=data, run_dir=run_dir, basename=basename, student_dir=student_dir,
                       adapter_name=adapter_name, config=config, teacher_alias=teacher.alias, device=device,
-                      precision=precision, gradient_checkpointing=gradient_checkpointing, world=world)
+                      precision=precision, gradient_checkpointing=gradient_checkpointing, world=world,
+                      base_adapter=base_adapter)
     eos = tuple(kiln_eos_token_ids(tokenizer.tokenizer))
     contract = plan.contract
     # What decides a candidate's tokens besides its place in the schedule: everything a checkpoint
@@ -118,6 +120,7 @@ def plan_on_policy_run(*, prompts: Sequence[OpdPrompt], student_dir: str, teache
         "adapter_name": adapter_name, "effective_config": contract.effective_config,
         "data": contract.data.model_dump(), "auxiliary_state_sha256": canonical_sha256(contract.auxiliary_state),
         "draw": DRAW_ALGORITHM, "eos_token_ids": list(eos), "loss": contract.loss,
+        **({"base_adapter_sha256": plan.base_adapter.adapter_model_sha256} if plan.base_adapter is not None else {}),
     })
     store = RolloutStore(rollout_root if rollout_root is not None else run_dir.child(ROLLOUTS_DIR).uri)
     rollouts = RolloutPlan(prepared=prepared,

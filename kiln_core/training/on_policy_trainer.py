@@ -5,8 +5,8 @@ Read ``train_on_policy`` top to bottom; it runs in the order of Kiln's on-policy
 
 1. plan (``on_policy_plan``): prompts prepared, effective top-K and samples per prompt, the identities
    a checkpoint binds, every refusal — before any model loads;
-2. setup (``lifecycle.start_student``): the seeded student and optimizer, restored exactly on resume;
-   then the teacher is loaded;
+2. setup (``lifecycle.start_student``): the seeded student and optimizer, restored exactly on resume
+   or warm-started from ``config.base_adapter``; then the teacher is loaded;
 3. the loop, one candidate at a time in Kiln's order (prompt-major, then sample, no shuffle):
    * a prompt without a prompt/assistant split: the candidate is consumed, nothing else;
    * otherwise the candidate's rollout (``kiln_core.on_policy.collect``): read back from the rollout
@@ -44,6 +44,7 @@ from kiln_core.on_policy.collect import RolloutCollector, RolloutCounters
 from kiln_core.on_policy.sampler import RolloutBackend, SamplingParams, sample_rollout
 from kiln_core.on_policy.schedule import candidate_seed, iter_candidates
 from kiln_core.on_policy.teacher import TeacherSource
+from kiln_core.training.base_adapter import BaseAdapter
 from kiln_core.training.distributed.world import World
 from kiln_core.training.finish import finish_run, publish_final_adapter
 from kiln_core.training.lifecycle import (
@@ -152,6 +153,7 @@ def train_on_policy(
     handle_signals: bool = False,
     eval_watch: HeldOutSlice | None = None,
     on_eval: Callable[[EvalReport], None] | None = None,
+    base_adapter: BaseAdapter | None = None,
 ) -> OnPolicyTrainResult:
     """Train a LoRA student on its own rollouts of ``prompts``, scored by ``teacher``; publish under ``run_root``.
 
@@ -178,6 +180,8 @@ def train_on_policy(
         eval_watch: Held-out evaluation during training, as in ``train_opd`` (``HeldOutSlice.admit``
             with ``train_prompts=prompts``); evaluations follow committed optimizer steps.
         on_eval: Called with an ``EvalReport`` after each held-out evaluation.
+        base_adapter: ``config.base_adapter`` resolved, as in ``train_opd``: the first rollouts are the
+            base adapter's (e.g. an off-policy run's), and a resume never reloads it.
 
     Returns:
         ``OnPolicyTrainResult``; status ``failed`` (nan_loss) and ``cancelled`` are returned, not raised.
@@ -200,7 +204,7 @@ def train_on_policy(
     plan, rollouts = plan_on_policy_run(
         prompts=prompts, student_dir=student_dir, teacher=teacher, adapter_name=adapter_name, config=config,
         run_root=run_root, rollout_root=rollout_root, resume_checkpoint=resume_checkpoint, device=device,
-        precision=precision, gradient_checkpointing=gradient_checkpointing, world=world)
+        precision=precision, gradient_checkpointing=gradient_checkpointing, world=world, base_adapter=base_adapter)
     schedule, prepared = plan.schedule, rollouts.prepared
     outcome = RunOutcome(resumed_from=plan.loaded.basename if plan.loaded else None)
     progress = new_progress(plan)

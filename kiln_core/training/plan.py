@@ -21,6 +21,7 @@ from kiln_core.corpus import CorpusTables
 from kiln_core.storage import Location, move_aside, remove_tree, resolve
 from kiln_core.training import checkpoint as ckpt
 from kiln_core.training import run_identity
+from kiln_core.training.base_adapter import BaseAdapter, settle_base_adapter
 from kiln_core.training.data_identity import fixture_content_revision, teacher_capabilities
 from kiln_core.training.distributed.world import World
 from kiln_core.training.objectives import step_loss
@@ -84,6 +85,8 @@ class RunPlan:
     facts: RunFacts
     loaded: ckpt.LoadedCheckpoint | None
     world: World
+    base_adapter: BaseAdapter | None = None
+    """The warm start (``config.base_adapter``) a fresh run loads before step 1; a resume never reloads it."""
 
     @property
     def loss_fn(self) -> Callable:
@@ -127,7 +130,7 @@ class DataPlan:
 def plan_run(*, tables: CorpusTables, dataset_sha256: str, dataset_path: str, student_dir: str, adapter_name: str,
              config: OpdConfig, run_root: str, teacher_identity: Any | None, teacher_alias: str,
              resume_checkpoint: str | None, device: str | None, precision: str | None, gradient_checkpointing: bool,
-             world: World) -> RunPlan:
+             world: World, base_adapter: BaseAdapter | None = None) -> RunPlan:
     """Resolve an off-policy run and apply every refusal before any model loads (cheapest checks first).
 
     Raises:
@@ -160,21 +163,26 @@ def plan_run(*, tables: CorpusTables, dataset_sha256: str, dataset_path: str, st
         examples_filtered=0, training_data=(TRAINING_DATA_SOURCE, dataset_path, dataset_sha256))
     return build_plan(data=data, run_dir=run_dir, basename=basename, student_dir=student_dir,
                       adapter_name=adapter_name, config=config, teacher_alias=teacher_alias, device=device,
-                      precision=precision, gradient_checkpointing=gradient_checkpointing, world=world)
+                      precision=precision, gradient_checkpointing=gradient_checkpointing, world=world,
+                      base_adapter=base_adapter)
 
 
 def build_plan(*, data: DataPlan, run_dir: Location, basename: str | None, student_dir: str, adapter_name: str,
                config: OpdConfig, teacher_alias: str, device: str | None, precision: str | None,
-               gradient_checkpointing: bool, world: World) -> RunPlan:
+               gradient_checkpointing: bool, world: World, base_adapter: BaseAdapter | None = None) -> RunPlan:
     """The plan of a run whose data side is settled: identities, the checkpoint contract, the resume checks.
 
     Shared by both training modes; ``data`` carries what differs. ``basename`` is an already checked
-    resume checkpoint name, or None for a fresh run.
+    resume checkpoint name, or None for a fresh run. ``base_adapter`` is ``config.base_adapter`` resolved
+    (``kiln_core.engine.base_adapter``); an adapter directory in the config is read here when it is None.
 
     Raises:
         ConfigError, CheckpointError, ResumeError: rejected input; nothing is written.
+        BaseAdapterError: ``base_adapter_missing``/``base_adapter_mismatch``.
     """
     from kiln_core.identity.hashing import read_model_config
+
+    base_adapter = settle_base_adapter(config, base_adapter)
 
     schedule, top_k, samples = data.schedule, data.top_k, data.samples_per_prompt
     dev = resolve_device(device)
@@ -228,11 +236,13 @@ def build_plan(*, data: DataPlan, run_dir: Location, basename: str | None, stude
         teacher_content_revision=data.teacher_content_revision, examples_read=data.examples_read,
         examples_filtered=data.examples_filtered, candidates_per_epoch=schedule.candidates_per_epoch,
         total_steps=schedule.total_steps, device=dev.type, library_versions=versions,
+        base_adapter=base_adapter.receipt_record() if base_adapter is not None else None,
         distributed=None if world.size == 1 else DistributedReceipt(
             world_size=world.size, backend=world.backend, strategy=world.strategy,
             sequences_per_step_per_rank=config.sequences_per_step, sequences_per_optimizer_step=schedule.sequences_per_step))
     return RunPlan(run_dir=run_dir, adapter_name=adapter_name, config=config, schedule=schedule, seed=contract.init_seed,
-                   learning_rate=lr, device=dev, precision=prec, contract=contract, facts=facts, loaded=loaded, world=world)
+                   learning_rate=lr, device=dev, precision=prec, contract=contract, facts=facts, loaded=loaded, world=world,
+                   base_adapter=base_adapter)
 
 
 def _preflight_outputs(run_dir: Location, adapter_name: str, interval: int | None, start: int, total: int,

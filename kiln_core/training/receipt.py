@@ -99,6 +99,8 @@ class RunFacts:
     """The receipt's ``training_data.source``: a JSONL corpus, or ``inline_opd_prompts`` (on-policy)."""
     examples_filtered: int = 0
     """Prompts dropped at tokenization (on-policy)."""
+    base_adapter: dict[str, Any] | None = None
+    """The warm start's receipt ``adapters.base`` (``{path, adapter_model_sha256, adapter_model_bytes}``), or None."""
 
 
 @dataclass
@@ -163,7 +165,7 @@ def build_receipt(facts: RunFacts, outcome: RunOutcome) -> TrainReceipt:
         model=ModelReceipt(path=facts.student_dir, config_hash=model_hash, base_weight_shard_manifest=facts.shard_manifest),
         tokenizer=TokenizerReceipt(config_hash=tokenizer_hash, tokenizer_config_hash=tokenizer_hash,
                                    chat_template_hash=template_hash, vocab_hash=_prefixed(identity.get("tokenizer_vocab_sha256"))),
-        adapters=AdapterReceiptSet(output=AdapterFileReceipt(path=outcome.adapter_uri, adapter_model_sha256=outcome.adapter_sha256,
+        adapters=AdapterReceiptSet(base=AdapterFileReceipt(**(facts.base_adapter or {})), output=AdapterFileReceipt(path=outcome.adapter_uri, adapter_model_sha256=outcome.adapter_sha256,
                                                              adapter_model_bytes=outcome.adapter_bytes)),
         training_data=TrainingDataReceipt(source=facts.training_data_source, path=facts.dataset_path,
                                           sha256=facts.dataset_sha256),

@@ -7,7 +7,8 @@ Read ``train_opd`` top to bottom; it runs in the order the work happens:
    before any model loads;
 2. setup (``lifecycle.start_student``): the student with a seeded LoRA, the optimizer, the RNG
    streams; on resume, the checkpoint's LoRA weights, optimizer state, generator states and loop
-   counters replace the fresh ones;
+   counters replace the fresh ones; on a fresh warm-started run (``config.base_adapter``), the base
+   adapter's LoRA weights do;
 3. the loop (``step``): forward → loss → finite check → backward → optimizer step → finite check →
    held-out evaluation when due (``watch``, only with ``eval_watch``) → checkpoint when due →
    ``on_step_committed`` → a watch stop, or the cancellation check at the step boundary;
@@ -29,6 +30,7 @@ from typing import Any, Callable
 
 from kiln_core.contracts.opd_config import OpdConfig
 from kiln_core.corpus import CorpusTables
+from kiln_core.training.base_adapter import BaseAdapter
 from kiln_core.training.distributed.world import World
 from kiln_core.training.finish import finish_run, publish_final_adapter
 from kiln_core.training.lifecycle import (
@@ -73,6 +75,7 @@ def train_opd(
     world: World | None = None,
     eval_watch: HeldOutSlice | None = None,
     on_eval: Callable[[EvalReport], None] | None = None,
+    base_adapter: BaseAdapter | None = None,
 ) -> TrainResult:
     """Train a LoRA student on an admitted corpus and publish the adapter and receipt under ``run_root``.
 
@@ -103,6 +106,9 @@ def train_opd(
             receipt's ``eval_curve``; with ``stop_on_divergence`` a firing rule stops the run (a
             checkpoint, a ``failed`` receipt with ``stop_reason``). Single process only.
         on_eval: Called with an ``EvalReport`` after each held-out evaluation.
+        base_adapter: ``config.base_adapter`` resolved (``kiln_core.engine.base_adapter.resolve_base_adapter``);
+            a fresh run starts from its LoRA weights with a fresh optimizer. Without it, a
+            ``config.base_adapter`` that is an adapter directory is read from there.
 
     Returns:
         ``TrainResult``; status ``failed`` (nan_loss) and ``cancelled`` are returned, not raised.
@@ -127,7 +133,8 @@ def train_opd(
     plan = plan_run(tables=tables, dataset_sha256=dataset_sha256, dataset_path=dataset_path, student_dir=student_dir,
                     adapter_name=adapter_name, config=config, run_root=run_root, teacher_identity=teacher_identity,
                     teacher_alias=teacher_alias, resume_checkpoint=resume_checkpoint, device=device,
-                    precision=precision, gradient_checkpointing=gradient_checkpointing, world=world)
+                    precision=precision, gradient_checkpointing=gradient_checkpointing, world=world,
+                    base_adapter=base_adapter)
     schedule, loaded = plan.schedule, plan.loaded
     outcome = RunOutcome(resumed_from=loaded.basename if loaded else None)
     progress = new_progress(plan)

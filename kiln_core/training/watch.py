@@ -93,7 +93,8 @@ class HeldOutSlice:
 
     @classmethod
     def admit(cls, watch: EvalWatch, student_dir: str, *, top_k: int, teacher_manifest: str | None = None,
-              train_corpus_uri: str | None = None, train_prompts: Sequence[Any] | None = None) -> "HeldOutSlice":
+              train_corpus_uri: str | None = None, train_prompts: Sequence[Any] | None = None,
+              prompt_rendering: str = "legacy_action_boundary") -> "HeldOutSlice":
         """Admit ``watch.corpus`` for ``student_dir`` with the held-out rules, before any training work.
 
         Args:
@@ -102,7 +103,9 @@ class HeldOutSlice:
             top_k: The run's requested top-K.
             teacher_manifest: The training teacher's manifest line; another teacher is refused.
             train_corpus_uri: The off-policy training corpus; a shared prompt is refused.
-            train_prompts: The on-policy prompts (``OpdPrompt``); a shared prompt is refused.
+            train_prompts: The on-policy prompts (``OpdPrompt``s or their ``PromptFile``); a shared prompt is
+                refused.
+            prompt_rendering: The on-policy run's ``rollout_prompt_rendering``.
 
         Raises:
             AdmissionError, EvalInputError: ``identity_mismatch``, ``vocabulary_mismatch``,
@@ -112,12 +115,11 @@ class HeldOutSlice:
             >>> held_out = HeldOutSlice.admit(EvalWatch(corpus="heldout.jsonl", every_steps=25), "student",
             ...     top_k=32, teacher_manifest=manifest, train_corpus_uri="train.jsonl")  # doctest: +SKIP
         """
-        from kiln_core.evaluation.corpus import admit_eval_corpus, check_no_prompt_overlap
+        from kiln_core.evaluation.corpus import admit_eval_corpus
 
         admission = admit_eval_corpus(watch.corpus, student_dir, top_k=top_k, teacher_manifest=teacher_manifest,
-                                      train_corpus_uri=train_corpus_uri)
-        if train_prompts is not None:
-            check_no_prompt_overlap(watch.corpus, train_prompts)
+                                      train_corpus_uri=train_corpus_uri, train_prompts=train_prompts,
+                                      prompt_rendering=prompt_rendering)
         return cls(watch=watch, tables=admission.tables, corpus_sha256=admission.dataset_sha256)
 
     def record(self) -> HeldOutSliceRecord:

@@ -58,6 +58,8 @@ class DistributedJob(BaseModel):
     gradient_checkpointing: bool = False
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     strategy: Literal["ddp"] = "ddp"
+    base_adapter: dict[str, Any] | None = None
+    """The resolved warm start (``BaseAdapter`` as JSON), or None."""
 
 
 def torchrun_command(nproc: int, worker_args: Sequence[str], *, module: str = WORKER_MODULE) -> list[str]:

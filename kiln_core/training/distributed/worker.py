@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 
 from kiln_core.training.distributed.launcher import WORKER_MODULE, DistributedJob
 from kiln_core.training.distributed.world import BACKENDS, RankFailure, World, init_world, shutdown_world
+from kiln_core.training.base_adapter import BaseAdapter
 from kiln_core.training.trainer import TrainResult, train_opd
 
 __all__ = ["run_job", "main"]
@@ -39,7 +40,8 @@ def run_job(job: DistributedJob, world: World, *, on_progress: Callable[[int, in
         run_root=job.run_root, teacher_identity=teacher, teacher_alias=job.teacher_alias,
         resume_checkpoint=job.resume_checkpoint, on_progress=on_progress, on_step_committed=on_step_committed,
         device=job.device, precision=job.precision, gradient_checkpointing=job.gradient_checkpointing,
-        handle_signals=handle_signals, world=world)
+        handle_signals=handle_signals, world=world,
+        base_adapter=BaseAdapter.model_validate(job.base_adapter) if job.base_adapter is not None else None)
 
 
 def _worker_parser() -> argparse.ArgumentParser:
