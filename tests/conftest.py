@@ -52,6 +52,29 @@ def prefect_harness():
         yield
 
 
+@pytest.fixture(autouse=True)
+def prefect_console_on_this_tests_stderr():
+    """Point Prefect's console log handlers at this test's ``sys.stderr``.
+
+    A ``PrefectConsoleHandler`` keeps the stream it was built with. Under pytest that is the capture
+    stream of the first test that logged, closed when that test ends; the next in-process flow run then
+    fails writing to it (rich retries its buffer until a RecursionError ends the flow run). A real
+    process has one stderr for its whole life, so only the harness needs this.
+    """
+    import logging
+    import sys
+
+    handlers_module = sys.modules.get("prefect.logging.handlers")  # only once Prefect has logged
+    if handlers_module is not None:
+        loggers = [logging.getLogger()] + [logger for logger in logging.Logger.manager.loggerDict.values()
+                                           if isinstance(logger, logging.Logger)]
+        for handler in {handler for logger in loggers for handler in logger.handlers}:
+            if isinstance(handler, handlers_module.PrefectConsoleHandler):
+                handler.stream = sys.stderr  # not setStream: it flushes the closed stream first
+                handler.console.file = sys.stderr
+    yield
+
+
 @pytest.fixture(scope="session")
 def models_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("models")
