@@ -1,14 +1,15 @@
-"""Run a Python driver in a subprocess and SIGKILL it at a chosen moment (what a crashed worker looks like)."""
+"""Stop a run at a chosen step: SIGKILL a driver subprocess (a crashed worker), or SIGTERM this process (`kill <pid>`)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Iterator
 
 
 def sigkill_when(driver: str, ready: Callable[[], bool], *, what: str, timeout_s: float = 120.0) -> None:
@@ -30,3 +31,30 @@ def sigkill_when(driver: str, ready: Callable[[], bool], *, what: str, timeout_s
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
     assert proc.returncode == -signal.SIGKILL
+
+
+@contextlib.contextmanager
+def sigterm_after_step(module: Any, trainer: str, step: int, *, hook: str) -> Iterator[None]:
+    """While active, ``module.<trainer>`` sends this process SIGTERM (what ``kill <pid>`` does to a CLI run)
+    right after its ``hook`` callback (``on_progress`` or ``on_step_committed``) reports ``step``.
+
+    The caller's own callback is still called first; the trainer is restored on exit.
+    """
+    original = getattr(module, trainer)
+
+    def terminating(**kwargs: Any) -> Any:
+        chained = kwargs.get(hook)
+
+        def reported(done: int, *rest: Any) -> None:
+            if chained is not None:
+                chained(done, *rest)
+            if done == step:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        return original(**{**kwargs, hook: reported})
+
+    setattr(module, trainer, terminating)
+    try:
+        yield
+    finally:
+        setattr(module, trainer, original)

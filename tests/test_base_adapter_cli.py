@@ -11,13 +11,12 @@ mismatching base adapter is refused (exit 2, stable code) before any corpus work
 from __future__ import annotations
 
 import json
-import os
-import signal
 from pathlib import Path
 
 import pytest
 
 from flows.cli import main
+from kill_support import sigterm_after_step
 from kiln_core.synthetic import synthesize_corpus
 from on_policy_support import chat
 
@@ -130,7 +129,7 @@ def test_a_republished_base_adapter_is_a_different_run(tiny_student, root, tmp_p
     assert receipt["adapters"]["base"]["adapter_model_sha256"] == latest(other, "base")["adapter_model_sha256"]
 
 
-def test_an_interrupted_warm_start_resumes_to_the_same_adapter(tiny_student, root, capsys, monkeypatch):
+def test_an_interrupted_warm_start_resumes_to_the_same_adapter(tiny_student, root, capsys):
     """SIGTERM at step 3, then a pipeline-style retry (``resume: latest``): the checkpoint's LoRA is
     restored and the base adapter is not applied again, so the bytes match an uninterrupted run."""
     import kiln_core.training.trainer as trainer
@@ -141,20 +140,10 @@ def test_an_interrupted_warm_start_resumes_to_the_same_adapter(tiny_student, roo
                             str(tiny_student), "--out", str(root), "--json")
     assert code == 0
 
-    original = trainer.train_opd
-
-    def terminated_after_step_3(**kwargs):
-        def progress(step, total, loss):
-            kwargs["on_progress"](step, total, loss)
-            if step == 3:
-                os.kill(os.getpid(), signal.SIGTERM)
-        return original(**{**kwargs, "on_progress": progress})
-
-    monkeypatch.setattr(trainer, "train_opd", terminated_after_step_3)
-    code, cancelled = train(capsys, "--request", request, "--adapter", "warm-resumed", "--student", str(tiny_student),
-                            "--out", str(root), "--json")
+    with sigterm_after_step(trainer, "train_opd", 3, hook="on_progress"):
+        code, cancelled = train(capsys, "--request", request, "--adapter", "warm-resumed", "--student",
+                                str(tiny_student), "--out", str(root), "--json")
     assert code == 3 and cancelled["status"] == "cancelled"
-    monkeypatch.setattr(trainer, "train_opd", original)
 
     resumed = train_request(request, adapter="warm-resumed", student_dir=str(tiny_student), out_root=str(root),
                             resume_latest=True)
@@ -165,25 +154,16 @@ def test_an_interrupted_warm_start_resumes_to_the_same_adapter(tiny_student, roo
     assert weights({"adapter": resumed.adapter}) == weights(reference)
 
 
-def test_an_interrupted_on_policy_warm_start_resumes_with_the_checkpoint_flag(tiny_student, root, capsys, monkeypatch):
+def test_an_interrupted_on_policy_warm_start_resumes_with_the_checkpoint_flag(tiny_student, root, capsys):
     import kiln_core.training.on_policy_trainer as trainer
 
     request = on_policy_request(root, "onpol-resume.json", base_adapter="base")
     args = ["--request", request, "--student", str(tiny_student), "--out", str(root), "--json"]
     code, reference = train(capsys, *args, "--adapter", "onpol-warm-reference")
     assert code == 0
-    original = trainer.train_on_policy
-
-    def terminated_after_step_2(**kwargs):
-        def committed(step):
-            if step == 2:
-                os.kill(os.getpid(), signal.SIGTERM)
-        return original(**{**kwargs, "on_step_committed": committed})
-
-    monkeypatch.setattr(trainer, "train_on_policy", terminated_after_step_2)
-    code, cancelled = train(capsys, *args, "--adapter", "onpol-warm-resumed")
+    with sigterm_after_step(trainer, "train_on_policy", 2, hook="on_step_committed"):
+        code, cancelled = train(capsys, *args, "--adapter", "onpol-warm-resumed")
     assert code == 3 and cancelled["status"] == "cancelled"
-    monkeypatch.setattr(trainer, "train_on_policy", original)
     code, resumed = train(capsys, *args, "--adapter", "onpol-warm-resumed", "--resume-checkpoint",
                           cancelled["latest_checkpoint"])
     assert code == 0 and resumed["status"] == "success" and resumed["run"] == cancelled["run"]

@@ -10,13 +10,12 @@ of the issue is refused with a stable code (exit 2) before any model loads.
 from __future__ import annotations
 
 import json
-import os
-import signal
 from pathlib import Path
 
 import pytest
 
 from flows.cli import main
+from kill_support import sigterm_after_step
 from kiln_core.contracts.opd_prompt import OpdPrompt, prompts_content_sha256
 from on_policy_support import chat
 
@@ -105,8 +104,7 @@ def test_auto_scaled_samples_per_prompt_is_what_the_receipt_records(tiny_student
     assert receipt["opd"]["samples_per_prompt"] == 64 and result["total_steps"] == 64
 
 
-def test_sigterm_then_resume_matches_an_uninterrupted_run(tiny_student, tiny_teacher, root, tmp_path, capsys,
-                                                           monkeypatch):
+def test_sigterm_then_resume_matches_an_uninterrupted_run(tiny_student, tiny_teacher, root, tmp_path, capsys):
     import kiln_core.training.on_policy_trainer as trainer
 
     request = write_request(tmp_path)
@@ -114,22 +112,13 @@ def test_sigterm_then_resume_matches_an_uninterrupted_run(tiny_student, tiny_tea
     code, reference = train(capsys, *args, "--out", str(root))
     assert code == 0
 
-    original = trainer.train_on_policy
-
-    def terminated_after_step_2(**kwargs):
-        def committed(step):
-            if step == 2:
-                os.kill(os.getpid(), signal.SIGTERM)  # what `kill <pid>` does to a CLI run
-        return original(**{**kwargs, "on_step_committed": committed})
-
     other = tmp_path / "other-root"
     assert main(["teachers", "register", ALIAS, str(tiny_teacher), "--out", str(other), "--device", "cpu"]) == 0
     capsys.readouterr()
-    monkeypatch.setattr(trainer, "train_on_policy", terminated_after_step_2)
-    code, cancelled = train(capsys, *args, "--out", str(other))
+    with sigterm_after_step(trainer, "train_on_policy", 2, hook="on_step_committed"):
+        code, cancelled = train(capsys, *args, "--out", str(other))
     assert code == 3 and cancelled["status"] == "cancelled"
     assert cancelled["latest_checkpoint"] == "onpol-resume-checkpoint-step-00000002.kiln-checkpoint"
-    monkeypatch.setattr(trainer, "train_on_policy", original)
 
     code, refused = train(capsys, *args, "--out", str(other))  # the shared resume rule: refused, exact command
     assert code == 2 and refused["code"] == "resume_required"

@@ -101,13 +101,11 @@ def test_train_eval_corpus_records_the_held_out_curve(tiny_student, root, held_o
 
 
 def test_an_interrupted_watched_run_resumes_its_curve_and_trains_the_same_bytes(tiny_student, tiny_teacher, root,
-                                                                                 held_out, tmp_path, capsys, monkeypatch):
+                                                                                 held_out, tmp_path, capsys):
     """SIGTERM after step 2, then the printed resume command: the curve continues from the checkpoint's,
     and the adapter is the uninterrupted watched run's (watching never changes what training computes)."""
-    import os
-    import signal
-
     import kiln_core.training.on_policy_trainer as trainer
+    from kill_support import sigterm_after_step
     from test_on_policy_cli import adapter_bytes
 
     request = write_request(tmp_path)
@@ -118,18 +116,9 @@ def test_an_interrupted_watched_run_resumes_its_curve_and_trains_the_same_bytes(
     other = tmp_path / "other-root"
     assert main(["teachers", "register", ALIAS, str(tiny_teacher), "--out", str(other), "--device", "cpu"]) == 0
     capsys.readouterr()
-    original = trainer.train_on_policy
-
-    def terminated_after_step_2(**kwargs):
-        def committed(step):
-            if step == 2:
-                os.kill(os.getpid(), signal.SIGTERM)
-        return original(**{**kwargs, "on_step_committed": committed})
-
-    monkeypatch.setattr(trainer, "train_on_policy", terminated_after_step_2)
-    code, cancelled = train(capsys, *args, "--out", str(other))
+    with sigterm_after_step(trainer, "train_on_policy", 2, hook="on_step_committed"):
+        code, cancelled = train(capsys, *args, "--out", str(other))
     assert code == 3 and cancelled["latest_checkpoint"].endswith("step-00000002.kiln-checkpoint")
-    monkeypatch.setattr(trainer, "train_on_policy", original)
     code, refused = train(capsys, *args, "--out", str(other))
     assert code == 2 and f"--eval-corpus {held_out} --eval-every 2" in refused["message"]  # the exact resume command
     code, resumed = train(capsys, *args, "--out", str(other), "--resume-checkpoint", cancelled["latest_checkpoint"])

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 from pathlib import Path
 
 import pytest
 
 from flows.cli import main
+from kill_support import sigterm_after_step
 from kiln_core.canonical import sha256_prefixed
 from kiln_core.kiln_prompts import kiln_prompts_sha256
 from kiln_core.synthetic import synthesize_corpus
@@ -83,7 +82,7 @@ def test_train_end_to_end_json(tiny_student, corpus_dir, tmp_path, capsys):
     assert (run_dir / "train_receipt.json").read_bytes() == before
 
 
-def test_sigterm_cancels_then_cli_resume_matches_an_uninterrupted_run(tiny_student, corpus_dir, tmp_path, capsys, monkeypatch):
+def test_sigterm_cancels_then_cli_resume_matches_an_uninterrupted_run(tiny_student, corpus_dir, tmp_path, capsys):
     import kiln_core.training.trainer as trainer
 
     request = write_request(corpus_dir)
@@ -91,23 +90,13 @@ def test_sigterm_cancels_then_cli_resume_matches_an_uninterrupted_run(tiny_stude
     code, reference = train(capsys, *args, "--out", str(tmp_path / "reference"), "--adapter", "resumable")
     assert code == 0
 
-    original = trainer.train_opd
-
-    def terminated_after_step_3(**kwargs):
-        def progress(step, total, loss):
-            kwargs["on_progress"](step, total, loss)
-            if step == 3:
-                os.kill(os.getpid(), signal.SIGTERM)  # what `kill <pid>` does to a CLI run
-        return original(**{**kwargs, "on_progress": progress})
-
     root = str(tmp_path / "interrupted")
-    monkeypatch.setattr(trainer, "train_opd", terminated_after_step_3)
-    code, cancelled = train(capsys, *args, "--out", root, "--adapter", "resumable")
+    with sigterm_after_step(trainer, "train_opd", 3, hook="on_progress"):
+        code, cancelled = train(capsys, *args, "--out", root, "--adapter", "resumable")
     assert code == 3 and cancelled["status"] == "cancelled"
     assert cancelled["latest_checkpoint"] == "resumable-checkpoint-step-00000003.kiln-checkpoint"
     receipt = json.loads((run_dir_of(cancelled) / "train_receipt.json").read_text())
     assert (receipt["status"], receipt["failure_reason"]) == ("failed", "cancelled")
-    monkeypatch.setattr(trainer, "train_opd", original)
 
     # without --resume-checkpoint the run is refused, naming the newest checkpoint and the exact command
     code, refused = train(capsys, *args, "--out", root, "--adapter", "resumable")
