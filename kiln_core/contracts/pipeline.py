@@ -278,7 +278,7 @@ class PipelineSpec(BaseModel):
             raise ValueError("`distributed.nproc`: on-policy training runs in one process (one candidate per step)")
         self._check_gates()  # `eval` and `quality_gate` measure against a held-out corpus, as off-policy
         if self.vllm is not None and self.vllm.rollouts_url and self.vllm.sync_dir is None \
-                and "://" in self.storage_root and not self.storage_root.startswith("file://"):
+                and _local_path(self.storage_root) is None:
             raise ValueError("`vllm.sync_dir`: required when storage_root is not local (the vLLM server reads "
                              "the LoRA from a local directory)")
         try:

@@ -160,6 +160,7 @@ def vllm_backends(block: dict[str, Any], teacher, run_uri: str, adapter: str):
     from kiln_core.on_policy.vllm_rollouts import vllm_rollout_backend
     from kiln_core.on_policy.vllm_teacher import vllm_teacher_source
     from kiln_core.scoring.vllm import completions_url
+    from kiln_core.storage import resolve
 
     options = VllmBackends.model_validate(block)
     if options.teacher_url:
@@ -170,10 +171,10 @@ def vllm_backends(block: dict[str, Any], teacher, run_uri: str, adapter: str):
         return teacher, None
     sync_dir = options.sync_dir
     if sync_dir is None:
-        run_dir = run_uri[len("file://"):] if run_uri.startswith("file://") else run_uri
-        if "://" in run_dir:
+        run = resolve(run_uri)
+        if not run.is_local:
             raise Rejection("invalid_spec", "vllm.sync_dir is required when the run directory is not local "
                             f"({run_uri})", field="vllm.sync_dir")
-        sync_dir = f"{run_dir.rstrip('/')}/vllm-sync"
+        sync_dir = run.child("vllm-sync").path
     return teacher, vllm_rollout_backend(options.rollouts_url, sync_dir=sync_dir, timeout_s=options.timeout_seconds,
                                          name_prefix=adapter)
