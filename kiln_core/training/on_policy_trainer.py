@@ -45,10 +45,10 @@ from kiln_core.on_policy.sampler import RolloutBackend, SamplingParams, sample_r
 from kiln_core.on_policy.schedule import candidate_seed, iter_candidates
 from kiln_core.on_policy.teacher import TeacherSource
 from kiln_core.training.base_adapter import BaseAdapter
+from kiln_core.training.boundary import StepBoundary
 from kiln_core.training.distributed.world import World
 from kiln_core.training.finish import finish_run, publish_final_adapter
 from kiln_core.training.lifecycle import (
-    CANCEL_MESSAGE,
     CheckpointPublisher,
     TrainResult,
     deterministic,
@@ -61,7 +61,7 @@ from kiln_core.training.lifecycle import (
 from kiln_core.training.on_policy_plan import plan_on_policy_run
 from kiln_core.training.progress import Clock
 from kiln_core.training.receipt import RunOutcome
-from kiln_core.training.step import StopTraining, train_examples
+from kiln_core.training.step import train_examples
 from kiln_core.training.student import Student
 from kiln_core.training.watch import EvalReport, HeldOutSlice, HeldOutWatch, check_watch
 
@@ -220,6 +220,8 @@ def train_on_policy(
             watch = HeldOutWatch.start(eval_watch, plan.loaded, outcome, student, progress, clock, on_eval)
         checkpoints = CheckpointPublisher(plan, student, optimizer, progress, clock,
                                           eval_curve=(lambda: watch.curve) if watch is not None else None)
+        boundary = StepBoundary(checkpoints, progress, clock, plan.world, config.checkpoint_interval, signalled,
+                                should_cancel=should_cancel, on_step_committed=on_step_committed, watch=watch)
         with clock.phase("setup"):
             scorer = teacher.load(plan.facts.top_k)
         backend = (rollout_backend or StudentRollouts)(student)
@@ -254,25 +256,12 @@ def train_on_policy(
                 continue  # consumed without an update
             loss = train_examples(student, optimizer, [(candidate.cursor + 1, rollout.training_example)], plan,
                                   progress, clock)
-            remaining = progress.consumed < total
-            if on_progress is not None:
-                on_progress(OnPolicyProgress(
-                    step=progress.global_step, consumed_candidates=progress.consumed, total_candidates=total, loss=loss,
-                    rollouts_sampled=counters.sampled, rollouts_reused=counters.reused,
-                    sampled_tokens=counters.sampled_tokens, teacher_tokens_scored=counters.teacher_tokens_scored,
-                    elapsed_s=time.perf_counter() - loop_started))
-            halt = watch.after_step(student, progress, clock, steps_left=remaining) if watch is not None else None
-            interval = config.checkpoint_interval
-            if interval and progress.global_step % interval == 0 and remaining:
-                checkpoints.publish()
-            if on_step_committed is not None:
-                on_step_committed(progress.global_step)
-            if halt is not None:  # the held-out watch stops the run: its state is saved first
-                checkpoints.publish()
-                raise halt
-            if remaining and (signalled.is_set() or (should_cancel is not None and should_cancel())):
-                checkpoints.publish()
-                raise StopTraining("cancelled", CANCEL_MESSAGE)
+            report = None if on_progress is None else lambda: on_progress(OnPolicyProgress(
+                step=progress.global_step, consumed_candidates=progress.consumed, total_candidates=total, loss=loss,
+                rollouts_sampled=counters.sampled, rollouts_reused=counters.reused,
+                sampled_tokens=counters.sampled_tokens, teacher_tokens_scored=counters.teacher_tokens_scored,
+                elapsed_s=time.perf_counter() - loop_started))
+            boundary.after_step(student, steps_left=progress.consumed < total, report=report)
         if watch is not None:
             watch.finish(student, progress, clock)
         clock.totals_ms["train_loop"] = (time.perf_counter() - loop_started) * 1e3

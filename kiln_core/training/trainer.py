@@ -31,6 +31,7 @@ from typing import Any, Callable
 from kiln_core.contracts.opd_config import OpdConfig
 from kiln_core.corpus import CorpusTables
 from kiln_core.training.base_adapter import BaseAdapter
+from kiln_core.training.boundary import StepBoundary
 from kiln_core.training.distributed.world import World
 from kiln_core.training.finish import finish_run, publish_final_adapter
 from kiln_core.training.lifecycle import (
@@ -47,7 +48,7 @@ from kiln_core.training.lifecycle import (
 from kiln_core.training.plan import Schedule, plan_run
 from kiln_core.training.progress import Clock, LoopProgress
 from kiln_core.training.receipt import RunOutcome
-from kiln_core.training.step import StopTraining, train_step, train_step_distributed
+from kiln_core.training.step import train_step, train_step_distributed
 from kiln_core.training.watch import EvalReport, HeldOutSlice, HeldOutWatch, check_watch
 
 __all__ = ["TrainResult", "Schedule", "LoopProgress", "Clock", "train_opd", "CANCEL_MESSAGE"]
@@ -149,31 +150,17 @@ def train_opd(
             watch = HeldOutWatch.start(eval_watch, loaded, outcome, student, progress, clock, on_eval)
         checkpoints = CheckpointPublisher(plan, student, optimizer, progress, clock,
                                           eval_curve=(lambda: watch.curve) if watch is not None else None)
+        boundary = StepBoundary(checkpoints, progress, clock, world, config.checkpoint_interval, signalled,
+                                should_cancel=should_cancel, on_step_committed=on_step_committed, watch=watch)
 
         # ---- 3. the loop: one optimizer step per group of `sequences_per_step` (× world size) candidates
         step_fn = train_step if world.size == 1 else train_step_distributed
         loop_started = time.perf_counter()
+        boundary.before_first_step()
         while progress.global_step < schedule.total_steps:
-            stop = signalled.is_set() or (should_cancel is not None and should_cancel())
-            if world.size > 1:  # every rank stops at the same step boundary when any rank was asked to
-                stop = world.any_rank(stop)
-            if stop:
-                if progress.global_step > 0:  # nothing to save before the first step
-                    checkpoints.publish()
-                raise StopTraining("cancelled", CANCEL_MESSAGE)
             loss = step_fn(student, optimizer, tables, plan, progress, clock)
-            if on_progress is not None:
-                on_progress(progress.global_step, schedule.total_steps, loss)
-            steps_left = progress.global_step < schedule.total_steps
-            halt = watch.after_step(student, progress, clock, steps_left=steps_left) if watch is not None else None
-            interval = config.checkpoint_interval
-            if interval and progress.global_step % interval == 0 and steps_left:
-                checkpoints.publish()
-            if on_step_committed is not None:
-                on_step_committed(progress.global_step)
-            if halt is not None:  # the held-out watch stops the run: its state is saved first
-                checkpoints.publish()
-                raise halt
+            report = (lambda: on_progress(progress.global_step, schedule.total_steps, loss)) if on_progress else None
+            boundary.after_step(student, steps_left=progress.global_step < schedule.total_steps, report=report)
         if watch is not None:
             watch.finish(student, progress, clock)
         clock.totals_ms["train_loop"] = (time.perf_counter() - loop_started) * 1e3
