@@ -4,7 +4,7 @@ Kiln has two different ideas of "canonical JSON", and mixing them up silently ch
 
 * **Kiln compact** (`kiln_compact_json`): serde_json's compact output of a struct, keys in
   *declaration order*, raw UTF-8, no whitespace. Teacher identities and off-policy manifests are
-  compared byte for byte in this form (reference/kiln-opd-spec.md §1.3).
+  compared byte for byte in this form (Kiln's crates/kiln-train/src/teacher_identity.rs).
 * **Sorted-keys ASCII** (`canonical_json_bytes`, `canonical_sha256`): Python's
   ``json.dumps(sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)``. The
   HF oracle contracts hash requests, results and id lists this way (kiln-hf-oracle-spec.md §0.1).

@@ -14,7 +14,7 @@ Read ``train_opd`` top to bottom; it runs in the order the work happens:
    ``on_step_committed`` → a watch stop, or the cancellation check at the step boundary;
 4. finish (``finish``): the PEFT adapter directory, then ``train_receipt.json`` (also written on failure).
 
-Exactness (DESIGN.md decision 8): a step depends only on the LoRA weights, the optimizer state and the
+Exactness (docs/architecture.md, decision 8): a step depends only on the LoRA weights, the optimizer state and the
 candidate, all of which a checkpoint restores bit for bit, so an interrupted-and-resumed CPU run ends
 with the same ``adapter_model.safetensors`` bytes as an uninterrupted one.
 
