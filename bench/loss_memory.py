@@ -1,6 +1,6 @@
 """Peak extra memory and wall time of the default loss, kiln-flows vs naive full logits, one process.
 
-Both sides compute the same top-K reverse KL (reference/kiln-opd-spec.md §4) forward + backward:
+Both sides compute the same top-K reverse KL (Kiln's crates/kiln-opd-loss-kernel/src/lib.rs) forward + backward:
 
 * kiln-flows: `kiln_core.training.loss.topk_reverse_kl` (student logits at the K ids only, chunked).
 * naive: `naive_topk_reverse_kl` (below): ``hidden @ W.T`` gives real ``[T, V]`` logits in autograd, then the

@@ -63,7 +63,7 @@ from distill_quality import BASE_CONFIG, RECIPES, cached_baseline, log, prepare 
 ADAPTER = "bench"
 TEACHER_ALIAS = "smollm2-135m"
 MAX_NEW_TOKENS = 32  # the teacher's answers in the off-policy corpus are at most this long too
-MODES = {  # quick: a few minutes on 2 busy cores; full: the comparison the README quotes
+MODES = {  # quick: a few minutes on 2 busy cores; full: the comparison bench/README.md quotes
     "quick": {"teacher_tokens": 1200, "seconds": 90.0, "eval_every": 8, "heldout_limit": 24},
     "full": {"teacher_tokens": 15000, "seconds": 900.0, "eval_every": 50, "heldout_limit": None},
 }

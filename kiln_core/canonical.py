@@ -1,16 +1,17 @@
-"""The two canonical JSON encodings Kiln uses, and the SHA-256 helpers built on them.
+"""The canonical JSON encodings Kiln uses, and the SHA-256 helpers built on them.
 
-Kiln has two different ideas of "canonical JSON", and mixing them up silently changes digests:
+Kiln has three different ideas of "canonical JSON", and mixing them up silently changes digests:
 
 * **Kiln compact** (`kiln_compact_json`): serde_json's compact output of a struct, keys in
   *declaration order*, raw UTF-8, no whitespace. Teacher identities and off-policy manifests are
-  compared byte for byte in this form (reference/kiln-opd-spec.md §1.3).
+  compared byte for byte in this form (Kiln's crates/kiln-train/src/teacher_identity.rs).
 * **serde_json's ``Value`` text** (`serde_json_text`): what ``serde_json::to_vec(&Value)`` writes —
   keys sorted, raw UTF-8, floats in ryu's shortest form. Kiln digests prompt lists this way (the
   checkpoint's ``data.content_sha256``, on- and off-policy).
 * **Sorted-keys ASCII** (`canonical_json_bytes`, `canonical_sha256`): Python's
   ``json.dumps(sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)``. The
-  HF oracle contracts hash requests, results and id lists this way (kiln-hf-oracle-spec.md §0.1).
+  HF oracle contracts hash requests, results and id lists this way (the next-token oracle's request
+  and result digests).
   Floats keep Python's ``repr`` form (``300.0`` stays ``300.0``); this is not RFC 8785.
 """
 

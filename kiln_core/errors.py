@@ -10,7 +10,7 @@ Nothing else is meant to escape to a user; anything that does is a bug (exit 3 "
 receipt saying ``training_error``), never exit 1 with a traceback.
 
 Admission rejects a corpus with exactly one ``AdmissionError``; its ``code`` is one of
-``ADMISSION_CODES`` and never renamed (DESIGN.md decision 2). ``line`` is the 1-based physical line
+``ADMISSION_CODES`` and never renamed (docs/architecture.md, decision 2). ``line`` is the 1-based physical line
 of the file (blank lines counted), or ``None`` for file-level rules.
 
 The mapping, everywhere:
@@ -117,7 +117,7 @@ def pick_kind(base: type, code: str, environment_codes: frozenset[str]) -> type:
 
 
 class Rejection(KilnFlowsError):
-    """Bad input: exit 2, never retried (DESIGN.md decision 10)."""
+    """Bad input: exit 2, never retried (docs/architecture.md, decision 10)."""
 
     status = "rejected"
     exit_code = EXIT_REJECTED
@@ -125,7 +125,7 @@ class Rejection(KilnFlowsError):
 
 
 class EnvironmentFailure(KilnFlowsError):
-    """Storage or network failure: exit 3, retried by Prefect (DESIGN.md decision 10)."""
+    """Storage or network failure: exit 3, retried by Prefect (docs/architecture.md, decision 10)."""
 
     status = "failed"
     exit_code = EXIT_FAILED

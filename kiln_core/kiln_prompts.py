@@ -11,7 +11,7 @@ sorted, no ``preserve_order``) and written compactly.
 Computed at admission (where the corpus bytes are) and carried on ``CorpusTables``; a checkpoint
 binds it and a resume compares it, so it must be byte-for-byte Kiln's. The published behaviour is
 the prompt digest; Kiln's newest docs mention binding the JSONL file hash instead
-(reference/kiln-checkpoint-format.md §2.3, open question). We follow the code.
+(Kiln's docs/OPD_TEACHER_JSONL.md against crates/kiln-train/src/opd.rs). We follow the code.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Content-addressed materialization of an admitted corpus.
 
-Layout under a storage root (DESIGN.md decision 7)::
+Layout under a storage root (docs/storage.md)::
 
     corpora/<sha256 hex of the exact JSONL bytes>/
         examples.parquet   one row per example: line, input_ids, action/env positions, ECHO's |O|

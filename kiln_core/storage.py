@@ -5,10 +5,10 @@ Everything kiln-flows publishes is a *directory of files plus one commit file*:
 * local disk: files are written into a hidden sibling staging directory
   (``.<name>.incomplete-<uuid>``) holding an ``.incomplete`` sentinel; every file is fsynced, the
   sentinel removed, the directory renamed into place and the parent fsynced. A crash leaves only
-  a staging directory that readers never look at (reference/kiln-opd-spec.md §6.2).
+  a staging directory that readers never look at (Kiln's crates/kiln-train/src/checkpoint.rs).
 * object stores: there is no rename, so files are written under the final prefix and the commit
   file (a manifest) is written last; readers treat a prefix without its commit file as absent
-  (DESIGN.md decision 7).
+  (docs/architecture.md, decision 7).
 
 Single files are written with one primitive, ``AtomicFile`` (local: a temp file beside the target,
 fsync, ``os.replace``, fsync of the directory; object stores: one PUT at commit).

@@ -1,4 +1,4 @@
-"""Token ids and target masks of every example, built exactly as Kiln builds them (DESIGN.md decision 3).
+"""Token ids and target masks of every example, built exactly as Kiln builds them (docs/architecture.md, decision 3).
 
 One implementation serves admission and ``kiln-flows score``: ``encode_conversations`` renders a
 batch, tokenizes it in one call, and runs Kiln's mask builders on each example:

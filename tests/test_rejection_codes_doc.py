@@ -1,4 +1,4 @@
-"""The README's code list is the user's reference: every stable code a rejection can carry is in it."""
+"""docs/errors.md is the user's reference for codes: every stable code a rejection can carry is in it."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from kiln_core.oracle.errors import ALL_RULES
 REPO = Path(__file__).resolve().parent.parent
 
 
-def test_readme_lists_every_admission_code_and_oracle_rule():
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
-    section = readme[readme.index("## Rejection codes"):]
+def test_errors_page_lists_every_admission_code_and_oracle_rule():
+    page = (REPO / "docs" / "errors.md").read_text(encoding="utf-8")
+    section = page[page.index("## Rejection codes"):]
     missing = [code for code in (*ADMISSION_CODES, *ALL_RULES) if f"`{code}`" not in section]
     assert not missing, missing
 

@@ -21,7 +21,7 @@ from flows.commands._options import DTYPES, add_dtype_argument, add_registry_arg
 
 NAME = "score"
 HELP = "Score unscored examples with a local or vLLM teacher into a teacher-scored JSONL corpus."
-# Kiln admits corpora of at most 64 MiB (reference/kiln-opd-spec.md §2.1).
+# Kiln admits corpora of at most 64 MiB (Kiln's docs/OPD_TEACHER_JSONL.md).
 KILN_MAX_CORPUS_BYTES = 64 * 1024 * 1024
 
 

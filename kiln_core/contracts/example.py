@@ -1,4 +1,4 @@
-"""The example record of an OPD teacher corpus (seeds/opd-teacher-jsonl.txt, kiln-opd-spec.md §2.3).
+"""The example record of an OPD teacher corpus (Kiln's crates/kiln-train/src/opd.rs, docs/OPD_TEACHER_JSONL.md).
 
 These models document the record field by field, with the shapes Kiln's serde derives accept
 (opd.rs ``OffPolicyDistillationExample``, ``TeacherActionToken``, ``TeacherTopLogprob``;

@@ -1,7 +1,7 @@
 """``kiln.teacher-identity.v1`` and ``kiln.off-policy-distillation-manifest.v1``.
 
 Both are compared byte for byte in Kiln's compact, declaration-order JSON, so the field order of these
-models is part of the contract (reference/kiln-opd-spec.md §1.2-§1.5). Parsing is strict: unknown
+models is part of the contract (Kiln's crates/kiln-train/src/opd.rs, teacher_identity.rs). Parsing is strict: unknown
 fields are refused, integers must be JSON integers, digests are raw lowercase hex, and JSON nested as
 deep as serde_json's recursion limit is refused before anything else (``nesting_too_deep``).
 """

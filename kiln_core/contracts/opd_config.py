@@ -1,19 +1,19 @@
 """``OpdRequest`` and ``OpdConfig``: the OPD training request, its defaults and its submit-time rules.
 
-Field names, defaults and rejection messages follow Kiln (reference/kiln-opd-spec.md §3.1-§3.2, §2.6).
+Field names, defaults and rejection messages follow Kiln's crates/kiln-train/src/opd.rs.
 Parsing is strict where serde is strict (an integer field refuses ``4.0`` and ``"4"``, a bool refuses
 ``1``), and the optimizer block denies unknown keys as Kiln's does.
 
 Unknown top-level fields of ``OpdRequest`` and ``OpdConfig`` are accepted and IGNORED, on purpose:
 Kiln's control-plane schema allows them, so a request file written for Kiln (possibly by a newer Kiln
-client carrying fields we do not know yet) must not be rejected here (DESIGN.md decision 1). The same
+client carrying fields we do not know yet) must not be rejected here (docs/architecture.md, decision 1). The same
 leniency covers ``grad_checkpoint_segments``, which Kiln ignores on input (``skip_deserializing``).
 
 Kiln parses every wire value and rejects the unsupported ones at submit time with a specific message;
 ``kiln_core.contracts.opd_submit`` applies those rejections, so parsing ``"objective": "cross_entropy"``
 succeeds and validation then says why it cannot run.
 
-Extension (DESIGN.md decision 5): ``sequences_per_step`` (default 1 = Kiln) accumulates gradients over
+Extension (docs/architecture.md, decision 5): ``sequences_per_step`` (default 1 = Kiln) accumulates gradients over
 that many consecutive candidates per optimizer step. It is part of the effective config, and therefore
 of the checkpoint identity.
 """
@@ -204,7 +204,7 @@ SAMPLING_FIELDS = ("samples_per_prompt", "temperature", "top_p", "max_tokens", "
 
 PRESETS: dict[str, dict[str, Any]] = {
     # Best on all three held-out metrics, per step and per second, of Kiln's loss, tail, SFT, forward
-    # and tail+forward on SmolLM2-135M's half-depth student (bench/distill_quality.py; README figures).
+    # and tail+forward on SmolLM2-135M's half-depth student (bench/distill_quality.py; figures in bench/README.md).
     "quality": {
         "training_mode": "off_policy",
         "loss": "teacher_top_k_forward",

@@ -6,7 +6,7 @@ sees ``teacher_extra_messages``; ``trajectory`` (TurnSegments) only shapes the l
 Unknown fields are ignored, as serde ignores them; ``null`` where Kiln expects a list is refused.
 
 The prompt list's identity is Kiln's ``sha256_json_serializable(&prompts)``
-(``crates/kiln-train/src/train_receipt.rs``; reference/kiln-checkpoint-format.md §2.3): the list as
+(``crates/kiln-train/src/train_receipt.rs``, called from ``opd.rs``): the list as
 Kiln *re-serializes* it — each message reduced to ``role``, ``content`` (as text) and the optional
 ``tool_calls`` / ``name`` / ``tool_call_id`` that are not null, each segment to ``role``, ``content``,
 ``kind`` and the optional fields, empty lists omitted — converted to a ``serde_json::Value`` (object

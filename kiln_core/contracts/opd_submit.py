@@ -1,5 +1,5 @@
 """Kiln's submit-time rules for an ``OpdRequest``/``OpdConfig``: what Kiln's server refuses (or warns
-about) when a request is submitted, with Kiln's messages (reference/kiln-opd-spec.md §3.2;
+about) when a request is submitted, with Kiln's messages (crates/kiln-train/src/opd.rs;
 crates/kiln-server/src/api/training.rs). Parsing (``kiln_core.contracts.opd_config``) accepts every
 wire value; these functions then say why a value cannot run.
 

@@ -1,4 +1,4 @@
-"""Held-out evaluation of a distilled student (DESIGN.md decision 11).
+"""Held-out evaluation of a distilled student (docs/architecture.md, decision 11).
 
 * ``evaluate_examples`` / ``evaluate_tables`` — top-K reverse KL, full-vocabulary top-1 agreement and
   teacher-token NLL over action tokens; callable by the trainer (a held-out slice every N steps) and

@@ -1,4 +1,4 @@
-"""The content digests inside a ``kiln.teacher-identity.v1`` (reference/kiln-opd-spec.md §1.6).
+"""The content digests inside a ``kiln.teacher-identity.v1`` (Kiln's scripts/vllm_teacher.py).
 
 Each digest is domain-separated and independent of paths, mtimes and shard names (except the adapter
 digest, which binds its file name), so two copies of the same weights hash the same wherever they

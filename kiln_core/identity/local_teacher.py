@@ -1,6 +1,6 @@
 """The full ``kiln.teacher-identity.v1`` of a local Hugging Face teacher that kiln-flows scores itself.
 
-DESIGN.md decision 6: the protocol is our own ``kiln-flows.hf-eager...`` string and the
+docs/architecture.md, decision 6: the protocol is our own ``kiln-flows.hf-eager...`` string and the
 implementation names kiln-flows, transformers and torch versions. ``inference_config_sha256`` hashes
 our own canonical inference-config object (``kiln-flows.hf-inference-config.v1``): everything that
 changes the logprobs our scorer would produce for the same weights and tokenizer.

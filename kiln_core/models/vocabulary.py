@@ -1,7 +1,7 @@
 """One rule shared by every stage that puts a teacher and a student side by side: same vocabulary.
 
 Distillation compares the two models token id by token id, so both must map the same strings to the
-same ids (``kiln.tokenizer-vocab.v1`` digest, reference/kiln-opd-spec.md §1.6) and have the same
+same ids (``kiln.tokenizer-vocab.v1`` digest, Kiln's scripts/vllm_teacher.py) and have the same
 logit width (``vocab_size``). Scoring applies the same rule to its teacher (``kiln_core.scoring``);
 this module states it for two model directories (``kiln-flows eval --teacher``, the real demo, the
 quality bench).

@@ -1,6 +1,6 @@
 """``kiln-flows.hf-next-token-result.v1``: reading the logits, assembling, hashing and committing a result.
 
-A result directory is ``<root>/oracle/<request id>/`` (DESIGN.md decision 7) and holds exactly:
+A result directory is ``<root>/oracle/<request id>/`` (docs/storage.md) and holds exactly:
 
 * ``logits.safetensors`` — tensors ``input_ids`` (I64 ``[1, N]``) and ``logits`` (F32 ``[V]``) plus
   string metadata (schema, attention route, dtype, library versions, the input ids as compact JSON);

@@ -1,7 +1,7 @@
 """Rejections of the post-training eval gate: one ``PostEvalRejection`` per rule, codes never renamed.
 
-Every bad input here is a ``kiln_core.errors.Rejection`` (exit 2, never retried; DESIGN.md decision
-10). Where Kiln has a message for the rule, the message is Kiln's text (cited where it is raised).
+Every bad input here is a ``kiln_core.errors.Rejection`` (exit 2, never retried; docs/architecture.md,
+decision 10). Where Kiln has a message for the rule, the message is Kiln's text (cited where it is raised).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The unscored examples ``kiln-flows score`` reads, and the error every scoring stage raises.
 
 An input file is JSONL with one example per line: ``messages``, ``teacher_response``, optional
-``trajectory``, ``id`` and ``metadata`` (reference/kiln-opd-spec.md §2.3, without ``teacher_tokens``).
+``trajectory``, ``id`` and ``metadata`` (Kiln's crates/kiln-train/src/opd.rs, without ``teacher_tokens``).
 Each line is checked with the *same* field rules admission applies (``kiln_core.admission.records``),
 so an example that scores is an example admission can parse, and a bad line is reported by its
 1-based physical line number before any teacher is loaded.

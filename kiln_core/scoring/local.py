@@ -1,7 +1,7 @@
 """Scoring with a local Hugging Face teacher: transformers on this machine's CPU or GPU.
 
 For each action target q of an example the teacher's distribution is read from logits row q − 1
-(reference/kiln-opd-spec.md §5.4): the full-vocabulary ``log_softmax`` of that row, computed in fp32
+(Kiln's crates/kiln-opd-loss-kernel/src/lib.rs): the full-vocabulary ``log_softmax`` of that row, computed in fp32
 whatever the model dtype, gives the observed token's logprob and the top-K candidates (descending,
 ties → lower id first). These are ``raw_logprobs``: no temperature, no renormalization.
 

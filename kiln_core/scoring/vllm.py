@@ -1,4 +1,4 @@
-"""Scoring through a vLLM server under Kiln's prompt-logprobs contract (reference/kiln-opd-spec.md §8.4).
+"""Scoring through a vLLM server under Kiln's prompt-logprobs contract (crates/kiln-train/src/remote_teacher.rs).
 
 One ``POST {base}/v1/completions`` per example, body exactly::
 

@@ -1,7 +1,7 @@
 """Fetch a registered teacher's ``off_policy_manifest`` from a Kiln server (``GET /v1/teachers``).
 
 Kiln serves the manifest line verbatim and producers must copy it, never rebuild it
-(reference/kiln-opd-spec.md §1.2, §8.1). So the string goes back to the caller exactly as decoded from
+(Kiln's crates/kiln-server/src/api/teachers.rs). So the string goes back to the caller exactly as decoded from
 the response; parsing it is only a check. ``TeacherEntry`` is someone else's evolving payload: unknown
 fields are ignored here on purpose, and only the fields we select on are checked.
 

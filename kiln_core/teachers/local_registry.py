@@ -1,6 +1,6 @@
 """The local teacher registry: ``<root>/teachers.json``, one pinned identity per alias.
 
-Like Kiln's own registry (reference/kiln-opd-spec.md §8.1) aliases are immutable: an alias names one
+Like Kiln's own registry (crates/kiln-server/src/api/teachers.rs) aliases are immutable: an alias names one
 exact teacher identity forever, so a corpus scored under that alias can be checked against it later.
 Registering the same identity again is a no-op; a different identity under a used alias is refused.
 

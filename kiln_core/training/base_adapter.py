@@ -12,7 +12,7 @@ Kiln's semantics (checked in ``ericflo/kiln``):
   since Kiln checks at training time, not at submit time.
 * The warm start is weights only: a fresh optimizer, fresh RNG streams, step 0. On resume the
   checkpoint's LoRA weights are restored and the base adapter is not loaded again
-  (``reference/kiln-checkpoint-format.md`` §5).
+  (Kiln's ``crates/kiln-train/src/opd.rs``, ``validate_resume``).
 * The receipt's ``adapters.base`` is the resolved directory with the ``adapter_model.safetensors``
   digest and size; ``config.base_adapter`` keeps the value as requested.
 

@@ -5,7 +5,7 @@ student's final normed hidden rows plus the lm_head weight, never the logits. Th
 at V = 248,320 a ``[T, V]`` fp32 logits tensor costs about 1 GiB per 1,000 rows, and autograd keeps
 one more of the same size for its gradient. So:
 
-* ``topk_reverse_kl`` (the default loss, reference/kiln-opd-spec.md §4, DESIGN decision 4) computes
+* ``topk_reverse_kl`` (the default loss, Kiln's crates/kiln-opd-loss-kernel/src/lib.rs) computes
   the student logit only at the teacher's K ids, in row chunks, and recomputes the gathered head
   rows in backward instead of saving them. Peak extra memory is one ``[chunk_rows, K, H]`` chunk.
 * ``echo_env_cross_entropy`` and ``topk_tail_reverse_kl`` need the full-vocabulary logsumexp; they
@@ -311,7 +311,7 @@ def topk_tail_reverse_kl(
     chunk_vocab: int = 8192,
     tail_floor: float = 1e-12,
 ) -> torch.Tensor:
-    """Opt-in ``teacher_top_k_tail`` loss (DESIGN decision 4): (K+1)-bucket reverse KL.
+    """Opt-in ``teacher_top_k_tail`` loss (docs/architecture.md, decision 4): (K+1)-bucket reverse KL.
 
     ``KL_t = Σ_{v∈S} q_v log(q_v/p_v) + q⊥ log(q⊥/p⊥)`` where q is the student's FULL-vocabulary
     softmax (``log q_v = s_v − LSE_full``), ``p_v = exp(ℓ_v)`` the raw teacher probabilities (not

@@ -9,7 +9,7 @@ on resume or warm-started from ``config.base_adapter``; forward → loss → fin
 optimizer step → the end-of-step work (``boundary.StepBoundary``); then the PEFT adapter and
 ``train_receipt.json``.
 
-Exactness: a step depends only on the LoRA weights, the optimizer state and the
+Exactness (docs/architecture.md, decision 8): a step depends only on the LoRA weights, the optimizer state and the
 candidate, all of which a checkpoint restores bit for bit, so an interrupted-and-resumed CPU run ends
 with the same ``adapter_model.safetensors`` bytes as an uninterrupted one.
 

@@ -1,4 +1,4 @@
-"""Exact, resumable OPD checkpoints that Kiln can load (reference/kiln-checkpoint-format.md).
+"""Exact, resumable OPD checkpoints that Kiln can load (Kiln's crates/kiln-train/src/checkpoint.rs).
 
 A checkpoint is a directory ``<adapter>-checkpoint-step-<8 digits>.kiln-checkpoint`` directly under
 the run directory:

@@ -11,7 +11,7 @@ What kiln-flows needs beyond Kiln — Python/NumPy/torch generator states of eve
 size, ``sequences_per_step``, the tail-loss extension — lives in ``kiln_flows_state.json``
 (``KilnFlowsState``). The manifest declares it in ``files`` with role ``rng-state``, so Kiln's loader
 checks its size and digest like any artifact and ignores its content; it is never named by
-``rng_states`` or ``state_files``, which Kiln compares exactly (reference/kiln-checkpoint-format.md §6).
+``rng_states`` or ``state_files``, which Kiln compares exactly (Kiln's crates/kiln-train/src/opd.rs).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The world of a data-parallel run: this process's rank and the few collectives the trainer needs.
 
-How a W-process run relates to a single process (DESIGN.md decisions 5 and 8):
+How a W-process run relates to a single process (docs/architecture.md, decisions 5 and 8):
 
 * **Same math as gradient accumulation.** Each optimizer step consumes ``W × sequences_per_step``
   consecutive candidates in file order; rank r takes the r-th contiguous block of
