@@ -218,8 +218,9 @@ def local_teacher_identity(
 
     base_dir = _adapter_base_dir(root)
     model_dir = base_dir or root
-    for directory in dict.fromkeys((root, model_dir)):  # files that do not parse are refused before anything is hashed
-        check_model_files(directory, role="teacher")
+    # The model's files must parse before anything is hashed; an adapter's weights are checked where the
+    # teacher loads (``LocalTeacher.load``): its identity only hashes their bytes.
+    check_model_files(model_dir, role="teacher")
     adapter = None
     if base_dir is not None:
         adapter = {
