@@ -64,3 +64,17 @@ def test_kiln_lenient_trains_as_kiln_would_and_names_each_ignored_key(typo_reque
     # the receipt was completed before latest.json, whose digest covers it
     latest = json.loads(Path(result["latest"]).read_text())
     assert latest["receipt_sha256"] == "sha256:" + hashlib.sha256(receipt_bytes).hexdigest()
+
+
+def test_the_torchrun_workers_request_mode_has_the_same_rule(typo_request, tiny_student, tmp_path):
+    """``kiln_core.training.distributed.worker --request`` (multi-node) validates the request the same way."""
+    from kiln_core.contracts.opd_config import ConfigError
+    from kiln_core.training.run_request import prepare_train_request
+
+    common = {"adapter": "typo", "student_dir": str(tiny_student), "out_root": str(tmp_path / "out")}
+    with pytest.raises(ConfigError) as caught:
+        prepare_train_request(str(typo_request), **common)
+    assert (caught.value.code, caught.value.field) == ("invalid_request", "config.learnign_rate")
+    warnings: list[str] = []
+    prepared = prepare_train_request(str(typo_request), kiln_lenient=True, on_warning=warnings.append, **common)
+    assert prepared.kiln_lenient and any("`config.learnign_rate`" in warning for warning in warnings)
