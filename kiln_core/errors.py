@@ -175,6 +175,13 @@ ADMISSION_CODES = (
 )
 
 
+# Student and teacher model directories (``kiln_core.identity``): a file that does not parse (a truncated
+# safetensors shard, a config.json that is not a JSON object), named in the error's ``file``; a model
+# file that is a symlink, except a Hugging Face cache snapshot's links into its own ``blobs/``.
+MODEL_UNREADABLE = "model_unreadable"
+MODEL_FILE_CODES = (MODEL_UNREADABLE, "symlink")
+
+
 class AdmissionError(Rejection):
     """A corpus rejected by one admission rule.
 

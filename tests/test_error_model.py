@@ -220,6 +220,7 @@ def test_a_typo_in_a_spec_config_is_refused_naming_the_key(capsys, corpus_dir, t
     path.write_text(yaml.safe_dump(spec))
     code, record, _ = cli(capsys, "run", path, "--json")
     assert code == 2 and (record["code"], record["field"]) == ("invalid_spec", "config.lora_rnak")
+    assert record["message"].endswith("did you mean `lora_rank`?")  # the request's wording (test_request_typos.py)
     spec["config"] = {"training_mode": "off_policy", "top_k": 16, "echo": {"lamda": 0.1}}
     path.write_text(yaml.safe_dump(spec))
     code, record, _ = cli(capsys, "run", path, "--json")
@@ -227,14 +228,20 @@ def test_a_typo_in_a_spec_config_is_refused_naming_the_key(capsys, corpus_dir, t
     assert not (tmp_path / "out").exists()
 
 
-def test_a_kiln_request_keeps_ignoring_unknown_config_keys(capsys, corpus_dir, tiny_student):
+def test_a_kiln_request_ignores_unknown_config_keys_only_when_lenient(capsys, corpus_dir, tiny_student):
+    from kiln_core.contracts.opd_config import ConfigError
     from kiln_core.engine import spec_from_request
 
     request = corpus_dir / "lenient.json"
     request.write_text(json.dumps({"dataset_path": "corpus.jsonl", "teacher": "teacher-manifest.jsonl",
                                    "config": {"training_mode": "off_policy", "top_k": 16, "lora_rnak": 8}}))
-    prepared = spec_from_request(str(request), adapter="lenient", student_dir=str(tiny_student))
+    with pytest.raises(ConfigError) as caught:
+        spec_from_request(str(request), adapter="lenient", student_dir=str(tiny_student))
+    assert (caught.value.code, caught.value.field) == ("invalid_request", "config.lora_rnak")
+    prepared = spec_from_request(str(request), adapter="lenient", student_dir=str(tiny_student), kiln_lenient=True)
     assert prepared.spec.config.lora_rank == 16  # Kiln's default; the unknown key is ignored, as Kiln does
+    assert prepared.ignored_keys == ("config.lora_rnak",)
+    assert any("`config.lora_rnak`" in warning and "`lora_rank`" in warning for warning in prepared.warnings)
 
 
 # ---------------------------------------------------------------------------------------------

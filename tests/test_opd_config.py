@@ -17,6 +17,7 @@ from kiln_core.contracts.opd_config import (
     parse_opd_request,
     resolve_learning_rate,
     resolve_top_k,
+    unknown_request_keys,
 )
 from kiln_core.contracts.opd_submit import validate_for_offline_training, validate_request_for_offline_training
 
@@ -84,11 +85,44 @@ def test_echo_block_defaults():
         parse_opd_config({"echo": {"env_mask_mode": "everything"}})
 
 
-def test_unknown_fields_are_ignored_like_kiln():
+def test_the_config_model_ignores_unknown_fields_like_kilns_serde():
     config = parse_opd_config({"future_knob": 1, "grad_checkpoint_segments": 4})
     assert "future_knob" not in config.model_dump()
-    request = parse_opd_request({"teacher": "t", "dataset_path": "/x.jsonl", "priority": "high", "config": {"zzz": 1}})
-    assert request.dataset_path == "/x.jsonl"
+
+
+@pytest.mark.parametrize("body, path, suggestion", [
+    ({"config": {"learnign_rate": 0.01}}, "config.learnign_rate", "learning_rate"),
+    ({"datset_path": "/x.jsonl"}, "datset_path", "dataset_path"),
+    ({"config": {"echo": {"lamda": 0.1}}}, "config.echo.lamda", "lambda"),
+    ({"config": {"stable_opd": {"mode": "manual", "kl_beta": 1.0, "sft_lamda": 1.0}}}, "config.stable_opd.sft_lamda",
+     "sft_lambda"),
+    ({"config": {"optimizer": {"kind": "adam_w", "betta1": 0.9}}}, "config.optimizer.betta1", "beta1"),
+    ({"priority": "high"}, "priority", None),
+])
+def test_an_unknown_request_key_is_refused_naming_its_path_and_the_closest_field(body, path, suggestion):
+    with pytest.raises(ConfigError) as caught:
+        parse_opd_request({"teacher": "t", "dataset_path": "/x.jsonl", **body})
+    error = caught.value
+    assert (error.code, error.field) == ("invalid_request", path)
+    assert error.message.startswith(f"invalid OPD request: `{path}`: unknown key")
+    if suggestion is None:
+        assert "did you mean" not in error.message
+    else:
+        assert error.message.endswith(f"did you mean `{suggestion}`?")
+
+
+def test_kiln_lenient_ignores_unknown_keys_as_kiln_does_except_where_kiln_refuses_them():
+    body = {"teacher": "t", "dataset_path": "/x.jsonl", "priority": "high",
+            "config": {"learnign_rate": 0.5, "grad_checkpoint_segments": 4, "echo": {"lamda": 0.3}}}
+    request = parse_opd_request(body, kiln_lenient=True)
+    assert request.config.learning_rate is None and request.config.echo.lambda_ == 0.05  # Kiln's defaults
+    assert [key.path for key in unknown_request_keys(body)] == ["priority", "config.learnign_rate", "config.echo.lamda"]
+    # Kiln's optimizer denies unknown fields: refused even when lenient
+    with pytest.raises(ConfigError) as caught:
+        parse_opd_request({"teacher": "t", "config": {"optimizer": {"kind": "muon", "momentm": 0.9}}}, kiln_lenient=True)
+    assert (caught.value.code, caught.value.field) == ("invalid_request", "config.optimizer.momentm")
+    # Kiln never reads grad_checkpoint_segments from a request (skip_deserializing): never refused
+    assert parse_opd_request({"teacher": "t", "config": {"grad_checkpoint_segments": 4}}).config.lora_rank == 16
 
 
 def test_strict_types_like_serde():

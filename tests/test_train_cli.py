@@ -32,7 +32,7 @@ def corpus_dir(tiny_student, tmp_path_factory):
 
 def write_request(directory, name="request.json", **config_overrides) -> str:
     body = {"dataset_path": "corpus.jsonl", "teacher": "teacher-manifest.jsonl", "config": {**CONFIG, **config_overrides},
-            "post_eval": None, "unknown_field": "ignored like Kiln"}
+            "post_eval": None}
     path = directory / name
     path.write_text(json.dumps(body))
     return str(path)

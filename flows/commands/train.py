@@ -7,7 +7,9 @@
 The request runs through the same engine as the pipeline (``kiln_core.engine.run_pipeline``): outputs
 go under ``<out>/runs/<adapter>/<run key>/`` (periodic ``.kiln-checkpoint`` directories, the PEFT
 ``adapter/``, ``train_receipt.json``) and ``<out>/runs/<adapter>/latest.json`` points at the newest
-published run. Running the same request again returns the finished run; a run interrupted part-way
+published run. An unknown request key (``learnign_rate``) is refused, naming the closest field;
+``--kiln-lenient`` ignores it as Kiln does, prints it and records it in the receipt
+(``ignored_request_keys``). Running the same request again returns the finished run; a run interrupted part-way
 is resumed with ``--resume-checkpoint`` (the refusal without it prints the exact command). With
 ``--json`` the last stdout line is the run summary (``status``, ``adapter``, ``receipt``, ``run``,
 ``latest``, ``latest_checkpoint``, ``final_loss``, ``gate``, …) or the error object. Exit codes: 0 success
@@ -84,6 +86,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vllm-sync-dir", metavar="DIR",
                         help="directory the rollout server can read, for the per-step LoRA (default: "
                         "vllm-sync in the run directory)")
+    parser.add_argument("--kiln-lenient", action="store_true",
+                        help="ignore unknown request keys as Kiln does (each one is printed and recorded in the "
+                        "receipt); without it an unknown key is refused, naming the closest field")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON line on stdout")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -99,6 +104,8 @@ def resume_command(args: argparse.Namespace, checkpoint: str) -> str:
             argv += [flag, value]
     if args.gradient_checkpointing:
         argv.append("--gradient-checkpointing")
+    if args.kiln_lenient:
+        argv.append("--kiln-lenient")
     if args.eval_corpus:
         argv += ["--eval-corpus", args.eval_corpus, "--eval-every", str(args.eval_every)]
         if args.stop_on_divergence:
@@ -117,16 +124,17 @@ def run(args: argparse.Namespace) -> int:
     import json
     import sys
 
-    from kiln_core.engine import LocalStages, ResumeRequired, run_pipeline, spec_from_request
+    from kiln_core.engine import ResumeRequired, run_pipeline, spec_from_request
 
     prepared = spec_from_request(args.request, adapter=args.adapter, student_dir=args.student, out_root=args.out,
                                  resume_checkpoint=args.resume_checkpoint, nproc=args.nproc, backend=args.backend,
-                                 eval_watch=watch_from_arguments(args), vllm=vllm_from_arguments(args))
+                                 eval_watch=watch_from_arguments(args), vllm=vllm_from_arguments(args),
+                                 kiln_lenient=args.kiln_lenient)
     for warning in prepared.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     bar = _ProgressBar(enabled=not (args.quiet or args.json))
     try:
-        result = run_pipeline(prepared.spec, LocalStages(on_progress=bar.update), resume=prepared.resume,
+        result = run_pipeline(prepared.spec, prepared.stages(on_progress=bar.update), resume=prepared.resume,
                               device=args.device, precision=args.dtype,
                               gradient_checkpointing=args.gradient_checkpointing)
     except ResumeRequired as error:

@@ -4,10 +4,15 @@ Field names, defaults and rejection messages follow Kiln's crates/kiln-train/src
 Parsing is strict where serde is strict (an integer field refuses ``4.0`` and ``"4"``, a bool refuses
 ``1``), and the optimizer block denies unknown keys as Kiln's does.
 
-Unknown top-level fields of ``OpdRequest`` and ``OpdConfig`` are accepted and IGNORED, on purpose:
-Kiln's control-plane schema allows them, so a request file written for Kiln (possibly by a newer Kiln
-client carrying fields we do not know yet) must not be rejected here (docs/architecture.md, decision 1). The same
-leniency covers ``grad_checkpoint_segments``, which Kiln ignores on input (``skip_deserializing``).
+The models themselves ignore unknown fields, as Kiln's serde structs do (``crates/kiln-train/src/opd.rs``:
+``OpdRequest`` and ``OpdConfig`` have no ``deny_unknown_fields``). A request read through
+``parse_opd_request`` refuses them (``invalid_request``, naming the key and the closest field), because a
+typo such as ``learnign_rate`` would otherwise train at the default and publish; ``kiln_lenient=True``
+(``kiln-flows train --kiln-lenient``) keeps Kiln's behaviour. ``grad_checkpoint_segments`` is a Kiln field
+that Kiln ignores on input (``skip_deserializing``): never refused, always ignored.
+
+The nested blocks (optimizer, Stable-OPD, ECHO) live in ``kiln_core.contracts.opd_blocks`` and are
+re-exported here.
 
 Kiln parses every wire value and rejects the unsupported ones at submit time with a specific message;
 ``kiln_core.contracts.opd_submit`` applies those rejections, so parsing ``"objective": "cross_entropy"``
@@ -20,12 +25,23 @@ of the checkpoint identity.
 
 from __future__ import annotations
 
-import math
-from typing import Annotated, Any, Literal, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from kiln_core.contracts.opd_blocks import (  # noqa: F401 - re-exported: the config's blocks import from here
+    AdamWOptimizer,
+    EchoConfig,
+    MuonOptimizer,
+    Optimizer,
+    SgdOptimizer,
+    StableOpd,
+    StableOpdAuto,
+    StableOpdManual,
+    StableOpdOff,
+)
 from kiln_core.contracts.opd_prompt import OpdPrompt
+from kiln_core.contracts.unknown_keys import UnknownKey, find_unknown_keys
 
 from kiln_core.errors import Rejection
 
@@ -39,6 +55,7 @@ __all__ = [
     "OpdRequest",
     "parse_opd_config",
     "parse_opd_request",
+    "unknown_request_keys",
     "resolve_top_k",
     "resolve_learning_rate",
     "effective_samples_per_prompt",
@@ -50,6 +67,8 @@ __all__ = [
 SUPPORTED_TOP_K = (32, 16)  # Kiln's KT kernels, largest first (§2.6)
 DEFAULT_SAMPLES_PER_PROMPT = 4
 U64_MAX = 2**64 - 1
+# Kiln fields that Kiln never reads from a request (serde ``skip_deserializing``): ignored, never refused.
+KILN_IGNORED_ON_INPUT = ("config.grad_checkpoint_segments",)
 
 
 class ConfigError(Rejection, ValueError):
@@ -66,128 +85,6 @@ class ConfigError(Rejection, ValueError):
 
     def __str__(self) -> str:
         return self.message
-
-
-# ---------------------------------------------------------------------------------------------
-# Nested blocks
-
-
-# Every field's docstring is its one-line description in the JSON schema (use_attribute_docstrings),
-# so the Prefect UI's run form shows the same text a reader of this file sees: what it does, its
-# unit, and Kiln's default. tests/test_form_schema.py counts fields without one (goal: none).
-
-
-class _Strict(BaseModel):
-    # Our base for nested blocks whose unknown keys Kiln ignores (echo, stable_opd).
-    model_config = ConfigDict(strict=True, extra="ignore", frozen=True, populate_by_name=True,
-                              use_attribute_docstrings=True)
-
-
-class _StrictForbid(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid", frozen=True, use_attribute_docstrings=True)
-
-
-UnitInterval = Annotated[float, Field(ge=0.0, lt=1.0)]
-
-
-class MuonOptimizer(_StrictForbid):
-    """Muon (Kiln's default OPD optimizer). Learning rate default 2e-3."""
-
-    model_config = ConfigDict(title="Muon")  # merged with the base class config
-
-    kind: Literal["muon"] = "muon"
-    """Optimizer: muon (Kiln's default)."""
-    momentum: UnitInterval = 0.95
-    """Momentum coefficient, in [0, 1). Kiln default: 0.95."""
-    nesterov: bool = True
-    """Use Nesterov momentum. Kiln default: true."""
-    ns_iters: int = Field(default=5, ge=1, le=20)
-    """Newton-Schulz orthogonalization iterations per step, 1 to 20. Kiln default: 5."""
-    weight_decay: float = Field(default=0.0, ge=0.0)
-    """Decoupled weight decay per step (0 or more). Kiln default: 0."""
-
-
-class AdamWOptimizer(_StrictForbid):
-    """AdamW. Learning rate default 1e-5."""
-
-    model_config = ConfigDict(title="AdamW")  # merged with the base class config
-
-    kind: Literal["adam_w"] = "adam_w"
-    """Optimizer: adam_w."""
-    beta1: UnitInterval = 0.9
-    """Decay rate of the first-moment (mean) estimate, in [0, 1). Kiln default: 0.9."""
-    beta2: UnitInterval = 0.999
-    """Decay rate of the second-moment (variance) estimate, in [0, 1). Kiln default: 0.999."""
-    eps: float = Field(default=1e-8, gt=0.0)
-    """Added to the denominator for numerical stability (above 0). Kiln default: 1e-8."""
-    weight_decay: float = Field(default=0.0, ge=0.0)
-    """Decoupled weight decay per step (0 or more). Kiln default: 0."""
-
-
-class SgdOptimizer(_StrictForbid):
-    """Plain SGD without momentum (no optimizer state). Learning rate default 1e-5."""
-
-    model_config = ConfigDict(title="SGD")  # merged with the base class config
-
-    kind: Literal["sgd"] = "sgd"
-    """Optimizer: sgd (no momentum, no state)."""
-
-
-Optimizer = Annotated[Union[MuonOptimizer, AdamWOptimizer, SgdOptimizer], Field(discriminator="kind")]
-
-
-class StableOpdOff(_Strict):
-    """Stable-OPD off (Kiln's default; the only mode that runs today)."""
-
-    model_config = ConfigDict(title="Off")  # merged with the base class config
-
-    mode: Literal["off"] = "off"
-    """Stable-OPD mode: off."""
-
-
-class StableOpdAuto(_Strict):
-    """Stable-OPD with Kiln's automatic coefficients (refused at submit: not wired into the loss)."""
-
-    model_config = ConfigDict(title="Auto")  # merged with the base class config
-
-    mode: Literal["auto"]
-    """Stable-OPD mode: auto."""
-
-
-class StableOpdManual(_Strict):
-    """Stable-OPD with explicit coefficients (refused at submit: not wired into the loss)."""
-
-    model_config = ConfigDict(title="Manual")  # merged with the base class config
-
-    mode: Literal["manual"]
-    """Stable-OPD mode: manual."""
-    kl_beta: float
-    """Weight of the KL term (unitless)."""
-    sft_lambda: float
-    """Weight of the supervised term (unitless)."""
-
-
-StableOpd = Annotated[Union[StableOpdOff, StableOpdAuto, StableOpdManual], Field(discriminator="mode")]
-
-
-class EchoConfig(_Strict):
-    """ECHO env cross-entropy term (off for OPD unless present)."""
-
-    model_config = ConfigDict(title="ECHO")  # merged with the base class config
-
-    lambda_: float = Field(default=0.05, alias="lambda")
-    """λ, the weight of the environment cross-entropy term (unitless; 0 disables it). Kiln default: 0.05."""
-    env_mask_mode: Literal["env_only", "full_obs"] = "env_only"
-    """env_only drops warning-prefix tokens when warning_filter is on; full_obs keeps every observation token. Kiln default: env_only."""
-    warning_filter: bool = True
-    """Trim a tool response's warning prefix from the observation tokens. Kiln default: true."""
-
-    @field_validator("lambda_")
-    @classmethod
-    def _finite(cls, value: float) -> float:
-        if not math.isfinite(value):
-            raise ValueError("echo.lambda must be finite")
-        return value
 
 
 # ---------------------------------------------------------------------------------------------
@@ -313,7 +210,8 @@ class OpdConfig(BaseModel):
 
 
 class OpdRequest(BaseModel):
-    """Kiln's ``OpdRequest`` body (§3.1). Unknown fields are ignored, as Kiln does."""
+    """Kiln's ``OpdRequest`` body (§3.1). The model ignores unknown fields, as Kiln does;
+    ``parse_opd_request`` refuses them unless asked to be lenient."""
 
     model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
 
@@ -353,8 +251,33 @@ def parse_opd_config(value: Any) -> OpdConfig:
         raise _first_error(error, "config") from None
 
 
-def parse_opd_request(value: Any) -> OpdRequest:
-    """Validate a decoded ``OpdRequest`` object; a pydantic failure becomes one ``ConfigError``."""
+def unknown_request_keys(value: Any) -> list[UnknownKey]:
+    """Every key of a decoded request that Kiln's ``OpdRequest`` (top level) and ``OpdConfig`` (``config``,
+    its ``echo`` and ``stable_opd`` blocks, the optimizer) do not know, in document order.
+
+    Example:
+        >>> [key.describe() for key in unknown_request_keys({"teacher": "t", "config": {"learnign_rate": 1}})]
+        ["`config.learnign_rate`: unknown key (not a field of Kiln's OpdConfig); did you mean `learning_rate`?"]
+    """
+    return find_unknown_keys(value, OpdRequest, owners={OpdRequest: "Kiln's OpdRequest", OpdConfig: "Kiln's OpdConfig"},
+                             tolerated=KILN_IGNORED_ON_INPUT)
+
+
+def parse_opd_request(value: Any, *, kiln_lenient: bool = False) -> OpdRequest:
+    """Validate a decoded ``OpdRequest`` object; a pydantic failure becomes one ``ConfigError``.
+
+    Args:
+        value: The decoded request.
+        kiln_lenient: Ignore unknown keys as Kiln does (the caller reports ``unknown_request_keys``);
+            keys Kiln refuses too (inside the optimizer block) are refused either way.
+
+    Raises:
+        ConfigError: ``invalid_request`` naming the first unknown key and the closest field, or the first
+            field pydantic refuses.
+    """
+    for unknown in unknown_request_keys(value):
+        if not kiln_lenient or unknown.kiln_refuses:
+            raise ConfigError(f"invalid OPD request: {unknown.describe()}", unknown.path, code="invalid_request")
     try:
         return OpdRequest.model_validate(value)
     except ValidationError as error:

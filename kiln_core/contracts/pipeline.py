@@ -38,17 +38,11 @@ from pydantic.json_schema import SkipJsonSchema
 
 from kiln_core.contracts.eval_watch import EvalWatch
 from kiln_core.contracts.names import NAME_PATTERN, NAME_RULE, is_valid_name
-from kiln_core.contracts.opd_config import (
-    SAMPLING_FIELDS,
-    EchoConfig,
-    OpdConfig,
-    StableOpdAuto,
-    StableOpdManual,
-    StableOpdOff,
-)
+from kiln_core.contracts.opd_config import SAMPLING_FIELDS, OpdConfig
 from kiln_core.contracts.quality_gate import QualityGate
 from kiln_core.contracts.sources import CorpusSource, ExamplesSource, OnPolicySampling, PromptsSource, Source
 from kiln_core.contracts.spec_blocks import DistributedOptions, RunOptions, TeacherSource, VllmBackends
+from kiln_core.contracts.unknown_keys import UnknownKey, find_unknown_keys
 from kiln_core.errors import Rejection
 from kiln_core.post_eval.config import PostEvalConfig
 
@@ -172,9 +166,9 @@ class PipelineSpec(BaseModel):
     @classmethod
     def _no_unknown_config_keys(cls, value: Any) -> Any:
         # A typo in a hand-written spec must not train with the default and publish.
-        unknown = unknown_config_key(value)
-        if unknown is not None:
-            raise ValueError(f"`config.{unknown}`: unknown key (not a field of Kiln's OpdConfig)")
+        unknown = unknown_config_keys(value)
+        if unknown:
+            raise ValueError(unknown[0].describe())
         if isinstance(value, dict) and "training_mode" not in value:
             # The form does not show training_mode (the source decides it); a pipeline trains off-policy.
             value = {**value, "training_mode": "off_policy"}
@@ -289,38 +283,17 @@ class PipelineSpec(BaseModel):
         return self
 
 
-_STABLE_OPD_MODES = {"off": StableOpdOff, "auto": StableOpdAuto, "manual": StableOpdManual}
-
-
-def _names(model: type[BaseModel]) -> set[str]:
-    return {name for name, info in model.model_fields.items()} | {
-        info.alias for info in model.model_fields.values() if info.alias}
-
-
-def unknown_config_key(value: Any) -> str | None:
-    """The first key of a ``config`` mapping that no ``OpdConfig`` field (or nested block) knows, as a
-    dotted path below ``config`` (``lora_rnak``, ``echo.lamda``), or None. The optimizer block already
-    forbids unknown keys itself.
+def unknown_config_keys(value: Any) -> list[UnknownKey]:
+    """The keys of a ``config`` mapping that no ``OpdConfig`` field (or nested block) knows, with their path
+    (``config.lora_rnak``, ``config.echo.lamda``) and the closest field: the request's rule
+    (``kiln_core.contracts.opd_config.unknown_request_keys``), with the same message. Unlike a request, a
+    spec refuses ``grad_checkpoint_segments`` too: Kiln never reads it, so writing it in a spec is a mistake.
 
     Example:
-        >>> unknown_config_key({"lora_rnak": 8})
-        'lora_rnak'
+        >>> [key.describe() for key in unknown_config_keys({"lora_rnak": 8})]
+        ["`config.lora_rnak`: unknown key (not a field of Kiln's OpdConfig); did you mean `lora_rank`?"]
     """
-    if not isinstance(value, dict):
-        return None
-    for key in value:
-        if key not in _names(OpdConfig):
-            return str(key)
-    nested: list[tuple[str, Any, type[BaseModel] | None]] = [("echo", value.get("echo"), EchoConfig)]
-    stable = value.get("stable_opd")
-    if isinstance(stable, dict):
-        nested.append(("stable_opd", stable, _STABLE_OPD_MODES.get(stable.get("mode", "off"))))
-    for prefix, block, model in nested:
-        if isinstance(block, dict) and model is not None:
-            for key in block:
-                if key not in _names(model):
-                    return f"{prefix}.{key}"
-    return None
+    return find_unknown_keys(value, OpdConfig, prefix="config.", owners={OpdConfig: "Kiln's OpdConfig"})
 
 
 def parse_spec(value: Any, *, file: str | None = None) -> PipelineSpec:

@@ -128,10 +128,12 @@ def prepare(spec: PipelineSpec, stages_: Stages | None = None, *, resume: str | 
     from kiln_core.storage import localize_directory
 
     from kiln_core.engine.base_adapter import plan_base_adapter
+    from kiln_core.identity.model_files import check_model_files
 
     stages_ = stages_ or LocalStages()
     base_adapter = plan_base_adapter(spec.config, spec.storage_root)  # refused before any admission work
     student_dir = localize_directory(spec.student)
+    check_model_files(student_dir, role="student")  # a truncated shard is refused before any work
     manifest = stages_.manifest(spec.teacher, spec.storage_root, max(32, spec.config.top_k))
     if spec.prompts is not None:  # the one place the source decides the path: the data stage
         corpus = stages_.prompts(spec, manifest, student_dir)

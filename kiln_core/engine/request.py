@@ -1,7 +1,10 @@
 """From a Kiln ``OpdRequest`` file to a ``PipelineSpec``: what ``kiln-flows train`` hands the engine.
 
-1. read and validate the request (``OpdRequest``, Kiln's submit-time rules; unknown fields are
-   ignored, as Kiln does), the adapter name, and the resume checkpoint's name — all before any work;
+1. read and validate the request (``OpdRequest``, Kiln's submit-time rules), the adapter name, and the
+   resume checkpoint's name — all before any work. An unknown key (``config.learnign_rate``) is refused
+   with ``invalid_request``, naming it and the closest field; ``kiln_lenient`` (``--kiln-lenient``) ignores
+   it as Kiln does, and then each ignored key is a warning and is recorded in the run's receipt
+   (``ignored_request_keys``);
 2. ``teacher`` is a file whose first line is the pinned manifest (relative to the request file), or
    an alias in the local registry under the storage root;
 3. ``dataset_path`` (relative paths are taken relative to the request file, so a request and its
@@ -26,9 +29,11 @@ from dataclasses import dataclass, field
 
 from kiln_core.contracts.eval_watch import EvalWatch, parse_eval_watch
 from kiln_core.contracts.names import check_name
-from kiln_core.contracts.opd_config import ConfigError, OpdRequest, parse_opd_request
+from kiln_core.contracts.opd_config import ConfigError, OpdRequest, parse_opd_request, unknown_request_keys
 from kiln_core.contracts.opd_submit import validate_request_for_offline_training
 from kiln_core.contracts.pipeline import DistributedOptions, PipelineSpec, TeacherSource, parse_spec
+from kiln_core.contracts.unknown_keys import UnknownKey
+from kiln_core.engine.pipeline import LocalStages
 from kiln_core.post_eval.config import PostEvalConfig, parse_post_eval_config, validate_post_eval_config
 from kiln_core.post_eval.registry import SuiteRegistry
 from kiln_core.storage import resolve
@@ -36,19 +41,44 @@ from kiln_core.storage import resolve
 
 @dataclass(frozen=True)
 class RequestRun:
-    """A request turned into a spec, the resume point it asks for, and the warnings it raised."""
+    """A request turned into a spec, the resume point it asks for, and the warnings it raised.
+
+    Attributes:
+        ignored_keys: Unknown request keys ``--kiln-lenient`` ignored (dotted paths), each also a warning.
+    """
 
     spec: PipelineSpec
     resume: str | None
     warnings: list[str] = field(default_factory=list)
+    ignored_keys: tuple[str, ...] = ()
+
+    def stages(self, **options) -> LocalStages:
+        """The ``LocalStages`` that run this request (``options``: theirs); with ignored keys, stages that
+        also record them in the receipt of the run they train."""
+        if not self.ignored_keys:
+            return LocalStages(**options)
+        return _RecordingStages(self.ignored_keys, **options)
 
 
-def load_request(request_path: str) -> tuple[OpdRequest, list[str]]:
-    """Read, parse and validate an ``OpdRequest`` JSON file; returns the request and its warnings.
+@dataclass(frozen=True)
+class LoadedRequest:
+    """A parsed request, the warnings Kiln's submit rules raised, and the unknown keys it ignored."""
+
+    request: OpdRequest
+    warnings: list[str]
+    ignored_keys: tuple[str, ...] = ()
+
+
+def load_request(request_path: str, *, kiln_lenient: bool = False) -> LoadedRequest:
+    """Read, parse and validate an ``OpdRequest`` JSON file.
+
+    Args:
+        request_path: The request file.
+        kiln_lenient: Ignore unknown keys as Kiln does; each one becomes a warning and an ignored key.
 
     Raises:
-        ConfigError: ``invalid_request`` (unreadable, not JSON) or a rule Kiln enforces at submit time;
-        NestingTooDeep: ``nesting_too_deep`` — deeper than Kiln's parser accepts.
+        ConfigError: ``invalid_request`` (unreadable, not JSON, an unknown key) or a rule Kiln enforces at
+            submit time; NestingTooDeep: ``nesting_too_deep`` — deeper than Kiln's parser accepts.
     """
     from kiln_core.strict_json import loads_nesting_limited
 
@@ -60,13 +90,50 @@ def load_request(request_path: str) -> tuple[OpdRequest, list[str]]:
         value = loads_nesting_limited(text, where="the OPD request", file=request_path)
     except json.JSONDecodeError as error:
         raise ConfigError(f"OPD request {request_path} is not valid JSON: {error}", None, code="invalid_request") from None
-    request = parse_opd_request(value)
+    request = parse_opd_request(value, kiln_lenient=kiln_lenient)
+    ignored = [key for key in unknown_request_keys(value) if not key.kiln_refuses] if kiln_lenient else []
+    warnings = [_ignored_warning(key) for key in ignored]
     if request.prompts or request.dataset_path is None:
         # On-policy (or no source at all): Kiln's submit rules for prompts, `source_not_exactly_one` first.
         from kiln_core.on_policy.submit import check_request
 
-        return request, check_request(request)
-    return request, validate_request_for_offline_training(request)
+        warnings += check_request(request)
+    else:
+        warnings += validate_request_for_offline_training(request)
+    return LoadedRequest(request, warnings, tuple(key.path for key in ignored))
+
+
+def _ignored_warning(key: UnknownKey) -> str:
+    """``ignored unknown request key `config.learnign_rate` (--kiln-lenient); did you mean `learning_rate`?``"""
+    hint = f"; did you mean `{key.suggestion}`?" if key.suggestion else ""
+    return f"ignored unknown request key `{key.path}` (--kiln-lenient, as Kiln does){hint}"
+
+
+class _RecordingStages(LocalStages):
+    """``LocalStages`` that also record the request keys ``--kiln-lenient`` ignored in the receipt of the run
+    they train: after training, before the gate and ``latest.json`` (whose digest covers the receipt). A run
+    found finished is left as it is: its receipt describes the request that trained it."""
+
+    def __init__(self, ignored_keys: tuple[str, ...], **options) -> None:
+        super().__init__(**options)
+        self.ignored_keys = ignored_keys
+
+    def train(self, plan, corpus, manifest, student_dir):
+        trained = super().train(plan, corpus, manifest, student_dir)
+        if not trained.reused:
+            record_ignored_keys(trained.run_uri, self.ignored_keys)
+        return trained
+
+
+def record_ignored_keys(run_uri: str, ignored_keys: tuple[str, ...]) -> None:
+    """Add ``ignored_request_keys`` to the run's ``train_receipt.json`` (none written: nothing to add)."""
+    from kiln_core.training.receipt import read_receipt, receipt_status, write_receipt
+
+    run = resolve(run_uri)
+    if receipt_status(run) is None:
+        return
+    receipt = read_receipt(run)
+    write_receipt(run, receipt.model_copy(update={"ignored_request_keys": list(ignored_keys)}))
 
 
 def _anchored(path: str, request_path: str) -> str:
@@ -99,16 +166,19 @@ def teacher_source(teacher: str, request_path: str, registry_root: str) -> Teach
 
 def spec_from_request(request_path: str, *, adapter: str, student_dir: str, out_root: str = "./kiln-data",
                       resume_checkpoint: str | None = None, nproc: int = 1, backend: str = "auto",
-                      eval_watch: dict | None = None, vllm: dict | None = None) -> RequestRun:
+                      eval_watch: dict | None = None, vllm: dict | None = None,
+                      kiln_lenient: bool = False) -> RequestRun:
     """Validate a request file and build the spec ``run_pipeline`` trains (nothing is read but the request;
     an on-policy request's inline prompts are written to ``<out_root>/prompts/<digest>.jsonl``).
 
     ``eval_watch`` is the held-out watch (``EvalWatch`` fields, from ``kiln-flows train --eval-corpus``);
     a Kiln request has no such field, so it is off unless the caller sets it. ``vllm`` is the spec's
     ``vllm:`` block (``VllmBackends`` fields, from ``--vllm-rollouts``/``--vllm-teacher``): on-policy only.
+    ``kiln_lenient`` (``--kiln-lenient``) ignores unknown request keys as Kiln does, naming each in a warning
+    and in ``RequestRun.ignored_keys``.
 
     Raises:
-        ConfigError: the request, the adapter name (``invalid_adapter_name``), ``nproc``, the watch
+        ConfigError: the request (``invalid_request`` for an unknown key), the adapter name (``invalid_adapter_name``), ``nproc``, the watch
             (``eval.*``); CheckpointError: ``invalid_checkpoint_name`` for a resume checkpoint that is not one of
             the adapter's; PostEvalRejection: a ``post_eval`` Kiln would refuse at submit time.
 
@@ -119,7 +189,8 @@ def spec_from_request(request_path: str, *, adapter: str, student_dir: str, out_
     """
     from kiln_core.engine.runs import check_resume_name
 
-    request, warnings = load_request(request_path)
+    loaded = load_request(request_path, kiln_lenient=kiln_lenient)
+    request, warnings, ignored = loaded.request, loaded.warnings, loaded.ignored_keys
     check_name(adapter, field="adapter")
     if nproc < 1:
         raise ConfigError(f"nproc must be at least 1; got {nproc}", "nproc")
@@ -137,20 +208,20 @@ def spec_from_request(request_path: str, *, adapter: str, student_dir: str, out_
         return RequestRun(spec=_on_policy_spec(request, teacher, post_eval, watch, adapter=adapter,
                                                student_dir=student_dir, out_root=out_root, nproc=nproc,
                                                request_path=request_path, vllm=vllm),
-                          resume=resume, warnings=warnings)
+                          resume=resume, warnings=warnings, ignored_keys=ignored)
     spec = parse_spec({
         "teacher": teacher,
         "corpus": _anchored(request.dataset_path or "", request_path),
         "student": student_dir,
         "storage_root": out_root,
         "adapter": adapter,
-        "config": config,  # already validated with Kiln's rules (unknown keys ignored, as Kiln does)
+        "config": config,  # already validated with Kiln's rules
         "distributed": DistributedOptions(nproc=nproc, backend=backend) if nproc > 1 else None,
         "post_eval": post_eval,
         "eval": watch,
         "vllm": vllm,  # refused (invalid_spec): a corpus is already scored
     }, file=request_path)
-    return RequestRun(spec=spec, resume=resume, warnings=warnings)
+    return RequestRun(spec=spec, resume=resume, warnings=warnings, ignored_keys=ignored)
 
 
 def _on_policy_spec(request: OpdRequest, teacher: TeacherSource, post_eval: PostEvalConfig | None,
@@ -178,7 +249,7 @@ def train_request(request_path: str, *, adapter: str, student_dir: str, out_root
                   resume_checkpoint: str | None = None, resume_latest: bool = False, on_progress=None,
                   should_cancel=None, on_step_committed=None, handle_signals: bool = False, on_warning=None, nproc: int = 1,
                   backend: str = "auto", device: str | None = None, precision: str | None = None,
-                  gradient_checkpointing: bool = False):
+                  gradient_checkpointing: bool = False, kiln_lenient: bool = False):
     """``kiln-flows train`` as a function: validate the request, then ``run_pipeline`` its spec.
 
     Args:
@@ -186,18 +257,20 @@ def train_request(request_path: str, *, adapter: str, student_dir: str, out_root
         resume_latest: Resume from the newest committed checkpoint, as every pipeline attempt does.
         on_progress, should_cancel, on_step_committed, handle_signals: Passed to the training stage
             (``LocalStages``).
+        kiln_lenient: Ignore unknown request keys as Kiln does (each one a warning and in the receipt).
 
     Returns:
         ``PipelineResult``.
     """
-    from kiln_core.engine.pipeline import LocalStages, run_pipeline
+    from kiln_core.engine.pipeline import run_pipeline
 
     run = spec_from_request(request_path, adapter=adapter, student_dir=student_dir, out_root=out_root,
-                            resume_checkpoint=resume_checkpoint, nproc=nproc, backend=backend)
+                            resume_checkpoint=resume_checkpoint, nproc=nproc, backend=backend,
+                            kiln_lenient=kiln_lenient)
     for warning in run.warnings:
         if on_warning:
             on_warning(warning)
-    stages = LocalStages(on_progress=on_progress, should_cancel=should_cancel, on_step_committed=on_step_committed,
-                         handle_signals=handle_signals)
+    stages = run.stages(on_progress=on_progress, should_cancel=should_cancel, on_step_committed=on_step_committed,
+                        handle_signals=handle_signals)
     return run_pipeline(run.spec, stages, resume="latest" if resume_latest else run.resume, device=device,
                         precision=precision, gradient_checkpointing=gradient_checkpointing)

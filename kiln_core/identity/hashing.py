@@ -81,10 +81,16 @@ def sha256_file(path: str | Path, *, buffer_bytes: int = READ_BUFFER_BYTES) -> t
     return hasher.digest(), length
 
 
-def _checked_regular_file(path: Path, what: str) -> Path:
-    """Refuse symlinks, missing paths, non-files and empty files with a message naming ``what``."""
+def checked_regular_file(path: Path, what: str) -> Path:
+    """Refuse missing paths, non-files, empty files and symlinks with a message naming ``what``.
+
+    The one symlink accepted is a Hugging Face cache snapshot's link into its own cache's ``blobs/``
+    (``models--org--name/snapshots/<rev>/model.safetensors -> ../../blobs/<sha256>``): the cache lays
+    every model out that way. Reads follow it, so digests are over the same bytes as a plain copy's; the
+    path returned is still the snapshot's, whose file name is the one a loader and a manifest use.
+    """
     if path.is_symlink():
-        raise IdentityHashError("symlink", f"{what} {path} is a symlink; copy the real file in (symlinks are refused)")
+        _check_cache_link(path, what)
     if not path.exists():
         raise IdentityHashError("missing_file", f"{what} {path} does not exist")
     if not path.is_file():
@@ -92,6 +98,30 @@ def _checked_regular_file(path: Path, what: str) -> Path:
     if path.stat().st_size == 0:
         raise IdentityHashError("empty_file", f"{what} {path} is empty")
     return path
+
+
+def hf_cache_repo(path: Path) -> Path | None:
+    """The ``models--…`` folder of the Hugging Face cache snapshot that holds ``path``, or None.
+
+    A snapshot is ``<repo>/snapshots/<revision>/`` next to ``<repo>/blobs/``; the path is taken as given
+    (not resolved), since resolving it would leave the snapshot.
+    """
+    for folder in Path(os.path.abspath(path)).parents:
+        if folder.parent.name == "snapshots" and (folder.parent.parent / "blobs").is_dir():
+            return folder.parent.parent
+    return None
+
+
+def _check_cache_link(path: Path, what: str) -> None:
+    """Accept a symlink only inside a Hugging Face cache snapshot, pointing into that cache's ``blobs/``."""
+    repo = hf_cache_repo(path)
+    if repo is None:
+        raise IdentityHashError("symlink", f"{what} {path} is a symlink; copy the real file in (symlinks are "
+                                "refused, except a Hugging Face cache snapshot's links into its blobs/)")
+    blobs, target = (repo / "blobs").resolve(), path.resolve()
+    if not target.is_relative_to(blobs):
+        raise IdentityHashError("symlink", f"{what} {path} is a symlink to {target}, outside its Hugging Face "
+                                f"cache's {blobs}; only links into the cache's own blobs/ are followed")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -124,7 +154,7 @@ def select_weight_shards(model_dir: str | Path) -> list[Path]:
         names = sorted(entry.name for entry in root.iterdir() if entry.name.endswith(".safetensors"))
     if not names:
         raise IdentityHashError("no_shards", f"no safetensors weights in {root} (pickled .bin weights are not hashed)")
-    return [_checked_regular_file(root / name, "weight shard") for name in names]
+    return [checked_regular_file(root / name, "weight shard") for name in names]
 
 
 def _index_shard_names(index_path: Path) -> list[str]:
@@ -307,7 +337,7 @@ def tokenizer_config_sha256(tokenizer_or_dir: Any) -> str:
 
 def read_model_config(model_dir: str | Path) -> tuple[bytes, dict[str, Any]]:
     """The exact bytes of ``config.json`` and their decoded object."""
-    path = _checked_regular_file(Path(model_dir) / "config.json", "model config")
+    path = checked_regular_file(Path(model_dir) / "config.json", "model config")
     raw = path.read_bytes()
     try:
         config = json.loads(raw)
@@ -365,7 +395,7 @@ def adapter_weights_file(adapter_dir: str | Path) -> Path:
             "adapter_weights",
             f"adapter directory {root} must contain exactly one of {list(ADAPTER_WEIGHT_FILES)}, found {present}",
         )
-    return _checked_regular_file(root / present[0], "adapter weights")
+    return checked_regular_file(root / present[0], "adapter weights")
 
 
 def adapter_weights_sha256(adapter_dir: str | Path) -> str:
@@ -388,5 +418,5 @@ def adapter_weights_sha256(adapter_dir: str | Path) -> str:
 
 def adapter_config_sha256(adapter_dir: str | Path) -> str:
     """``adapter.config_sha256``: plain SHA-256 of the raw ``adapter_config.json`` bytes."""
-    path = _checked_regular_file(Path(adapter_dir) / "adapter_config.json", "adapter config")
+    path = checked_regular_file(Path(adapter_dir) / "adapter_config.json", "adapter config")
     return hashlib.sha256(path.read_bytes()).hexdigest()

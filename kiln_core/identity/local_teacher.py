@@ -35,6 +35,7 @@ from kiln_core.identity.hashing import (
     tokenizer_config_sha256,
     tokenizer_vocab_sha256,
 )
+from kiln_core.identity.model_files import check_model_files
 
 INFERENCE_CONFIG_SCHEMA = "kiln-flows.hf-inference-config.v1"
 MAX_PROMPT_LOGPROB_CANDIDATES = 1_000_000
@@ -217,6 +218,9 @@ def local_teacher_identity(
 
     base_dir = _adapter_base_dir(root)
     model_dir = base_dir or root
+    # The model's files must parse before anything is hashed; an adapter's weights are checked where the
+    # teacher loads (``LocalTeacher.load``): its identity only hashes their bytes.
+    check_model_files(model_dir, role="teacher")
     adapter = None
     if base_dir is not None:
         adapter = {

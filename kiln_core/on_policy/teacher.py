@@ -128,9 +128,11 @@ class LiveLocalTeacher:
         import torch
         from transformers import AutoModelForCausalLM
 
+        from kiln_core.identity.model_files import check_model_files
         from kiln_core.scoring.local import default_device, default_dtype
 
         device = device or default_device()
+        check_model_files(teacher_dir, role="teacher")  # a truncated shard: model_unreadable, naming the file
         try:
             model = AutoModelForCausalLM.from_pretrained(
                 teacher_dir, dtype=getattr(torch, dtype or default_dtype(device)),

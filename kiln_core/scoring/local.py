@@ -142,8 +142,11 @@ class LocalTeacher:
         import torch
         from transformers import AutoModelForCausalLM
 
+        from kiln_core.identity.model_files import check_model_files
+
         device = device or default_device()
         dtype = dtype or default_dtype(device)
+        check_model_files(teacher_dir, role="teacher")  # a truncated shard: model_unreadable, naming the file
         try:
             model = AutoModelForCausalLM.from_pretrained(
                 teacher_dir,

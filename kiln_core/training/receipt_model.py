@@ -287,3 +287,5 @@ class TrainReceipt(_Receipt):
     """Ours: the post-training eval and its gate evidence (``kiln_core.post_eval.post_eval_receipt_block``)."""
     quality_gate: dict[str, Any] | None = Field(default=None, exclude_if=_omit_none)
     """Ours: the distillation-metrics gate (thresholds, base and distilled metrics, outcome)."""
+    ignored_request_keys: list[str] | None = Field(default=None, exclude_if=_omit_none)
+    """Ours: unknown keys of the request (dotted paths) that ``--kiln-lenient`` ignored, as Kiln does."""

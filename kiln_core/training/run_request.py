@@ -22,6 +22,7 @@ class PreparedRequest:
     student_dir: str
     out_root: str
     resume_checkpoint: str | None
+    kiln_lenient: bool = False
 
     def job(self, *, world_size: int, device: str | None = None, precision: str | None = None,
             gradient_checkpointing: bool = False, backend: str = "auto"):
@@ -33,7 +34,7 @@ class PreparedRequest:
 
         run = spec_from_request(self.request_path, adapter=self.adapter, student_dir=self.student_dir,
                                 out_root=self.out_root, resume_checkpoint=self.resume_checkpoint,
-                                nproc=world_size, backend=backend)
+                                nproc=world_size, backend=backend, kiln_lenient=self.kiln_lenient)
         ready = prepare(run.spec, resume=run.resume, device=device, precision=precision,
                         gradient_checkpointing=gradient_checkpointing)
         resume = newest_checkpoint(ready.plan.run_uri, self.adapter) if ready.plan.resume == "latest" else ready.plan.resume
@@ -41,14 +42,14 @@ class PreparedRequest:
 
 
 def prepare_train_request(request_path: str, *, adapter: str, student_dir: str, out_root: str = "./kiln-data",
-                          resume_checkpoint: str | None = None,
+                          resume_checkpoint: str | None = None, kiln_lenient: bool = False,
                           on_warning: Callable[[str], None] | None = None) -> PreparedRequest:
     """Validate the request file now (rejections before any launch); ``job()`` does the rest."""
     from kiln_core.engine.request import spec_from_request
 
     run = spec_from_request(request_path, adapter=adapter, student_dir=student_dir, out_root=out_root,
-                            resume_checkpoint=resume_checkpoint)
+                            resume_checkpoint=resume_checkpoint, kiln_lenient=kiln_lenient)
     for warning in run.warnings:
         if on_warning:
             on_warning(warning)
-    return PreparedRequest(request_path, adapter, student_dir, out_root, resume_checkpoint)
+    return PreparedRequest(request_path, adapter, student_dir, out_root, resume_checkpoint, kiln_lenient)

@@ -192,6 +192,9 @@ def load_student(
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
+    from kiln_core.identity.model_files import check_model_files
+
+    check_model_files(student_dir, role="student")  # refused naming the file, not deep inside transformers
     device_ = resolve_device(device)
     precision_ = resolve_precision(device_, precision)
     dtype = torch.bfloat16 if precision_ == "bf16" else torch.float32

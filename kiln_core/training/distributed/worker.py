@@ -60,6 +60,8 @@ def _worker_parser() -> argparse.ArgumentParser:
     parser.add_argument("--precision", choices=("fp32", "bf16"))
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--backend", choices=BACKENDS, default="auto")
+    parser.add_argument("--kiln-lenient", action="store_true",
+                        help="--request: ignore unknown request keys as Kiln does (printed, recorded in the receipt)")
     return parser
 
 
@@ -90,6 +92,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if job is None:
                 job = _job_from_request(args, world)
             result = run_job(job, world, on_progress=progress)
+            if world.is_main and args.request and args.kiln_lenient:
+                _record_ignored_keys(args, job)
         except Exception as error:  # noqa: BLE001
             return _report(world, args.result, error)
         if world.is_main and args.result:
@@ -107,13 +111,22 @@ def _job_from_request(args: argparse.Namespace, world: World) -> DistributedJob:
     def prepare() -> DistributedJob:
         prepared = prepare_train_request(
             args.request, adapter=args.adapter, student_dir=args.student, out_root=args.out,
-            resume_checkpoint=args.resume_checkpoint,
+            resume_checkpoint=args.resume_checkpoint, kiln_lenient=args.kiln_lenient,
             on_warning=(lambda message: print(f"warning: {message}", file=sys.stderr)) if world.is_main else None)
         return prepared.job(world_size=world.size, device=args.device, precision=args.precision,
                             gradient_checkpointing=args.gradient_checkpointing, backend=args.backend)
 
     job = world.publish_on_main(prepare)
     return job if job is not None else prepare()
+
+
+def _record_ignored_keys(args: argparse.Namespace, job: DistributedJob) -> None:
+    """Rank 0 of a ``--request --kiln-lenient`` run: the ignored request keys go into the run's receipt."""
+    from kiln_core.engine.request import load_request, record_ignored_keys
+
+    ignored = load_request(args.request, kiln_lenient=True).ignored_keys
+    if ignored:
+        record_ignored_keys(job.run_root, ignored)
 
 
 def _progress_writer(path: str) -> Callable[[int, int, float], None]:
