@@ -1,4 +1,4 @@
-"""Strict JSON parsing (kiln-hf-oracle-spec.md §0.6) and serde_json's nesting limit, for every reader.
+"""Strict JSON parsing (Kiln's ``scripts/qualification/strict_json.py``) and serde_json's nesting limit, for every reader.
 
 Python's ``json`` module is lenient in ways that change what a document *means*: it keeps the last of
 two duplicate keys, accepts ``NaN``/``Infinity``, and silently rounds number literals that no float

@@ -3,7 +3,7 @@
 Each rule becomes a boolean mask over examples or teacher tokens; only the failing positions are
 ever looked at in Python. When several things are wrong, the reported one is the one Kiln would
 hit first: the earliest example, and within it the rules in Kiln's order (opd.rs
-``prepare_off_policy_distillation_dataset_with_identity``; reference kiln-opd-spec.md §2.5):
+``prepare_off_policy_distillation_dataset_with_identity``):
 messages, response, tokenization and masks (a refused template, overlapping masks), action tokens,
 a target at position 0 (logit_source.rs ``target_token_positions_to_logits_rows``), teacher-token
 count, declared token ids, then per teacher token — candidate count, id range and finiteness,

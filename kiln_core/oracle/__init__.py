@@ -3,7 +3,7 @@
 A ``kiln.hf-next-token-request.v1`` binds a source revision, exact model bytes, a rendered prompt,
 a forced continuation prefix and two candidate next tokens (Kiln's, then vLLM's). The oracle proves
 the request is what it claims, runs one independent eager forward pass and records which candidate
-the reference model's argmax is (kiln-hf-oracle-spec.md).
+the reference model's argmax is (Kiln's ``scripts/qualification/``).
 
 Modules, one job each:
 

@@ -1,4 +1,5 @@
-"""Model directory fingerprint: the ``model_identity`` of kiln-hf-oracle-spec.md §0.4.
+"""Model directory fingerprint: the ``model_identity`` of Kiln's
+``scripts/qualification/model_fingerprint.py`` (``fingerprint_model``).
 
 The identity binds the exact bytes the oracle will load: every weight shard (path, size, SHA-256),
 the raw ``config.json``, the raw ``tokenizer.json`` and the chat template. Its ``content_sha256`` is

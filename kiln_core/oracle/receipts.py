@@ -1,4 +1,5 @@
-"""Repository-bound source-receipt checks of kiln-hf-oracle-spec.md §1.6.
+"""Repository-bound source-receipt checks of Kiln's
+``scripts/qualification/hf_next_token_contract.py`` (``validate_request``).
 
 A request names the two serving receipts (Kiln's and vLLM's) that produced its disputed candidates.
 Given the repository root that holds them, these checks prove the receipts are the exact files the

@@ -1,6 +1,6 @@
 """The independent reference: tokenizer re-checks and one eager Hugging Face forward pass.
 
-This is kiln-hf-oracle-spec.md §4.3 without the ROCm/Qwen3.5 pins: any local causal LM that
+This is Kiln's ``scripts/qualification/qwen35_hf_logits.py`` without the ROCm/Qwen3.5 pins: any local causal LM that
 ``AutoModelForCausalLM`` loads, on CUDA when available and otherwise on CPU.
 
 * **Tokenizer re-check** — re-rendering ``messages`` with ``add_generation_prompt=True,

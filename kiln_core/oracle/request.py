@@ -1,7 +1,7 @@
 """``kiln.hf-next-token-request.v1``: loading, schema validation and the cross-field rules.
 
 A request is accepted only after four gates, each with stable rejection rules
-(kiln-hf-oracle-spec.md §1.6):
+(Kiln's ``scripts/qualification/hf_next_token_contract.py`` ``validate_request``/``load_request``):
 
 1. the file: a regular, non-symlink file of at most 262,144 bytes (``file_not_found``,
    ``not_regular_file``, ``file_too_large``);

@@ -7,7 +7,8 @@ A result directory is ``<root>/oracle/<request id>/`` (docs/storage.md) and hold
 * ``result.json`` — the record, written **last**: its presence is the commit. Readers ignore a
   directory without it.
 
-Conventions taken from Kiln (kiln-hf-oracle-spec.md §2-§4.4): argmax ties go to the lowest index;
+Conventions taken from Kiln (``scripts/qualification/rocm_hf_next_token_oracle.py``,
+``crates/kiln-model/examples/rocm_hf_path_attribution.rs``): argmax ties go to the lowest index;
 top-10 is sorted by value descending then index ascending; a candidate's rank is 1 + the number of
 strictly greater logits (ties share the better rank); ``logits_sha256`` hashes the float32
 little-endian vector; ``result_sha256`` is the canonical self-hash. We add ``logprob``

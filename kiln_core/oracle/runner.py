@@ -1,6 +1,6 @@
 """One oracle run, end to end: request → receipts → model identity → reference → committed result.
 
-The order is Kiln's (kiln-hf-oracle-spec.md §4.1), minus its host containment: every check that can
+The order is Kiln's (``scripts/qualification/rocm_hf_next_token_oracle.py`` ``run``), minus its host containment: every check that can
 reject the input runs before the model is loaded, and nothing is written unless the forward pass
 succeeded. The source receipts are checked on every request, as Kiln's ``validate_source_receipts``
 always is: against the current directory by default (Kiln runs from its repository root), or the
