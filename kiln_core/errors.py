@@ -175,6 +175,17 @@ ADMISSION_CODES = (
 )
 
 
+class TokenizationError(Rejection, ValueError):
+    """A student directory or an example that cannot be rendered or tokenized (a rejection everywhere:
+    the CLI and the pipeline alike)."""
+
+    def __init__(self, message: str, code: str = "invalid_student") -> None:
+        super().__init__(code, message)
+
+    def __str__(self) -> str:
+        return self.message
+
+
 class AdmissionError(Rejection):
     """A corpus rejected by one admission rule.
 
