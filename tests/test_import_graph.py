@@ -11,10 +11,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
 
 import import_graph  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def repo_report() -> dict:
+    return import_graph.report(REPO)
 
 
 def _write(root: Path, files: dict[str, str]) -> None:
@@ -64,7 +71,8 @@ def test_the_package_check_finds_a_planted_cycle_upward_arrows_and_an_unplaced_p
     assert packages["package_cycles"] == [["contracts", "engine"]]
     arrows = {(arrow["from"], arrow["to"]): arrow["imports"] for arrow in packages["upward_arrows"]}
     assert arrows == {
-        ("contracts", "engine"): [{"from": "kiln_core.contracts.spec", "to": "kiln_core.engine.run", "in_function": True}],
+        ("contracts", "engine"): [
+            {"from": "kiln_core.contracts.spec", "to": "kiln_core.engine.run", "in_function": True}],
         ("kiln_core", "errors"): [{"from": "kiln_core", "to": "kiln_core.errors", "in_function": False}],
     }
     assert packages["unplaced_packages"] == ["newthing"]
@@ -91,24 +99,23 @@ def test_the_layer_table_places_each_package_once_with_a_reason():
     assert import_graph.KILN_CORE_LAYERS[0][1] == ("kiln_core",)
 
 
-def test_kiln_core_packages_follow_their_layers():
-    packages = import_graph.report(REPO)["packages"]
+def test_kiln_core_packages_follow_their_layers(repo_report):
+    packages = repo_report["packages"]
     assert packages["package_cycles"] == []
     assert packages["upward_arrows"] == []
     assert packages["unplaced_packages"] == [] and packages["missing_packages"] == []
     assert packages["orchestrators"] == []
 
 
-def test_no_upward_imports_and_no_prefect_in_the_engine():
-    report = import_graph.report(REPO)
-    assert report["upward_imports"] == []
-    assert report["engine_imports_prefect"] == []
+def test_no_upward_imports_and_no_prefect_in_the_engine(repo_report):
+    assert repo_report["upward_imports"] == []
+    assert repo_report["engine_imports_prefect"] == []
 
 
-def test_no_import_circles():
+def test_no_import_circles(repo_report):
     # Not even a lazy one (an import inside a function): the torchrun worker reaches the engine through
     # the request preparation, the engine reaches the launcher, and the launcher never the worker.
-    circles = [c["modules"] for c in import_graph.report(REPO)["circles"]]
+    circles = [c["modules"] for c in repo_report["circles"]]
     assert circles == [], circles
 
 

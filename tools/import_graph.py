@@ -8,7 +8,7 @@ there is one). Checked, and printed:
 * the packages of ``kiln_core`` against ``KILN_CORE_LAYERS`` below (a package is ``kiln_core.<first
   name>``; a top-level module such as ``kiln_core/chat_template.py`` is a package of its own, and
   ``kiln_core`` itself is its ``__init__``): no package circle, no arrow from a lower layer to a higher
-  one (each printed with the module-level imports that make it), every package placed in a layer, and
+  one (each printed with the module-to-module imports that make it), every package placed in a layer, and
   ``engine`` the only orchestrator — no other package imports two of the pipeline's stages;
 * every module circle (a strongly connected component of two or more modules), marked
   ``import-time`` when it is made of module-level imports only;
@@ -42,29 +42,29 @@ KILN_CORE_LAYERS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("root", ("kiln_core",),
      "the version and a lazy export table: imports nothing of kiln_core, so any module may read __version__"),
     ("floor", ("errors", "canonical", "strict_json", "storage_settings", "storage", "data"),
-     "rejections and exit codes, byte-exact JSON and hashes, strict JSON, storage: what every layer uses"),
+     "errors and exit codes, byte-exact JSON and hashes, strict JSON, storage: no domain, used by every layer"),
     ("contracts", ("contracts",),
-     "wire formats: one strict model per file kiln-flows or Kiln reads or writes; they only parse and check"),
+     "wire formats, the floor of the domain: one strict model per file; they parse and check, never run work"),
     ("identity", ("identity",),
-     "content digests of model, tokenizer and adapter files and a local teacher's identity record"),
+     "digests of model, tokenizer and adapter files and a teacher's identity: tokenization pins its tokenizer"),
     ("text", ("chat_template", "assistant_mask", "trajectory_mask", "tokenization", "kiln_prompts"),
-     "a chat becomes token ids and target masks exactly as Kiln renders it"),
+     "a chat becomes token ids and target masks as Kiln renders it; needs only messages and identity"),
     ("corpus", ("corpus", "materialize", "synthetic", "tiny_models"),
-     "the admitted corpus's tables, and the synthetic corpora and tiny models that demos and tests build"),
+     "data at rest: the admitted corpus's tables (and demo corpora and models) that admission writes"),
     ("admission", ("admission", "teachers"),
-     "admitting a teacher corpus, and finding teachers (Kiln's client, the local registry)"),
+     "admitting a corpus against a student, and finding teachers: built on text, corpus tables and identity"),
     ("scoring", ("scoring", "oracle"),
-     "teacher scores for examples (local Hugging Face, vLLM) and the Hugging Face next-token oracle"),
+     "teacher scores for examples (local, vLLM, the next-token oracle); reuses admission's record parsing"),
     ("on_policy", ("on_policy",),
-     "rollouts: sample the student, have the teacher score them, store them"),
+     "rollouts: sample the student, then have the teacher score them through scoring"),
     ("evaluation", ("loss", "evaluation"),
-     "the loss math and the held-out evaluation: what training optimizes and what its watch measures"),
+     "the loss math and held-out evaluation (admits held-out corpora, renders prompts); training's watch uses it"),
     ("training", ("training",),
-     "the training loop, checkpoints, receipts and the distributed world"),
+     "the training loop, checkpoints, receipts and the distributed world, over rollouts and the held-out watch"),
     ("after training", ("post_eval", "models"),
-     "the post-eval gate's runs and decisions; preparing real models for demos and benchmarks"),
+     "the post-eval gate runs on a trained adapter; model preparation drives evaluation and scoring"),
     ("engine", ("engine",),
-     "the one orchestrator: request → spec → admit → score → train → gate → publish"),
+     "the one orchestrator: request → spec → admit → score → train → gate → publish; nothing imports it"),
 )
 ORCHESTRATOR = "engine"
 # The pipeline stages the orchestrator sequences; a package that imports two of them orchestrates.
