@@ -20,90 +20,13 @@ import hashlib
 import json
 from typing import Any, Iterable
 
-__all__ = ["serde_json_compact", "kiln_prompts_sha256"]
+from kiln_core.canonical import serde_json_text
+
+__all__ = ["kiln_prompts_sha256"]
 
 MANIFEST_SCHEMA = "kiln.off-policy-distillation-manifest.v1"
 # Rust's char::is_whitespace: what Kiln's `line.trim()` removes before parsing a JSONL line.
 _RUST_WHITESPACE = "\t\n\x0b\x0c\r \x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007\u2008\u2009\u200a\u2028\u2029\u202f\u205f\u3000"
-_U64_MAX, _I64_MIN = 2**64 - 1, -(2**63)
-
-
-# ---------------------------------------------------------------------------------------------
-# serde_json's compact writer for a `serde_json::Value`
-
-
-def serde_json_compact(value: Any) -> str:
-    """``value`` as ``serde_json::to_vec(&Value)`` writes it: keys sorted, floats in ryu's shortest form.
-
-    Integers that fit neither ``u64`` nor ``i64`` are written as floats, as serde_json parses them.
-
-    Example:
-        >>> serde_json_compact({"b": [1e-5, 2.0, 10**20], "a": "é\\n"})
-        '{"a":"é\\\\n","b":[0.00001,2.0,1e20]}'
-    """
-    parts: list[str] = []
-    _encode(value, parts)
-    return "".join(parts)
-
-
-def _encode(value: Any, out: list[str]) -> None:
-    if value is None:
-        out.append("null")
-    elif value is True:
-        out.append("true")
-    elif value is False:
-        out.append("false")
-    elif isinstance(value, int):
-        out.append(str(value) if _I64_MIN <= value <= _U64_MAX else _ryu(float(value)))
-    elif isinstance(value, float):
-        out.append(_ryu(value))
-    elif isinstance(value, str):
-        out.append(json.dumps(value, ensure_ascii=False))  # same escapes as serde_json
-    elif isinstance(value, dict):
-        out.append("{")
-        for i, key in enumerate(sorted(value)):
-            if i:
-                out.append(",")
-            out.append(json.dumps(key, ensure_ascii=False))
-            out.append(":")
-            _encode(value[key], out)
-        out.append("}")
-    elif isinstance(value, (list, tuple)):
-        out.append("[")
-        for i, item in enumerate(value):
-            if i:
-                out.append(",")
-            _encode(item, out)
-        out.append("]")
-    else:
-        raise TypeError(f"cannot encode {type(value).__name__} as JSON")
-
-
-def _ryu(x: float) -> str:
-    """ryu's ``format64``: Python's shortest round-trip digits laid out the way Rust prints them."""
-    if x != x or x in (float("inf"), float("-inf")):
-        return "null"  # serde_json writes non-finite floats as null
-    sign = "-" if str(x).startswith("-") else ""
-    if x == 0:
-        return sign + "0.0"
-    mantissa, _, exponent = repr(abs(x)).partition("e")
-    whole, _, fraction = mantissa.partition(".")
-    digits = whole + fraction
-    stripped = digits.lstrip("0")
-    kk = len(whole) + int(exponent or 0) - (len(digits) - len(stripped))  # value = 0.D × 10^kk
-    d = stripped.rstrip("0")
-    n, k = len(d), kk - len(d)
-    if 0 <= k and kk <= 16:
-        text = d + "0" * k + ".0"
-    elif 0 < kk <= 16:
-        text = d[:kk] + "." + d[kk:]
-    elif -5 < kk <= 0:
-        text = "0." + "0" * -kk + d
-    elif n == 1:
-        text = f"{d}e{kk - 1}"
-    else:
-        text = f"{d[0]}.{d[1:]}e{kk - 1}"
-    return sign + text
 
 
 # ---------------------------------------------------------------------------------------------
@@ -128,7 +51,7 @@ def kiln_prompts_sha256(corpus: bytes) -> str:
         if not first:
             digest.update(b",")
         first = False
-        digest.update(serde_json_compact(_opd_prompt(record)).encode("utf-8"))
+        digest.update(serde_json_text(_opd_prompt(record)).encode("utf-8"))
     digest.update(b"]")
     return digest.hexdigest()
 

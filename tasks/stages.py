@@ -119,7 +119,7 @@ class PrefectStages:
     def gate(self, trained: TrainRef, spec: PipelineSpec, ready) -> GateRef:
         from tasks.gate import gate_task
 
-        return gate_task(trained, spec, ready.manifest, ready.student_dir, ready.plan.config.get("seed"),
+        return gate_task(trained, spec, ready.manifest, ready.student_dir, ready.plan.seed,
                          ready.corpus, ready.plan.device)
 
     def publish(self, trained: TrainRef, spec: PipelineSpec) -> PublishRef:

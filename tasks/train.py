@@ -54,8 +54,8 @@ class TrainingLog:
 
     def __init__(self, plan: TrainPlan, corpus: CorpusRef, logger, *, every: int | None = None) -> None:
         self.logger, self.adapter = logger, plan.adapter
-        self.interval = plan.config.get("checkpoint_interval")
-        self.tokens_per_step = corpus.action_tokens / max(1, corpus.examples) * int(plan.config.get("sequences_per_step", 1))
+        self.interval = plan.config.checkpoint_interval
+        self.tokens_per_step = corpus.action_tokens / max(1, corpus.examples) * plan.config.sequences_per_step
         self.every = every
         self._started = time.monotonic()
         self._first_step: int | None = None

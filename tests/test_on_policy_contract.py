@@ -24,9 +24,9 @@ from kiln_core.contracts.opd_prompt import (
     OpdPrompt,
     kiln_prompt_value,
     prompts_content_sha256,
-    serde_json_text,
     training_data_receipt,
 )
+from kiln_core.canonical import serde_json_text
 
 
 def _prompt(value: dict) -> OpdPrompt:

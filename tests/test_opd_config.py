@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 
@@ -156,6 +158,32 @@ def test_top_k_resolution():
     for bad in (0, -3, 1, 15):
         with pytest.raises(ConfigError):
             resolve_top_k(bad)
+
+
+@pytest.mark.parametrize(("requested", "cap", "expected"), [
+    (32, 32, 32), (64, 32, 32), (32, 31, 16), (32, 20, 16), (20, 64, 16), (16, 16, 16), (100, 10_000, 32)])
+def test_top_k_resolution_under_a_source_cap(requested, cap, expected):
+    assert resolve_top_k(requested, source_cap=cap) == expected
+
+
+@pytest.mark.parametrize(("requested", "cap", "code"), [
+    (32, 8, "top_k_unsupported"), (15, 64, "top_k_unsupported"), (0, 64, "invalid_config"),
+    (-1, None, "invalid_config"), (True, None, "invalid_config")])
+def test_one_top_k_error_names_the_request_and_the_cap(requested, cap, code):
+    with pytest.raises(ConfigError) as caught:
+        resolve_top_k(requested, source_cap=cap)
+    assert (caught.value.code, caught.value.field) == (code, "config.top_k")
+    if code == "top_k_unsupported":
+        assert f"requested {requested}, source cap {cap if cap is not None else requested}" in caught.value.message
+
+
+def test_the_supported_top_k_sizes_are_defined_once():
+    """Admission, the on-policy teacher binding and the plan call the one resolver (issue: three copies)."""
+    root = Path(__file__).resolve().parents[1]
+    defining = [path.relative_to(root).as_posix() for package in ("kiln_core", "tasks", "flows")
+                for path in (root / package).rglob("*.py")
+                if re.search(r"^SUPPORTED_TOP_K\s*=|^def resolve_top_k\(", path.read_text(encoding="utf-8"), re.M)]
+    assert defining == ["kiln_core/contracts/opd_config.py"]
 
 
 def test_learning_rate_resolution_and_far_away_warning():

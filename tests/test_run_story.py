@@ -120,7 +120,8 @@ def _training_log(interval=2, total_every=None):
     from tasks.train import TrainingLog
 
     plan = TrainPlan(run_uri="/r/runs/demo/k", inputs_key="k", adapter="demo",
-                     config={"checkpoint_interval": interval, "sequences_per_step": 1})
+                     config={"checkpoint_interval": interval, "sequences_per_step": 1}, top_k=16, learning_rate=2e-3,
+                     samples_per_prompt=1)
     corpus = CorpusRef(uri="/c", dataset_sha256="sha256:x", source_uri="/c.jsonl", examples=4, action_tokens=400,
                        env_tokens=0, effective_top_k=16, teacher_identity_revision=None)
     lines = _Lines()

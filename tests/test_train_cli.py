@@ -118,7 +118,7 @@ def test_rejections_exit_2_with_a_code(tiny_student, corpus_dir, tmp_path, capsy
     base = ["--student", student, "--out", str(tmp_path), "--json", "--adapter", "rejected"]
     cases = [
         (write_request(corpus_dir, "on-policy.json", training_mode="on_policy"), "invalid_config", "training_mode"),
-        (write_request(corpus_dir, "low-k.json", top_k=8), "invalid_config", "OPD top_k 8 is not executable"),
+        (write_request(corpus_dir, "low-k.json", top_k=8), "top_k_unsupported", "OPD top_k 8 is not executable"),
         (write_request(corpus_dir, "scale.json", lora_alpha=64.0), "unsafe_lora_scale", "unsafe LoRA scaling"),
     ]
     for request, code_name, fragment in cases:

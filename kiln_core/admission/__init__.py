@@ -4,9 +4,8 @@ Public surface:
 
 * ``admit_corpus``: the whole workflow (read, parse, check, tokenize, materialize).
 * ``AdmissionResult``: what an admitted corpus looks like to callers.
-* ``resolve_top_k``: Kiln's top-K resolution (32, 16, or ``top_k_unsupported``).
 """
 
-from kiln_core.admission.admit import AdmissionResult, admit_corpus, resolve_top_k
+from kiln_core.admission.admit import AdmissionResult, admit_corpus
 
-__all__ = ["AdmissionResult", "admit_corpus", "resolve_top_k"]
+__all__ = ["AdmissionResult", "admit_corpus"]

@@ -21,6 +21,7 @@ from kiln_core.admission.parsed import ParsedCorpus
 from kiln_core.admission.records import parse_corpus
 from kiln_core.admission.rules import check_examples
 from kiln_core.admission.source import read_corpus
+from kiln_core.contracts.opd_config import ConfigError, resolve_top_k
 from kiln_core.contracts.identity import ManifestError, TeacherIdentity, check_protocol, parse_manifest_line
 from kiln_core.corpus import AdmissionResult
 from kiln_core.errors import AdmissionError
@@ -33,32 +34,7 @@ from kiln_core.tokenization import (
     load_student_tokenizer,
 )
 
-SUPPORTED_TOP_K = (32, 16)
-
-__all__ = ["AdmissionResult", "admit_corpus", "resolve_top_k"]
-
-
-def resolve_top_k(requested: int) -> int:
-    """Kiln's top-K resolution for a pre-scored corpus: the first of (32, 16) that is ≤ ``requested``.
-
-    Raises:
-        AdmissionError: ``top_k_unsupported`` when ``requested`` is below 16.
-
-    Example:
-        >>> resolve_top_k(20)
-        16
-    """
-    if isinstance(requested, bool) or not isinstance(requested, int) or requested <= 0:
-        raise AdmissionError("top_k_unsupported", None, f"OPD top_k must be > 0, got {requested!r}")
-    for size in SUPPORTED_TOP_K:
-        if size <= requested:
-            return size
-    raise AdmissionError(
-        "top_k_unsupported",
-        None,
-        f"OPD top_k {requested} is not executable with source cap {requested}: "
-        f"KT kernels require one of {{16, 32}}",
-    )
+__all__ = ["AdmissionResult", "admit_corpus"]
 
 
 def admit_corpus(
@@ -96,7 +72,10 @@ def admit_corpus(
         >>> result.examples, result.effective_top_k  # doctest: +SKIP
         (128, 32)
     """
-    effective_top_k = resolve_top_k(top_k)
+    try:
+        effective_top_k = resolve_top_k(top_k)
+    except ConfigError as error:  # admission reports every refusal as one AdmissionError (a file-level rule)
+        raise AdmissionError("top_k_unsupported", None, error.message) from None
     pinned = _parse_pinned(pinned_manifest, kiln_strict)
     corpus = read_corpus(corpus_uri, storage_options)
     student = student or _load_student(student_dir)

@@ -365,29 +365,39 @@ def parse_opd_request(value: Any) -> OpdRequest:
 # Resolution rules
 
 
-def resolve_top_k(requested: int) -> int:
-    """Kiln's submit-time top_k rewrite for a pre-scored corpus (source cap = requested).
+def resolve_top_k(requested: int, source_cap: int | None = None) -> int:
+    """Kiln's ``resolve_opd_top_k(requested, source_cap)``: the largest of ``SUPPORTED_TOP_K`` that is
+    at most both the requested K and what the teacher source can serve. The one top-K rule: the
+    request checks, admission (``--top-k``), the on-policy teacher binding and the plan all call it.
 
-    Returns 32 for requested ≥ 32, 16 for 16..31.
+    Args:
+        requested: The request's ``config.top_k``.
+        source_cap: What the teacher source serves: ``min(max_top_k, vocab_size)`` of a pinned teacher;
+            None for a pre-scored corpus, whose cap is the requested K itself.
+
+    Returns:
+        32 or 16.
 
     Raises:
-        ConfigError: requested < 16 (or ≤ 0).
+        ConfigError: ``invalid_config`` for a K that is not a positive integer ("OPD top_k must be > 0");
+            ``top_k_unsupported`` when no supported size fits under the request and the cap.
 
     Example:
-        >>> resolve_top_k(20), resolve_top_k(64)
-        (16, 32)
+        >>> resolve_top_k(20), resolve_top_k(64), resolve_top_k(64, source_cap=20)
+        (16, 32, 16)
     """
-    if requested <= 0:
+    if isinstance(requested, bool) or not isinstance(requested, int) or requested <= 0:
         raise ConfigError("OPD top_k must be > 0", "config.top_k")
+    cap = requested if source_cap is None else source_cap
     for size in SUPPORTED_TOP_K:
-        if size <= requested:
+        if size <= requested and size <= cap:
             return size
-    cap = requested
     raise ConfigError(
         f"OPD top_k {requested} is not executable with source cap {cap}: OPD teacher_top_k has no "
         f"executable support size: requested {requested}, source cap {cap}, KT kernels require one of "
         "{16, 32}",
         "config.top_k",
+        code="top_k_unsupported",
     )
 
 

@@ -10,32 +10,28 @@ The prompt list's identity is Kiln's ``sha256_json_serializable(&prompts)``
 Kiln *re-serializes* it — each message reduced to ``role``, ``content`` (as text) and the optional
 ``tool_calls`` / ``name`` / ``tool_call_id`` that are not null, each segment to ``role``, ``content``,
 ``kind`` and the optional fields, empty lists omitted — converted to a ``serde_json::Value`` (object
-keys sorted by bytes, no ``preserve_order``) and written compactly. ``serde_json_text`` reproduces
-serde's output byte for byte, floats included (ryu's shortest-digit notation, ``1e20`` not
-``1e+20``).
+keys sorted by bytes, no ``preserve_order``) and written compactly (``kiln_core.canonical.serde_json_text``,
+serde's output byte for byte, floats included).
 """
 
 from __future__ import annotations
 
 import hashlib
-import math
 from typing import Any, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kiln_core.canonical import serde_json_text
 from kiln_core.contracts.example import ChatMessage, TrajectorySegment
 
 __all__ = [
     "OpdPrompt",
     "kiln_prompt_value",
     "prompts_content_sha256",
-    "serde_json_text",
     "training_data_receipt",
 ]
 
 INLINE_PROMPTS_SOURCE = "inline_opd_prompts"
-_I64_MIN = -(2**63)
-_U64_MAX = 2**64 - 1
 
 
 class OpdPrompt(BaseModel):
@@ -91,67 +87,6 @@ def kiln_prompt_value(prompt: OpdPrompt) -> dict[str, Any]:
     if prompt.trajectory:
         value["trajectory"] = [_segment_value(s) for s in prompt.trajectory]
     return value
-
-
-def serde_json_text(value: Any) -> str:
-    """Compact JSON exactly as ``serde_json::to_vec(&serde_json::Value)`` writes it.
-
-    Object keys sorted by UTF-8 bytes; raw UTF-8 strings with serde's escapes; integers outside
-    i64/u64 become floats (serde parses them as f64); floats in ryu's notation.
-
-    Example:
-        >>> serde_json_text({"b": [1.0, 1e20, 2e-7], "a": "é"})
-        '{"a":"é","b":[1.0,1e20,2e-7]}'
-    """
-    import json
-
-    if value is None:
-        return "null"
-    if value is True:
-        return "true"
-    if value is False:
-        return "false"
-    if isinstance(value, int):
-        return str(value) if _I64_MIN <= value <= _U64_MAX else _ryu(float(value))
-    if isinstance(value, float):
-        return _ryu(value)
-    if isinstance(value, str):
-        value.encode("utf-8")  # a lone surrogate cannot be serialized (serde refuses it when parsing)
-        return json.dumps(value, ensure_ascii=False)
-    if isinstance(value, (list, tuple)):
-        return "[" + ",".join(serde_json_text(item) for item in value) + "]"
-    if isinstance(value, dict):
-        items = sorted(value.items(), key=lambda item: item[0].encode("utf-8"))
-        return "{" + ",".join(f"{serde_json_text(k)}:{serde_json_text(v)}" for k, v in items) + "}"
-    raise TypeError(f"not a JSON value: {type(value).__name__}")
-
-
-def _ryu(number: float) -> str:
-    """serde_json's float text (the ``ryu`` crate's ``format64``): shortest digits, Rust's layout."""
-    if not math.isfinite(number):
-        raise ValueError("JSON has no representation for a non-finite float")
-    if number == 0.0:
-        return "-0.0" if math.copysign(1.0, number) < 0 else "0.0"
-    sign = "-" if number < 0 else ""
-    mantissa, _, exponent = repr(abs(number)).partition("e")
-    whole, _, fraction = mantissa.partition(".")
-    digits = whole + fraction
-    point = len(whole) + (int(exponent) if exponent else 0)  # value = 0.<digits> × 10^point
-    stripped = digits.lstrip("0")
-    point -= len(digits) - len(stripped)
-    digits = stripped.rstrip("0")
-    length, kk = len(digits), point
-    if length <= kk <= 16:  # 1234e7 -> 12340000000.0
-        text = digits + "0" * (kk - length) + ".0"
-    elif 0 < kk <= 16:  # 1234e-2 -> 12.34
-        text = digits[:kk] + "." + digits[kk:]
-    elif -5 < kk <= 0:  # 1234e-6 -> 0.001234
-        text = "0." + "0" * -kk + digits
-    elif length == 1:  # 1e30
-        text = f"{digits}e{kk - 1}"
-    else:  # 1234e30 -> 1.234e33
-        text = f"{digits[0]}.{digits[1:]}e{kk - 1}"
-    return sign + text
 
 
 def prompts_content_sha256(prompts: Sequence[OpdPrompt]) -> str:

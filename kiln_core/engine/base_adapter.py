@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING
 
 from kiln_core.contracts.names import is_valid_name
 from kiln_core.contracts.opd_config import OpdConfig
@@ -27,10 +26,7 @@ from kiln_core.errors import EnvironmentFailure
 from kiln_core.storage import resolve
 from kiln_core.training.base_adapter import BaseAdapter, BaseAdapterError, check_base_adapter_fits, read_base_adapter
 
-if TYPE_CHECKING:
-    from kiln_core.engine.refs import TrainPlan
-
-__all__ = ["resolve_base_adapter", "plan_base_adapter", "base_adapter_of"]
+__all__ = ["resolve_base_adapter", "plan_base_adapter"]
 
 RUNS_DIR, LATEST_FILE = "runs", "latest.json"  # kiln_core.engine.runs' layout (it imports this module)
 
@@ -84,8 +80,3 @@ def plan_base_adapter(config: OpdConfig, storage_root: str) -> BaseAdapter | Non
     base = resolve_base_adapter(config.base_adapter, storage_root)
     check_base_adapter_fits(base, config)
     return base
-
-
-def base_adapter_of(plan: TrainPlan) -> BaseAdapter | None:
-    """A planned run's resolved base adapter (``TrainPlan.base_adapter``), or None for a cold start."""
-    return BaseAdapter.model_validate(plan.base_adapter) if plan.base_adapter is not None else None

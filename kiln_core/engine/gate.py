@@ -34,6 +34,7 @@ import json
 import math
 from typing import Any, Iterator
 
+from kiln_core.contracts.opd_config import OpdConfig
 from kiln_core.contracts.pipeline import PipelineSpec
 from kiln_core.engine.refs import CorpusRef, GateRef, ManifestRef, TrainRef
 from kiln_core.errors import EnvironmentFailure
@@ -49,10 +50,10 @@ def has_gate(spec: PipelineSpec) -> bool:
     return spec.post_eval is not None or spec.quality_gate is not None
 
 
-def training_data(corpus: CorpusRef, config: Any) -> dict[str, Any]:
+def training_data(corpus: CorpusRef, config: OpdConfig) -> dict[str, Any]:
     """What the held-out rules compare a held-out corpus against (``admit_eval_corpus``'s and
     ``HeldOutSlice.admit``'s keywords): the training corpus, or an on-policy run's prompt file and how
-    its prompts are rendered (``config``: the run's ``OpdConfig`` or its dict).
+    its prompts are rendered (``config``: the run's ``OpdConfig``).
 
     Example:
         >>> training_data(corpus_ref, spec.config)  # doctest: +SKIP
@@ -61,8 +62,7 @@ def training_data(corpus: CorpusRef, config: Any) -> dict[str, Any]:
     if corpus.kind == "prompts":
         from kiln_core.on_policy.prompt_file import read_prompt_file
 
-        rendering = config["rollout_prompt_rendering"] if isinstance(config, dict) else config.rollout_prompt_rendering
-        return {"train_prompts": read_prompt_file(corpus.uri), "prompt_rendering": rendering}
+        return {"train_prompts": read_prompt_file(corpus.uri), "prompt_rendering": config.rollout_prompt_rendering}
     return {"train_corpus_uri": corpus.source_uri}
 
 

@@ -201,5 +201,5 @@ def run_pipeline(spec: PipelineSpec, stages_: Stages | None = None, *, resume: s
 
 def gate_stage(trained: TrainRef, spec: PipelineSpec, ready: PreparedRun, *, device: str | None = None) -> GateRef:
     """``run_gate`` with what the prepared run knows (seed, teacher, training data, device)."""
-    return run_gate(trained, spec, ready.manifest, ready.student_dir, seed=ready.plan.config.get("seed"),
+    return run_gate(trained, spec, ready.manifest, ready.student_dir, seed=ready.plan.seed,
                     training=ready.corpus, device=device or ready.plan.device)

@@ -26,7 +26,9 @@ import logging
 from typing import Any, Callable, Sequence
 
 from kiln_core.contracts.opd_config import OpdConfig
-from kiln_core.contracts.opd_prompt import OpdPrompt, kiln_prompt_value, prompts_content_sha256, serde_json_text
+from kiln_core.canonical import serde_json_text
+from kiln_core.contracts.opd_prompt import OpdPrompt, kiln_prompt_value, prompts_content_sha256
+from kiln_core.contracts.spec_blocks import VllmBackends
 from kiln_core.engine.refs import CorpusRef, ManifestRef, TrainPlan
 from kiln_core.errors import EnvironmentFailure, Rejection
 
@@ -119,7 +121,6 @@ def train_prompts(plan: TrainPlan, prompts: CorpusRef, manifest: ManifestRef, st
         EnvironmentFailure: ``corpus_changed`` when the prompt file no longer holds the planned prompts.
     """
     from kiln_core.contracts.identity import parse_manifest_line
-    from kiln_core.engine.base_adapter import base_adapter_of
     from kiln_core.on_policy.prompt_file import read_prompt_file
     from kiln_core.on_policy.teacher import TeacherSource
     from kiln_core.training.on_policy_trainer import train_on_policy
@@ -143,26 +144,24 @@ def train_prompts(plan: TrainPlan, prompts: CorpusRef, manifest: ManifestRef, st
 
     return train_on_policy(
         prompts=loaded, student_dir=student_dir, teacher=teacher, adapter_name=plan.adapter,
-        config=OpdConfig.model_validate(plan.config), run_root=plan.run_uri, resume_checkpoint=resume,
+        config=plan.config, run_root=plan.run_uri, resume_checkpoint=resume,
         should_cancel=should_cancel, on_progress=report, on_step_committed=on_step_committed, device=plan.device,
         precision=plan.precision, gradient_checkpointing=plan.gradient_checkpointing, handle_signals=False,
-        eval_watch=eval_watch, base_adapter=base_adapter_of(plan), rollout_backend=rollout_backend)
+        eval_watch=eval_watch, base_adapter=plan.base_adapter, rollout_backend=rollout_backend)
 
 
-def vllm_backends(block: dict[str, Any], teacher, run_uri: str, adapter: str):
+def vllm_backends(options: VllmBackends, teacher, run_uri: str, adapter: str):
     """The spec's ``vllm:`` block as ``(teacher source, rollout backend factory or None)``; URLs are checked
     here, before any model loads.
 
     Raises:
         Rejection: ``invalid_option`` (plain HTTP to a non-loopback host, a URL with credentials).
     """
-    from kiln_core.contracts.spec_blocks import VllmBackends
     from kiln_core.on_policy.vllm_rollouts import vllm_rollout_backend
     from kiln_core.on_policy.vllm_teacher import vllm_teacher_source
     from kiln_core.scoring.vllm import completions_url
     from kiln_core.storage import resolve
 
-    options = VllmBackends.model_validate(block)
     if options.teacher_url:
         completions_url(options.teacher_url)
         teacher = vllm_teacher_source(teacher.alias, teacher.identity, options.teacher_url,

@@ -10,6 +10,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from kiln_core.contracts.eval_watch import EvalWatch
+from kiln_core.contracts.opd_config import OpdConfig
+from kiln_core.contracts.spec_blocks import VllmBackends
+from kiln_core.training.base_adapter import BaseAdapter
+
 
 class _Ref(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -68,7 +73,10 @@ class CorpusRef(_Ref):
 
 
 class TrainPlan(_Ref):
-    """Everything the training stage needs besides the corpus and the teacher: where, what, how.
+    """Everything the training stage needs besides the corpus and the teacher, resolved once by the
+    engine (``kiln_core.engine.runs.plan_run``): where, what, how — typed, frozen, and exactly
+    round-tripped through JSON (``model_dump_json`` → ``model_validate_json``), which is how a Prefect
+    task, a ``torchrun`` rank or any other worker receives it.
 
     ``resume`` is ``"latest"`` (resume from the newest committed checkpoint of ``run_uri``, if any:
     every retry of a pipeline run), a checkpoint basename (``kiln-flows train --resume-checkpoint``),
@@ -80,8 +88,14 @@ class TrainPlan(_Ref):
     """The run key of these inputs; ``run_uri`` ends with another one only when an explicit resume
     checkpoint lives in another run of the adapter (the trainer then reports what differs)."""
     adapter: str
-    config: dict[str, Any]
-    """``OpdConfig`` as JSON (by alias), seed resolved and ``output_name`` set to ``adapter``."""
+    config: OpdConfig
+    """The effective ``OpdConfig``: seed resolved and ``output_name`` set to ``adapter``."""
+    top_k: int
+    """Effective top-K (Kiln's ``resolve_opd_top_k``: 32 or 16), as admission or the teacher binding resolved it."""
+    learning_rate: float
+    """Effective learning rate: the config's, else the optimizer's Kiln default."""
+    samples_per_prompt: int
+    """Effective samples per prompt (Kiln's on-policy auto-scaling applied; 1 for a corpus unless set)."""
     resume: str | None = "latest"
     nproc: int = 1
     backend: Literal["auto", "gloo", "nccl"] = "auto"
@@ -89,15 +103,20 @@ class TrainPlan(_Ref):
     device: Literal["cpu", "cuda"] | None = None
     precision: Literal["fp32", "bf16"] | None = None
     gradient_checkpointing: bool = False
-    eval_watch: dict[str, Any] | None = None
-    """The spec's ``eval:`` block (``EvalWatch`` as JSON) when the run is watched; not part of the run's
-    identity, since a watched run trains the same bytes."""
-    vllm: dict[str, Any] | None = None
-    """The spec's ``vllm:`` block (``VllmBackends`` as JSON) of an on-policy run using vLLM servers; not part
-    of the run's identity: committed rollouts are reused whichever backend sampled them."""
-    base_adapter: dict[str, Any] | None = None
-    """The resolved ``config.base_adapter`` (``kiln_core.training.base_adapter.BaseAdapter`` as JSON): the
-    directory and weights digest the run warm-starts from; its digest is part of the run key."""
+    eval_watch: EvalWatch | None = None
+    """The spec's ``eval:`` block when the run is watched; not part of the run's identity, since a
+    watched run trains the same bytes."""
+    vllm: VllmBackends | None = None
+    """The spec's ``vllm:`` block of an on-policy run using vLLM servers; not part of the run's identity:
+    committed rollouts are reused whichever backend sampled them."""
+    base_adapter: BaseAdapter | None = None
+    """The resolved ``config.base_adapter``: the directory and weights digest the run warm-starts from;
+    its digest is part of the run key."""
+
+    @property
+    def seed(self) -> int:
+        """The run's seed (``plan_run`` resolves a null one from the run key)."""
+        return self.config.seed
 
     @property
     def run_key(self) -> str:

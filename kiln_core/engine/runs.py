@@ -25,7 +25,7 @@ import hashlib
 import os
 from typing import Any
 
-from kiln_core.contracts.opd_config import OpdConfig
+from kiln_core.contracts.opd_config import OpdConfig, effective_samples_per_prompt, resolve_learning_rate
 from kiln_core.contracts.pipeline import PipelineSpec
 from kiln_core.engine.base_adapter import plan_base_adapter
 from kiln_core.engine.refs import CorpusRef, ManifestRef, TrainPlan, TrainRef
@@ -115,12 +115,12 @@ def plan_run(spec: PipelineSpec, corpus: CorpusRef, manifest: ManifestRef, stude
     elif resume != "latest":
         run, resume = _resume_location(run, spec.storage_root, spec.adapter, resume)
     distributed = spec.distributed
-    return TrainPlan(run_uri=run.uri, inputs_key=key, adapter=spec.adapter, config=config.model_dump(mode="json", by_alias=True),
+    return TrainPlan(run_uri=run.uri, inputs_key=key, adapter=spec.adapter, config=config, top_k=corpus.effective_top_k,
+                     learning_rate=resolve_learning_rate(config),
+                     samples_per_prompt=corpus.samples_per_prompt or effective_samples_per_prompt(config),
                      resume=resume, nproc=nproc, backend=distributed.backend if distributed else "auto",
                      device=device, precision=precision, gradient_checkpointing=gradient_checkpointing,
-                     eval_watch=spec.eval.model_dump(mode="json") if spec.eval is not None else None,
-                     base_adapter=base_adapter.model_dump(mode="json") if base_adapter is not None else None,
-                     vllm=spec.vllm.model_dump(mode="json") if spec.vllm is not None else None)
+                     eval_watch=spec.eval, base_adapter=base_adapter, vllm=spec.vllm)
 
 
 def check_resume_name(value: str, storage_root: str, adapter: str) -> str:

@@ -72,9 +72,9 @@ def fingerprint(corpus_uri: str, student_dir: str, top_k: int, storage_options: 
     corpus is the same ``AdmissionError`` here as in ``kiln-flows admit`` (exit 2), before any cache
     lookup; a student directory that cannot be loaded is a ``TokenizationError``.
     """
-    from kiln_core.admission import resolve_top_k
     from kiln_core.admission.source import read_corpus
     from kiln_core.canonical import kiln_compact_json
+    from kiln_core.contracts.opd_config import resolve_top_k
     from kiln_core.tokenization import load_student_tokenizer
 
     corpus = read_corpus(corpus_uri, storage_options)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from typing import Callable
 
-from kiln_core.engine.base_adapter import base_adapter_of
 from kiln_core.engine.interrupt import stop_requests
 from kiln_core.engine.refs import CorpusRef, ManifestRef, TrainPlan, TrainRef
 from kiln_core.engine.runs import finished_run, newest_checkpoint
@@ -88,7 +87,6 @@ def _train_here(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, stude
                 on_progress: Progress | None, should_cancel: Callable[[], bool],
                 on_step_committed: Callable[[int], None] | None):
     from kiln_core.contracts.identity import parse_manifest_line
-    from kiln_core.contracts.opd_config import OpdConfig
     from kiln_core.materialize import read_materialization
     from kiln_core.training import trainer
 
@@ -96,12 +94,12 @@ def _train_here(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, stude
     held_out = held_out_slice(plan, corpus, manifest, student_dir)
     return trainer.train_opd(
         tables=materialization.tables, dataset_sha256=corpus.dataset_sha256, dataset_path=corpus.source_uri,
-        student_dir=student_dir, adapter_name=plan.adapter, config=OpdConfig.model_validate(plan.config),
+        student_dir=student_dir, adapter_name=plan.adapter, config=plan.config,
         run_root=plan.run_uri, teacher_identity=parse_manifest_line(manifest.manifest_line).teacher_identity,
         teacher_alias=manifest.teacher, resume_checkpoint=resume, should_cancel=should_cancel,
         on_progress=on_progress, on_step_committed=on_step_committed, device=plan.device, precision=plan.precision,
         gradient_checkpointing=plan.gradient_checkpointing, handle_signals=False, eval_watch=held_out,
-        base_adapter=base_adapter_of(plan))
+        base_adapter=plan.base_adapter)
 
 
 def held_out_slice(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir: str):
@@ -109,11 +107,10 @@ def held_out_slice(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, st
     (``HeldOutSlice``), with the held-out rules against this run's training data; None without one."""
     if plan.eval_watch is None:
         return None
-    from kiln_core.contracts.eval_watch import parse_eval_watch
     from kiln_core.engine.gate import training_data
     from kiln_core.training.watch import HeldOutSlice
 
-    return HeldOutSlice.admit(parse_eval_watch(plan.eval_watch), student_dir, top_k=plan.config["top_k"],
+    return HeldOutSlice.admit(plan.eval_watch, student_dir, top_k=plan.config.top_k,
                               teacher_manifest=manifest.manifest_line, **training_data(corpus, plan.config))
 
 

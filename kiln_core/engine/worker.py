@@ -18,7 +18,6 @@ from typing import Any, Callable, Sequence
 
 from kiln_core.training.distributed.launcher import WORKER_MODULE, DistributedJob
 from kiln_core.training.distributed.world import BACKENDS, RankFailure, World, init_world, shutdown_world
-from kiln_core.training.base_adapter import BaseAdapter
 from kiln_core.training.trainer import TrainResult, train_opd
 
 __all__ = ["run_job", "main"]
@@ -28,7 +27,6 @@ def run_job(job: DistributedJob, world: World, *, on_progress: Callable[[int, in
             on_step_committed: Callable[[int], None] | None = None, handle_signals: bool = True) -> TrainResult:
     """Train one job on this rank (called on every rank)."""
     from kiln_core.contracts.identity import parse_manifest_line
-    from kiln_core.contracts.opd_config import OpdConfig
     from kiln_core.materialize import read_materialization
 
     materialization = read_materialization(job.materialization)
@@ -36,12 +34,12 @@ def run_job(job: DistributedJob, world: World, *, on_progress: Callable[[int, in
                else materialization.teacher_identity())
     return train_opd(
         tables=materialization.tables, dataset_sha256=job.dataset_sha256, dataset_path=job.dataset_path,
-        student_dir=job.student_dir, adapter_name=job.adapter_name, config=OpdConfig.model_validate(job.config),
+        student_dir=job.student_dir, adapter_name=job.adapter_name, config=job.config,
         run_root=job.run_root, teacher_identity=teacher, teacher_alias=job.teacher_alias,
         resume_checkpoint=job.resume_checkpoint, on_progress=on_progress, on_step_committed=on_step_committed,
         device=job.device, precision=job.precision, gradient_checkpointing=job.gradient_checkpointing,
         handle_signals=handle_signals, world=world,
-        base_adapter=BaseAdapter.model_validate(job.base_adapter) if job.base_adapter is not None else None)
+        base_adapter=job.base_adapter)
 
 
 def _worker_parser() -> argparse.ArgumentParser:

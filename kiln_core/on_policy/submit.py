@@ -30,19 +30,20 @@ from dataclasses import dataclass
 from typing import Literal, Sequence
 
 from kiln_core.contracts.identity import TeacherIdentity
-from kiln_core.contracts.opd_config import ConfigError, OpdConfig, OpdRequest, effective_samples_per_prompt
+from kiln_core.contracts.opd_config import (ConfigError, OpdConfig, OpdRequest, effective_samples_per_prompt,
+                                            resolve_top_k)
 from kiln_core.contracts.opd_submit import validate_config_rules
-from kiln_core.contracts.opd_prompt import OpdPrompt, kiln_prompt_value, prompts_content_sha256, serde_json_text
+from kiln_core.canonical import serde_json_text
+from kiln_core.contracts.opd_prompt import OpdPrompt, kiln_prompt_value, prompts_content_sha256
 from kiln_core.errors import Rejection
 from kiln_core.on_policy.render import RenderError, encode_text, render_for_generation, teacher_messages
 
 __all__ = ["OnPolicyPlan", "StudentFacts", "TeacherBinding", "bind_teacher", "check_prompts_fit", "check_request",
-           "check_teacher", "effective_top_k", "plan_on_policy", "student_facts"]
+           "check_teacher", "teacher_top_k_cap", "plan_on_policy", "student_facts"]
 
 MAX_PROMPTS = 100_000
 MAX_PROMPT_BYTES = 64 * 1024 * 1024
 AGENT_TRACES_PREFIX = "agent_traces:"
-SUPPORTED_TOP_K = (32, 16)
 
 
 @dataclass(frozen=True)
@@ -188,29 +189,16 @@ def check_teacher(request: OpdRequest, teacher: TeacherBinding | None, student: 
                         f"{student.tokenizer_vocab_sha256[:12]}…): it cannot score the student's tokens",
                         field="teacher")
     requested = request.config.top_k
-    effective = effective_top_k(requested, identity)
+    effective = resolve_top_k(requested, source_cap=teacher_top_k_cap(identity))
     warnings = [] if effective == requested else [f"Requested top_k {requested} was resolved to effective top_k "
                                                   f"{effective} for the teacher and active OPD kernel."]
     return effective, warnings
 
 
-def effective_top_k(requested: int, identity: TeacherIdentity) -> int:
-    """Kiln's ``resolve_opd_top_k(requested, min(max_top_k, vocab_size))`` for a pinned teacher: 32 or 16.
-
-    Raises:
-        Rejection: ``top_k_unsupported`` when neither fits under the request and the teacher's cap.
-
-    Example:
-        >>> effective_top_k(20, identity)  # doctest: +SKIP
-        16
-    """
-    cap = min(identity.max_top_k, identity.vocab_size)
-    effective = next((k for k in SUPPORTED_TOP_K if k <= requested and k <= cap), None)
-    if effective is None:
-        raise Rejection("top_k_unsupported", f"OPD top_k {requested} is not executable with source cap {cap}: OPD "
-                        f"teacher_top_k has no executable support size: requested {requested}, source cap {cap}, KT "
-                        "kernels require one of {16, 32}", field="config.top_k")
-    return effective
+def teacher_top_k_cap(identity: TeacherIdentity) -> int:
+    """What a pinned teacher can serve: Kiln's source cap ``min(max_top_k, vocab_size)`` for
+    ``resolve_top_k``."""
+    return min(identity.max_top_k, identity.vocab_size)
 
 
 def check_prompts_fit(prompts: Sequence[OpdPrompt], config: OpdConfig, chat_template: str, tokenizer, *,

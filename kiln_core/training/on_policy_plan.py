@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from kiln_core.canonical import canonical_sha256
-from kiln_core.contracts.opd_config import ConfigError, OpdConfig, effective_samples_per_prompt
+from kiln_core.contracts.opd_config import ConfigError, OpdConfig, effective_samples_per_prompt, resolve_top_k
 from kiln_core.contracts.opd_prompt import INLINE_PROMPTS_SOURCE, OpdPrompt, prompts_content_sha256
 from kiln_core.errors import Rejection
 from kiln_core.on_policy.prepare import PreparedPrompts, prepare_prompts
@@ -33,7 +33,7 @@ from kiln_core.on_policy.render import kiln_eos_token_ids
 from kiln_core.on_policy.sampler import DRAW_ALGORITHM, SamplingParams
 from kiln_core.on_policy.schedule import ON_POLICY_DATA_SOURCE_KIND
 from kiln_core.on_policy.store import RolloutStore, rollout_run_key
-from kiln_core.on_policy.submit import effective_top_k
+from kiln_core.on_policy.submit import teacher_top_k_cap
 from kiln_core.on_policy.teacher import TeacherSource
 from kiln_core.storage import resolve
 from kiln_core.training import checkpoint as ckpt
@@ -92,7 +92,7 @@ def plan_on_policy_run(*, prompts: Sequence[OpdPrompt], student_dir: str, teache
     if identity.vocab_size != student_vocab:
         raise Rejection("teacher_vocab_mismatch", f"teacher '{teacher.alias}' has vocab_size {identity.vocab_size} "
                         f"but the student's is {student_vocab}: on-policy scoring needs one vocabulary", field="teacher")
-    top_k = effective_top_k(config.top_k, identity)
+    top_k = resolve_top_k(config.top_k, source_cap=teacher_top_k_cap(identity))
     tokenizer = load_student_tokenizer(student_dir)
     prepared = prepare_prompts(prompts, tokenizer, rendering=config.rollout_prompt_rendering)
     samples = effective_samples_per_prompt(config, len(prompts))

@@ -1,7 +1,8 @@
-"""The on-policy OPD loop: the student samples, the teacher scores its tokens, top-K reverse KL trains.
+"""On-policy OPD training: the student samples, the teacher scores its tokens, top-K reverse KL trains.
 
-Read ``train_on_policy`` top to bottom; it runs in the order of Kiln's on-policy ``opd_train``
-(``crates/kiln-train/src/opd.rs`` · ``opd_train_to_with_checkpoint_root_and_runtime``; reference B.4–B.9):
+``train_on_policy`` plans the run, then runs the one training loop (``loop.run_training``) over the
+rollouts (``RolloutCandidates``), in the order of Kiln's on-policy ``opd_train``
+(``crates/kiln-train/src/opd.rs`` · ``opd_train_to_with_checkpoint_root_and_runtime``):
 
 1. plan (``on_policy_plan``): prompts prepared, effective top-K and samples per prompt, the identities
    a checkpoint binds, every refusal — before any model loads;
@@ -15,9 +16,9 @@ Read ``train_on_policy`` top to bottom; it runs in the order of Kiln's on-policy
    * an empty rollout (EOS first) is consumed without an update, loss, progress report, checkpoint
      or cancellation check ("student produced 0 new tokens; skipping step");
    * otherwise one optimizer step on it (``step.train_examples``, the same loss as off-policy), then
-     the progress report, a held-out evaluation when due (``watch``, only with ``eval_watch``), a
-     checkpoint when ``global_step % checkpoint_interval == 0`` and candidates remain,
-     ``on_step_committed``, a watch stop, and the cancellation check;
+     the end-of-step work both modes share (``boundary.StepBoundary``): the progress report, a
+     held-out evaluation when due, a checkpoint when ``global_step % checkpoint_interval == 0`` and
+     candidates remain, ``on_step_committed``, a watch stop, and the cancellation check;
 4. finish (``finish``): the PEFT adapter, then ``train_receipt.json`` (also written on failure).
 
 Three counters, kept apart and all restored on resume: ``global_step`` (committed optimizer steps),
@@ -34,9 +35,8 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 from kiln_core.contracts.opd_config import OpdConfig
 from kiln_core.contracts.opd_prompt import OpdPrompt
@@ -46,26 +46,16 @@ from kiln_core.on_policy.schedule import candidate_seed, iter_candidates
 from kiln_core.on_policy.teacher import TeacherSource
 from kiln_core.training.base_adapter import BaseAdapter
 from kiln_core.training.distributed.world import World
-from kiln_core.training.finish import finish_run, publish_final_adapter
-from kiln_core.training.lifecycle import (
-    CANCEL_MESSAGE,
-    CheckpointPublisher,
-    TrainResult,
-    deterministic,
-    new_progress,
-    outcome_recorded,
-    result_fields,
-    start_student,
-    stop_signals,
-)
-from kiln_core.training.on_policy_plan import plan_on_policy_run
-from kiln_core.training.progress import Clock
+from kiln_core.training.lifecycle import TrainResult, result_fields
+from kiln_core.training.loop import StepGroup, run_training
+from kiln_core.training.on_policy_plan import RolloutPlan, plan_on_policy_run
+from kiln_core.training.plan import RunPlan
+from kiln_core.training.progress import Clock, LoopProgress
 from kiln_core.training.receipt import RunOutcome
-from kiln_core.training.step import StopTraining, train_examples
 from kiln_core.training.student import Student
-from kiln_core.training.watch import EvalReport, HeldOutSlice, HeldOutWatch, check_watch
+from kiln_core.training.watch import EvalReport, HeldOutSlice, check_watch
 
-__all__ = ["OnPolicyProgress", "OnPolicyTrainResult", "StudentRollouts", "train_on_policy"]
+__all__ = ["OnPolicyProgress", "OnPolicyTrainResult", "RolloutCandidates", "StudentRollouts", "train_on_policy"]
 
 LOG = logging.getLogger(__name__)
 
@@ -205,85 +195,88 @@ def train_on_policy(
         prompts=prompts, student_dir=student_dir, teacher=teacher, adapter_name=adapter_name, config=config,
         run_root=run_root, rollout_root=rollout_root, resume_checkpoint=resume_checkpoint, device=device,
         precision=precision, gradient_checkpointing=gradient_checkpointing, world=world, base_adapter=base_adapter)
-    schedule, prepared = plan.schedule, rollouts.prepared
-    outcome = RunOutcome(resumed_from=plan.loaded.basename if plan.loaded else None)
-    progress = new_progress(plan)
-    counters = RolloutCounters()
+    source = RolloutCandidates(plan, rollouts, teacher, adapter_name, rollout_backend or StudentRollouts)
+    total = plan.schedule.total_candidates
 
-    with (deterministic(plan.device), stop_signals(handle_signals) as signalled,
-          outcome_recorded(plan, outcome, progress, clock), ExitStack() as cleanup):
-        # ---- 2. setup: the student (restored exactly on resume), its sampler, the teacher
-        student, optimizer = start_student(plan, student_dir, progress, gradient_checkpointing=gradient_checkpointing,
-                                           clock=clock)
-        watch = None
-        if eval_watch is not None:  # a baseline evaluation now, or the curve of the checkpoint resumed
-            watch = HeldOutWatch.start(eval_watch, plan.loaded, outcome, student, progress, clock, on_eval)
-        checkpoints = CheckpointPublisher(plan, student, optimizer, progress, clock,
-                                          eval_curve=(lambda: watch.curve) if watch is not None else None)
+    def report(progress: LoopProgress, loss: float) -> None:
+        counters = source.counters
+        on_progress(OnPolicyProgress(
+            step=progress.global_step, consumed_candidates=progress.consumed, total_candidates=total, loss=loss,
+            rollouts_sampled=counters.sampled, rollouts_reused=counters.reused, sampled_tokens=counters.sampled_tokens,
+            teacher_tokens_scored=counters.teacher_tokens_scored, elapsed_s=time.perf_counter() - source.started))
+
+    # ---- 2.–4. setup, the loop over the rollouts, the adapter and the receipt (``loop.run_training``)
+    run = run_training(plan, source, student_dir=student_dir, clock=clock,
+                       gradient_checkpointing=gradient_checkpointing, handle_signals=handle_signals,
+                       should_cancel=should_cancel, on_step_committed=on_step_committed,
+                       report=report if on_progress is not None else None, eval_watch=eval_watch, on_eval=on_eval)
+    counters = source.counters
+    return OnPolicyTrainResult(
+        **result_fields(plan, run.outcome, run.progress, clock, run.receipt_uri),
+        consumed_candidates=run.progress.consumed or 0, rollout_run_key=rollouts.run_key,
+        rollout_root=rollouts.store.root.uri, rollouts_sampled=counters.sampled, rollouts_reused=counters.reused,
+        sampled_tokens=counters.sampled_tokens, teacher_tokens_scored=counters.teacher_tokens_scored)
+
+
+class RolloutCandidates:
+    """The on-policy candidate source: Kiln's candidate order (prompt-major, then sample, no shuffle),
+    each candidate's rollout read back from the rollout store or sampled by the student with its current
+    LoRA and scored by the teacher. A skipped prompt or an empty rollout is consumed without a step. The
+    cursor is ``progress.consumed`` (and the rollout seed uses ``global_step``)."""
+
+    stop_before_first_step = False
+
+    def __init__(self, plan: RunPlan, rollouts: RolloutPlan, teacher: TeacherSource, adapter_name: str,
+                 rollout_backend: Callable[[Student], RolloutBackend]) -> None:
+        self.plan, self.rollouts, self.teacher, self.adapter_name = plan, rollouts, teacher, adapter_name
+        self.rollout_backend = rollout_backend
+        self.counters = RolloutCounters()
+        self.started = time.perf_counter()
+        self.collector: RolloutCollector | None = None
+        self.backend = None
+
+    def open(self, student: Student, outcome: RunOutcome, clock: Clock) -> None:
+        """Load the teacher and the sampler (after the student, so a refusal costs neither)."""
         with clock.phase("setup"):
-            scorer = teacher.load(plan.facts.top_k)
-        backend = (rollout_backend or StudentRollouts)(student)
-        cleanup.callback(getattr(backend, "close", lambda: None))  # e.g. unload the LoRA a vLLM server holds
-        outcome.rollout_backend = getattr(backend, "receipt_label", "local")
+            scorer = self.teacher.load(self.plan.facts.top_k)
+        self.backend = self.rollout_backend(student)
+        outcome.rollout_backend = getattr(self.backend, "receipt_label", "local")
         outcome.teacher_backend = getattr(scorer, "receipt_label", "local")
-        collector = RolloutCollector(
-            rollouts.store, rollouts.run_key, backend, scorer,
+        rollouts = self.rollouts
+        self.collector = RolloutCollector(
+            rollouts.store, rollouts.run_key, self.backend, scorer,
             params=rollouts.sampling, max_tokens=rollouts.max_tokens, eos_token_ids=rollouts.eos_token_ids,
-            top_k=plan.facts.top_k, vocab_size=teacher.identity.vocab_size, teacher_id=teacher.alias,
-            metadata={"teacher_content_revision": plan.facts.teacher_content_revision, "adapter_name": adapter_name,
-                      "rollout_backend": outcome.rollout_backend})
-        counters = collector.counters
+            top_k=self.plan.facts.top_k, vocab_size=self.teacher.identity.vocab_size, teacher_id=self.teacher.alias,
+            metadata={"teacher_content_revision": self.plan.facts.teacher_content_revision,
+                      "adapter_name": self.adapter_name, "rollout_backend": outcome.rollout_backend})
+        self.counters = self.collector.counters
 
-        # ---- 3. the loop: one candidate at a time; only non-empty rollouts make an optimizer step
-        total = schedule.total_candidates
-        loop_started = time.perf_counter()
+    def groups(self, progress: LoopProgress, clock: Clock) -> Iterator[StepGroup]:
+        schedule, prepared = self.plan.schedule, self.rollouts.prepared
+        self.started = time.perf_counter()
         epoch, cursor = progress.position(schedule)
         for candidate in iter_candidates(prepared, schedule.samples_per_prompt, schedule.epochs,
                                          start_epoch=epoch, start_cursor=cursor):
-            prompt = prepared.prompts[candidate.prepared_index]
             rollout = None
             if not candidate.skipped:
-                seed = candidate_seed(plan.seed, progress.global_step, candidate.source_index, candidate.sample_index)
+                seed = candidate_seed(self.plan.seed, progress.global_step, candidate.source_index,
+                                      candidate.sample_index)
                 with clock.phase("rollout"):
-                    rollout = collector.rollout(candidate, prompt, global_step=progress.global_step, seed=seed)
+                    rollout = self.collector.rollout(candidate, prepared.prompts[candidate.prepared_index],
+                                                     global_step=progress.global_step, seed=seed)
             progress.consumed = candidate.consumed_after(schedule.candidates_per_epoch)
             if rollout is None or rollout.empty:
                 if rollout is not None:
                     LOG.warning("prompt %d sample %d: student produced 0 new tokens; skipping step",
                                 candidate.source_index, candidate.sample_index)
                 continue  # consumed without an update
-            loss = train_examples(student, optimizer, [(candidate.cursor + 1, rollout.training_example)], plan,
-                                  progress, clock)
-            remaining = progress.consumed < total
-            if on_progress is not None:
-                on_progress(OnPolicyProgress(
-                    step=progress.global_step, consumed_candidates=progress.consumed, total_candidates=total, loss=loss,
-                    rollouts_sampled=counters.sampled, rollouts_reused=counters.reused,
-                    sampled_tokens=counters.sampled_tokens, teacher_tokens_scored=counters.teacher_tokens_scored,
-                    elapsed_s=time.perf_counter() - loop_started))
-            halt = watch.after_step(student, progress, clock, steps_left=remaining) if watch is not None else None
-            interval = config.checkpoint_interval
-            if interval and progress.global_step % interval == 0 and remaining:
-                checkpoints.publish()
-            if on_step_committed is not None:
-                on_step_committed(progress.global_step)
-            if halt is not None:  # the held-out watch stops the run: its state is saved first
-                checkpoints.publish()
-                raise halt
-            if remaining and (signalled.is_set() or (should_cancel is not None and should_cancel())):
-                checkpoints.publish()
-                raise StopTraining("cancelled", CANCEL_MESSAGE)
-        if watch is not None:
-            watch.finish(student, progress, clock)
-        clock.totals_ms["train_loop"] = (time.perf_counter() - loop_started) * 1e3
-        clock.totals_ms["rollout_sampling"] = counters.sampling_s * 1e3
-        clock.totals_ms["teacher_scoring"] = counters.scoring_s * 1e3
+            yield [(candidate.cursor + 1, rollout.training_example)]
 
-        # ---- 4. publish the PEFT adapter (the receipt follows in finish_run)
-        publish_final_adapter(plan, outcome, student, clock)
-    receipt_uri = finish_run(plan, outcome, progress, clock)
-    return OnPolicyTrainResult(
-        **result_fields(plan, outcome, progress, clock, receipt_uri), consumed_candidates=progress.consumed or 0,
-        rollout_run_key=rollouts.run_key, rollout_root=rollouts.store.root.uri, rollouts_sampled=counters.sampled,
-        rollouts_reused=counters.reused, sampled_tokens=counters.sampled_tokens,
-        teacher_tokens_scored=counters.teacher_tokens_scored)
+    def steps_left(self, progress: LoopProgress) -> bool:
+        return progress.consumed < self.plan.schedule.total_candidates
+
+    def close(self, clock: Clock) -> None:
+        clock.totals_ms["rollout_sampling"] = self.counters.sampling_s * 1e3
+        clock.totals_ms["teacher_scoring"] = self.counters.scoring_s * 1e3
+        if self.backend is not None:
+            getattr(self.backend, "close", lambda: None)()  # e.g. unload the LoRA a vLLM server holds

@@ -1,9 +1,11 @@
 """One optimizer step: forward → loss → finite check → backward over a group of candidates, then the
 update, the per-module gradient norms and the commit into the loop's progress.
 
-With one process (``train_step``) the group is ``sequences_per_step`` consecutive candidates (Kiln: 1).
-With several (``train_step_distributed``) rank r trains its contiguous block of the group and the LoRA
-gradients are summed across ranks before the same update is applied everywhere.
+A step's group comes from the run's candidate source (``corpus_examples`` for a corpus: the next
+``sequences_per_step`` × world size candidates, Kiln: 1; one rollout on-policy). With one process
+(``train_examples``) it is trained here; with several (``train_step_distributed``) rank r trains its
+contiguous block of the group and the LoRA gradients are summed across ranks before the same update is
+applied everywhere.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from kiln_core.training.plan import RunPlan
 from kiln_core.training.progress import TOKEN_COUNT_KEYS, Clock, LoopProgress
 from kiln_core.training.student import Student, lora_module
 
-__all__ = ["StopTraining", "sequence_loss", "train_step", "train_examples", "train_step_distributed", "module_grad_norms",
-           "lora_delta_norms"]
+__all__ = ["StopTraining", "sequence_loss", "corpus_examples", "train_examples", "train_step_distributed",
+           "module_grad_norms", "lora_delta_norms"]
 
 
 class StopTraining(Exception):
@@ -91,16 +93,12 @@ def _backward(loss: torch.Tensor, scale: int, config: OpdConfig, clock: Clock, d
         _sync(device)
 
 
-def _example_loader(tables: CorpusTables, plan: RunPlan, candidate: int) -> Callable[[], TrainingExample]:
-    return lambda: tables.example(plan.schedule.example_of(candidate))
+def corpus_examples(tables: CorpusTables, plan: RunPlan, step: int) -> list[tuple[int, Callable[[], TrainingExample]]]:
+    """Step ``step``'s group of candidates from the corpus tables, as ``(candidate, load)`` pairs."""
+    def loader(candidate: int) -> Callable[[], TrainingExample]:
+        return lambda: tables.example(plan.schedule.example_of(candidate))
 
-
-def train_step(student: Student, optimizer: torch.optim.Optimizer, tables: CorpusTables, plan: RunPlan,
-               progress: LoopProgress, clock: Clock) -> float:
-    """One optimizer step over the next group of candidates; returns the step loss (mean over them)."""
-    candidates = plan.schedule.candidates_of_step(progress.global_step)
-    return train_examples(student, optimizer, [(c, _example_loader(tables, plan, c)) for c in candidates], plan,
-                          progress, clock)
+    return [(candidate, loader(candidate)) for candidate in plan.schedule.candidates_of_step(step)]
 
 
 def train_examples(student: Student, optimizer: torch.optim.Optimizer,
@@ -129,33 +127,35 @@ def train_examples(student: Student, optimizer: torch.optim.Optimizer,
 _STAT_COLUMNS = 4 + len(TOKEN_COUNT_KEYS)
 
 
-def train_step_distributed(student: Student, optimizer: torch.optim.Optimizer, tables: CorpusTables, plan: RunPlan,
+def train_step_distributed(student: Student, optimizer: torch.optim.Optimizer,
+                           examples: Sequence[tuple[int, Callable[[], TrainingExample]]], plan: RunPlan,
                            progress: LoopProgress, clock: Clock) -> float:
-    """One optimizer step of a multi-process run: ``train_step``'s math over the whole group.
+    """One optimizer step of a multi-process run: ``train_examples``' math over the whole group.
 
+    Every rank is given the whole group; rank r trains its contiguous block of ``sequences_per_step``.
     Per-candidate losses, token counts and ECHO values are gathered first, so every rank checks and
     records them in candidate order, exactly as one process would (a non-finite loss stops every rank
     at the same candidate, before any update).
     """
     world = plan.world
-    group = plan.schedule.candidates_of_step(progress.global_step)
     per_rank = plan.config.sequences_per_step
     optimizer.zero_grad(set_to_none=True)
     rows = torch.zeros(per_rank, _STAT_COLUMNS, dtype=torch.float64)
-    for slot, candidate in enumerate(world.shard(group, per_rank)):
-        loss, env_ce, counts = _forward(student, _example_loader(tables, plan, candidate), plan, clock)
+    block = world.shard(range(len(examples)), per_rank)
+    for slot, (_, load) in enumerate(examples[block.start:block.stop]):
+        loss, env_ce, counts = _forward(student, load, plan, clock)
         value = float(loss.detach())
         if math.isfinite(value):  # a non-finite loss is reported below, on every rank alike
-            _backward(loss, len(group), plan.config, clock, student.device)
+            _backward(loss, len(examples), plan.config, clock, student.device)
         rows[slot] = torch.tensor([1.0, value, 0.0 if env_ce is None else 1.0, env_ce or 0.0,
                                    *(counts[key] for key in TOKEN_COUNT_KEYS)], dtype=torch.float64)
     with clock.phase("all_reduce"):
         gathered = world.all_gather_rows(rows)  # [W, sequences_per_step, columns], rank-major = candidate order
     losses = []
-    for offset, candidate in enumerate(group):
+    for offset, (label, _) in enumerate(examples):
         row = gathered[offset // per_rank, offset % per_rank].tolist()
         if not math.isfinite(row[1]):
-            raise StopTraining("nan_loss", f"OPD loss became non-finite at candidate {candidate}")
+            raise StopTraining("nan_loss", f"OPD loss became non-finite at candidate {label}")
         losses.append(row[1])
         progress.record_candidate({key: int(count) for key, count in zip(TOKEN_COUNT_KEYS, row[4:])},
                                   row[3] if row[2] else None)

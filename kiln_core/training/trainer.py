@@ -1,20 +1,15 @@
-"""The OPD training loop: one candidate sequence per optimizer step, top-K reverse KL, exact resume.
+"""Off-policy OPD training: an admitted corpus, one candidate sequence per optimizer step, top-K
+reverse KL, exact resume.
 
-Read ``train_opd`` top to bottom; it runs in the order the work happens:
+``train_opd`` plans the run (``plan.plan_run``: the schedule, the seed, the identities a checkpoint
+binds, and every refusal — a bad resume basename, a checkpoint that does not match, an adapter
+already published — before any model loads), then runs the one training loop
+(``loop.run_training``) over the corpus (``CorpusCandidates``): the seeded student, restored exactly
+on resume or warm-started from ``config.base_adapter``; forward → loss → finite check → backward →
+optimizer step → the end-of-step work (``boundary.StepBoundary``); then the PEFT adapter and
+``train_receipt.json``.
 
-1. plan (``plan.plan_run``): the schedule, the seed, the identities a checkpoint binds, and every
-   refusal — a bad resume basename, a checkpoint that does not match, an adapter already published —
-   before any model loads;
-2. setup (``lifecycle.start_student``): the student with a seeded LoRA, the optimizer, the RNG
-   streams; on resume, the checkpoint's LoRA weights, optimizer state, generator states and loop
-   counters replace the fresh ones; on a fresh warm-started run (``config.base_adapter``), the base
-   adapter's LoRA weights do;
-3. the loop (``step``): forward → loss → finite check → backward → optimizer step → finite check →
-   held-out evaluation when due (``watch``, only with ``eval_watch``) → checkpoint when due →
-   ``on_step_committed`` → a watch stop, or the cancellation check at the step boundary;
-4. finish (``finish``): the PEFT adapter directory, then ``train_receipt.json`` (also written on failure).
-
-Exactness (DESIGN.md decision 8): a step depends only on the LoRA weights, the optimizer state and the
+Exactness: a step depends only on the LoRA weights, the optimizer state and the
 candidate, all of which a checkpoint restores bit for bit, so an interrupted-and-resumed CPU run ends
 with the same ``adapter_model.safetensors`` bytes as an uninterrupted one.
 
@@ -25,32 +20,20 @@ run is the single-process run with ``sequences_per_step × W``. Rank 0 alone pub
 
 from __future__ import annotations
 
-import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from kiln_core.contracts.opd_config import OpdConfig
 from kiln_core.corpus import CorpusTables
 from kiln_core.training.base_adapter import BaseAdapter
 from kiln_core.training.distributed.world import World
-from kiln_core.training.finish import finish_run, publish_final_adapter
-from kiln_core.training.lifecycle import (
-    CANCEL_MESSAGE,
-    CheckpointPublisher,
-    TrainResult,
-    deterministic,
-    new_progress,
-    outcome_recorded,
-    result_fields,
-    start_student,
-    stop_signals,
-)
-from kiln_core.training.plan import Schedule, plan_run
+from kiln_core.training.lifecycle import CANCEL_MESSAGE, TrainResult, result_fields
+from kiln_core.training.loop import StepGroup, run_training
+from kiln_core.training.plan import RunPlan, Schedule, plan_run
 from kiln_core.training.progress import Clock, LoopProgress
-from kiln_core.training.receipt import RunOutcome
-from kiln_core.training.step import StopTraining, train_step, train_step_distributed
-from kiln_core.training.watch import EvalReport, HeldOutSlice, HeldOutWatch, check_watch
+from kiln_core.training.step import corpus_examples
+from kiln_core.training.watch import EvalReport, HeldOutSlice, check_watch
 
-__all__ = ["TrainResult", "Schedule", "LoopProgress", "Clock", "train_opd", "CANCEL_MESSAGE"]
+__all__ = ["TrainResult", "Schedule", "LoopProgress", "Clock", "CorpusCandidates", "train_opd", "CANCEL_MESSAGE"]
 
 
 def train_opd(
@@ -135,51 +118,35 @@ def train_opd(
                     teacher_alias=teacher_alias, resume_checkpoint=resume_checkpoint, device=device,
                     precision=precision, gradient_checkpointing=gradient_checkpointing, world=world,
                     base_adapter=base_adapter)
-    schedule, loaded = plan.schedule, plan.loaded
-    outcome = RunOutcome(resumed_from=loaded.basename if loaded else None)
-    progress = new_progress(plan)
+    total = plan.schedule.total_steps
+    # ---- 2.–4. setup, the loop over the corpus, the adapter and the receipt (``loop.run_training``)
+    run = run_training(plan, CorpusCandidates(tables, plan), student_dir=student_dir, clock=clock,
+                       gradient_checkpointing=gradient_checkpointing, handle_signals=handle_signals,
+                       should_cancel=should_cancel, on_step_committed=on_step_committed,
+                       report=(lambda progress, loss: on_progress(progress.global_step, total, loss)) if on_progress else None,
+                       eval_watch=eval_watch, on_eval=on_eval)
+    return TrainResult(**result_fields(plan, run.outcome, run.progress, clock, run.receipt_uri))
 
-    with (deterministic(plan.device), stop_signals(handle_signals) as signalled,
-          outcome_recorded(plan, outcome, progress, clock)):
-        # ---- 2. setup: fresh seeded student and optimizer; a resume then overwrites every state
-        student, optimizer = start_student(plan, student_dir, progress, gradient_checkpointing=gradient_checkpointing,
-                                           clock=clock)
-        watch = None
-        if eval_watch is not None:  # a baseline evaluation now, or the curve of the checkpoint resumed
-            watch = HeldOutWatch.start(eval_watch, loaded, outcome, student, progress, clock, on_eval)
-        checkpoints = CheckpointPublisher(plan, student, optimizer, progress, clock,
-                                          eval_curve=(lambda: watch.curve) if watch is not None else None)
 
-        # ---- 3. the loop: one optimizer step per group of `sequences_per_step` (× world size) candidates
-        step_fn = train_step if world.size == 1 else train_step_distributed
-        loop_started = time.perf_counter()
-        while progress.global_step < schedule.total_steps:
-            stop = signalled.is_set() or (should_cancel is not None and should_cancel())
-            if world.size > 1:  # every rank stops at the same step boundary when any rank was asked to
-                stop = world.any_rank(stop)
-            if stop:
-                if progress.global_step > 0:  # nothing to save before the first step
-                    checkpoints.publish()
-                raise StopTraining("cancelled", CANCEL_MESSAGE)
-            loss = step_fn(student, optimizer, tables, plan, progress, clock)
-            if on_progress is not None:
-                on_progress(progress.global_step, schedule.total_steps, loss)
-            steps_left = progress.global_step < schedule.total_steps
-            halt = watch.after_step(student, progress, clock, steps_left=steps_left) if watch is not None else None
-            interval = config.checkpoint_interval
-            if interval and progress.global_step % interval == 0 and steps_left:
-                checkpoints.publish()
-            if on_step_committed is not None:
-                on_step_committed(progress.global_step)
-            if halt is not None:  # the held-out watch stops the run: its state is saved first
-                checkpoints.publish()
-                raise halt
-        if watch is not None:
-            watch.finish(student, progress, clock)
-        clock.totals_ms["train_loop"] = (time.perf_counter() - loop_started) * 1e3
+class CorpusCandidates:
+    """The off-policy candidate source: the corpus tables in file order, each example repeated
+    ``samples_per_prompt`` times, ``sequences_per_step`` × world size candidates per optimizer step
+    (``plan.Schedule``). The cursor is ``global_step`` itself."""
 
-        # ---- 4. publish the PEFT adapter (rank 0 only; the receipt follows in finish_run)
-        publish_final_adapter(plan, outcome, student, clock)
-    receipt_uri = finish_run(plan, outcome, progress, clock)
-    world.barrier()  # the other ranks return once rank 0's receipt is written
-    return TrainResult(**result_fields(plan, outcome, progress, clock, receipt_uri))
+    stop_before_first_step = True
+
+    def __init__(self, tables: CorpusTables, plan: RunPlan) -> None:
+        self.tables, self.plan = tables, plan
+
+    def open(self, student, outcome, clock) -> None:
+        return None
+
+    def groups(self, progress: LoopProgress, clock: Clock) -> Iterator[StepGroup]:
+        while progress.global_step < self.plan.schedule.total_steps:
+            yield corpus_examples(self.tables, self.plan, progress.global_step)
+
+    def steps_left(self, progress: LoopProgress) -> bool:
+        return progress.global_step < self.plan.schedule.total_steps
+
+    def close(self, clock: Clock) -> None:
+        return None

@@ -21,6 +21,8 @@ from typing import Any, Callable, Literal, Sequence
 
 from pydantic import BaseModel, ConfigDict
 
+from kiln_core.contracts.opd_config import OpdConfig
+from kiln_core.training.base_adapter import BaseAdapter
 from kiln_core.training.distributed.world import check_shared_storage
 from kiln_core.training.trainer import TrainResult
 
@@ -48,7 +50,7 @@ class DistributedJob(BaseModel):
     dataset_path: str
     student_dir: str
     adapter_name: str
-    config: dict[str, Any]
+    config: OpdConfig
     run_root: str
     manifest_line: str | None = None
     teacher_alias: str
@@ -58,8 +60,8 @@ class DistributedJob(BaseModel):
     gradient_checkpointing: bool = False
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     strategy: Literal["ddp"] = "ddp"
-    base_adapter: dict[str, Any] | None = None
-    """The resolved warm start (``BaseAdapter`` as JSON), or None."""
+    base_adapter: BaseAdapter | None = None
+    """The resolved warm start, or None."""
 
 
 def torchrun_command(nproc: int, worker_args: Sequence[str], *, module: str = WORKER_MODULE) -> list[str]:
