@@ -2,7 +2,7 @@
 
 Both sides compute the same top-K reverse KL (Kiln's crates/kiln-opd-loss-kernel/src/lib.rs) forward + backward:
 
-* kiln-flows: `kiln_core.training.loss.topk_reverse_kl` (student logits at the K ids only, chunked).
+* kiln-flows: `kiln_core.loss.topk_reverse_kl` (student logits at the K ids only, chunked).
 * naive: `naive_topk_reverse_kl` (below): ``hidden @ W.T`` gives real ``[T, V]`` logits in autograd, then the
   K columns are gathered (its backward builds a ``[T, V]`` gradient too).
 
@@ -37,7 +37,7 @@ import psutil
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-from kiln_core.training.loss import topk_reverse_kl  # noqa: E402
+from kiln_core.loss import topk_reverse_kl  # noqa: E402
 
 MIB = 2**20
 

@@ -26,24 +26,14 @@ from typing import Any, Sequence
 import numpy as np
 
 from kiln_core.canonical import sha256_hex
-from kiln_core.errors import Rejection
+from kiln_core.contracts.example import normalize_content
+from kiln_core.errors import TokenizationError
 from kiln_core.strict_json import NestingTooDeep, loads_nesting_limited
 
 _GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _BYTE_FALLBACK_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 # Fields of a chat message Kiln's ChatMessage carries to the training template (kiln-core tokenizer.rs).
 TRAINING_MESSAGE_FIELDS = ("role", "content", "tool_calls", "name", "tool_call_id")
-
-
-class TokenizationError(Rejection, ValueError):
-    """A student directory or an example that cannot be rendered or tokenized (a rejection everywhere:
-    the CLI and the pipeline alike)."""
-
-    def __init__(self, message: str, code: str = "invalid_student") -> None:
-        super().__init__(code, message)
-
-    def __str__(self) -> str:
-        return self.message
 
 
 @dataclass(frozen=True)
@@ -146,24 +136,6 @@ def load_student_tokenizer(model_dir: str | Path) -> StudentTokenizer:
         vocab_size=vocab_size,
         model_dir=model_dir,
     )
-
-
-def normalize_content(content: Any) -> str:
-    """Message content as text: a string as is, null as "", a list of parts as their joined text."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, dict):
-                raise TokenizationError("content parts must be objects")
-            text = part.get("text")
-            if isinstance(text, str):
-                texts.append(text)
-        return "".join(texts)
-    raise TokenizationError("content must be a string, null or an array of parts")
 
 
 # --- rendering -------------------------------------------------------------------------------------

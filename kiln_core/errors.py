@@ -182,6 +182,17 @@ MODEL_UNREADABLE = "model_unreadable"
 MODEL_FILE_CODES = (MODEL_UNREADABLE, "symlink")
 
 
+class TokenizationError(Rejection, ValueError):
+    """A student directory or an example that cannot be rendered or tokenized (a rejection everywhere:
+    the CLI and the pipeline alike)."""
+
+    def __init__(self, message: str, code: str = "invalid_student") -> None:
+        super().__init__(code, message)
+
+    def __str__(self) -> str:
+        return self.message
+
+
 class AdmissionError(Rejection):
     """A corpus rejected by one admission rule.
 

@@ -53,7 +53,7 @@ def train(capsys, request: str, out: Path, student, adapter: str = "gated", *ext
 
 def greedy_answers(student, adapter=None) -> list[str]:
     from kiln_core.post_eval.runner import generate, load_arm, render_prompt
-    from kiln_core.post_eval.suite import EvalChatMessage, EvalGenerationParams
+    from kiln_core.contracts.post_eval.suite import EvalChatMessage, EvalGenerationParams
 
     arm = load_arm(str(student), adapter)
     params = EvalGenerationParams(max_tokens=MAX_TOKENS)

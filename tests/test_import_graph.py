@@ -1,7 +1,8 @@
-"""The import graph (``tools/import_graph.py``): layers point one way, and no circles.
+"""The import graph (``tools/import_graph.py``): kiln_core's package layers, no circles, layers point one way.
 
-The tool is checked on a small synthetic tree first (it finds a planted circle, a lazy one, and an
-upward import), then run on this checkout.
+The tool is checked on small synthetic trees first (it finds a planted module circle, a lazy one, a
+package cycle, an upward arrow, an unplaced package and a second orchestrator, and its command line
+fails on them), then run on this checkout.
 """
 
 from __future__ import annotations
@@ -10,10 +11,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
 
 import import_graph  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def repo_report() -> dict:
+    return import_graph.report(REPO)
+
 
 def _write(root: Path, files: dict[str, str]) -> None:
     for name, text in files.items():
@@ -39,16 +48,74 @@ def test_the_tool_finds_circles_and_upward_imports(tmp_path):
     assert report["engine_imports_prefect"] == [{"from": "kiln_core.c", "to": "prefect"}]
 
 
-def test_no_upward_imports_and_no_prefect_in_the_engine():
-    report = import_graph.report(REPO)
-    assert report["upward_imports"] == []
-    assert report["engine_imports_prefect"] == []
+# A tree with the real layer table's package names: contracts (low) and engine (top) import each other
+# (the contracts side inside a function), the root package imports the floor, a new top-level module has
+# no layer, and post_eval imports two pipeline stages.
+PLANTED = {
+    "kiln_core/__init__.py": "from kiln_core.errors import Rejection\n",
+    "kiln_core/errors.py": "class Rejection(Exception):\n    pass\n",
+    "kiln_core/storage.py": "from kiln_core.errors import Rejection\n",
+    "kiln_core/contracts/__init__.py": "",
+    "kiln_core/contracts/spec.py": "def check():\n    from kiln_core.engine.run import go\n",
+    "kiln_core/engine/__init__.py": "", "kiln_core/engine/run.py": "from kiln_core.contracts.spec import check\n",
+    "kiln_core/admission/__init__.py": "", "kiln_core/training/__init__.py": "from kiln_core import storage\n",
+    "kiln_core/post_eval/__init__.py": "from kiln_core import admission\nfrom kiln_core import training\n",
+    "kiln_core/newthing.py": "from kiln_core.storage import resolve\n",
+    "tasks/__init__.py": "", "flows/__init__.py": "", "drills/__init__.py": "",
+}
 
 
-def test_no_import_circles():
+def test_the_package_check_finds_a_planted_cycle_upward_arrows_and_an_unplaced_package(tmp_path):
+    _write(tmp_path, PLANTED)
+    packages = import_graph.report(tmp_path)["packages"]
+    assert packages["package_cycles"] == [["contracts", "engine"]]
+    arrows = {(arrow["from"], arrow["to"]): arrow["imports"] for arrow in packages["upward_arrows"]}
+    assert arrows == {
+        ("contracts", "engine"): [
+            {"from": "kiln_core.contracts.spec", "to": "kiln_core.engine.run", "in_function": True}],
+        ("kiln_core", "errors"): [{"from": "kiln_core", "to": "kiln_core.errors", "in_function": False}],
+    }
+    assert packages["unplaced_packages"] == ["newthing"]
+    assert packages["orchestrators"] == [{"package": "post_eval", "stages": ["admission", "training"]}]
+    assert "engine" not in packages["missing_packages"] and "scoring" in packages["missing_packages"]
+
+
+def test_the_command_line_fails_on_a_planted_upward_arrow(tmp_path):
+    _write(tmp_path, PLANTED)
+    done = subprocess.run([sys.executable, str(REPO / "tools" / "import_graph.py"), "--root", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stdout
+    assert "package cycles: 1" in done.stdout and "upward arrows: 2" in done.stdout, done.stdout
+    assert "    kiln_core.contracts.spec -> kiln_core.engine.run (in a function)" in done.stdout, done.stdout
+    assert "unplaced packages: 1 (add them to KILN_CORE_LAYERS): newthing" in done.stdout, done.stdout
+
+
+def test_the_layer_table_places_each_package_once_with_a_reason():
+    placed = [package for _, packages, _ in import_graph.KILN_CORE_LAYERS for package in packages]
+    assert len(placed) == len(set(placed))
+    assert all(why.strip() and "\n" not in why for _, _, why in import_graph.KILN_CORE_LAYERS)
+    # The orchestrator is alone at the top, and the root package (a lazy export table) at the bottom.
+    assert import_graph.KILN_CORE_LAYERS[-1][1] == (import_graph.ORCHESTRATOR,)
+    assert import_graph.KILN_CORE_LAYERS[0][1] == ("kiln_core",)
+
+
+def test_kiln_core_packages_follow_their_layers(repo_report):
+    packages = repo_report["packages"]
+    assert packages["package_cycles"] == []
+    assert packages["upward_arrows"] == []
+    assert packages["unplaced_packages"] == [] and packages["missing_packages"] == []
+    assert packages["orchestrators"] == []
+
+
+def test_no_upward_imports_and_no_prefect_in_the_engine(repo_report):
+    assert repo_report["upward_imports"] == []
+    assert repo_report["engine_imports_prefect"] == []
+
+
+def test_no_import_circles(repo_report):
     # Not even a lazy one (an import inside a function): the torchrun worker reaches the engine through
     # the request preparation, the engine reaches the launcher, and the launcher never the worker.
-    circles = [c["modules"] for c in import_graph.report(REPO)["circles"]]
+    circles = [c["modules"] for c in repo_report["circles"]]
     assert circles == [], circles
 
 
@@ -56,5 +123,7 @@ def test_the_command_line_report():
     done = subprocess.run([sys.executable, str(REPO / "tools" / "import_graph.py")], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stdout
+    assert "package cycles: 0" in done.stdout and "upward arrows: 0" in done.stdout, done.stdout
     assert "circles: 0" in done.stdout and "upward imports: 0" in done.stdout, done.stdout
     assert "kiln_core importing prefect: 0" in done.stdout, done.stdout
+    assert "in-function imports in kiln_core:" in done.stdout, done.stdout

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kiln_core.training.loss import compose_step_loss, echo_env_cross_entropy, topk_reverse_kl, topk_tail_reverse_kl
+from kiln_core.loss import compose_step_loss, echo_env_cross_entropy, topk_reverse_kl, topk_tail_reverse_kl
 from naive_losses import naive_echo_env_cross_entropy, naive_topk_reverse_kl, naive_topk_tail_reverse_kl
 
 T, H, V = 37, 16, 211

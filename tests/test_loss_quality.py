@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln_core.training import loss as L
+from kiln_core import loss as L
 from kiln_core.training import objectives as O
 from naive_losses import naive_topk_tail_reverse_kl
 

@@ -17,7 +17,7 @@ from kiln_core.errors import Rejection
 from kiln_core.post_eval import (PostEvalRejection, SuiteRegistry, load_suite, parse_post_eval_config,
                                  suite_sha256, validate_post_eval_config)
 from kiln_core.post_eval.identity import effective_generation_sha256
-from kiln_core.post_eval.suite import effective_generation
+from kiln_core.contracts.post_eval.suite import effective_generation
 
 EXAMPLE = {"messages": [{"role": "user", "content": "1+1?"}], "target": "2"}
 

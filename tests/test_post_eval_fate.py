@@ -17,11 +17,11 @@ import pytest
 
 from kiln_core.canonical import sha256_prefixed
 from kiln_core.errors import EnvironmentFailure
-from kiln_core.post_eval import (KILN_RENAMED_OUTCOMES, PostEvalRejection, apply_gate_outcome, latest_pointer,
-                                 post_eval_receipt_block)
+from kiln_core.engine.fate import KILN_RENAMED_OUTCOMES, apply_gate_outcome, latest_pointer, post_eval_receipt_block
+from kiln_core.post_eval import PostEvalRejection
 from kiln_core.post_eval.evaluate import PostEvalResult
 from kiln_core.post_eval.gate import PostEvalGateEvidence, SuiteRun
-from kiln_core.post_eval.suite import Single
+from kiln_core.contracts.post_eval.suite import Single
 
 RUN_KEY = "3f2a9c0d1e2b4a5c"
 

@@ -17,7 +17,7 @@ from kiln_core.post_eval.gate import (GATE_OUTCOMES, PairedEvidenceError, PostEv
                                       gate_outcome_priority, merge_gate_evidence, paired_aggregate_flips)
 from kiln_core.post_eval.reduce import ReducedOutcome
 from kiln_core.post_eval.stats import sign_test_p_value, wilson_interval
-from kiln_core.post_eval.suite import MajorityAtK, Single
+from kiln_core.contracts.post_eval.suite import MajorityAtK, Single
 
 
 def f32(x: float) -> float:

@@ -13,7 +13,7 @@ import json
 import pytest
 
 from kiln_core.post_eval import PostEvalRejection, check_training_overlap, conversation_from_opd_example, load_suite
-from kiln_core.post_eval.config import PostEvalConfig
+from kiln_core.contracts.post_eval.config import PostEvalConfig
 from kiln_core.post_eval.overlap import EvalContaminationIndex, TrainingConversation, example_identity
 
 HELD_OUT = PostEvalConfig(suite="math-held-out")

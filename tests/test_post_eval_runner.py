@@ -15,7 +15,7 @@ import torch
 from kiln_core.post_eval import PostEvalRejection, load_suite, parse_post_eval_config, run_post_eval
 from kiln_core.post_eval.runner import generate, load_arm, render_prompt, run_suite
 from kiln_core.post_eval.stats import derive_eval_completion_seed, sign_test_p_value
-from kiln_core.post_eval.suite import EvalChatMessage, EvalGenerationParams
+from kiln_core.contracts.post_eval.suite import EvalChatMessage, EvalGenerationParams
 
 PROMPTS = [f"What is {i} plus {i + 3}?" for i in range(20)]
 MAX_TOKENS = 3

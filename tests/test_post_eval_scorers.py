@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 from pydantic import TypeAdapter
 
-from kiln_core.post_eval.answer_parsing import (extract_json_body, extract_last_number, json_pointer_exists,
+from kiln_core.contracts.post_eval.answer_parsing import (extract_json_body, extract_last_number, json_pointer_exists,
                                                split_thinking)
-from kiln_core.post_eval.scorers import Scorer, ScorerError, score_completion
-from kiln_core.post_eval.suite import EvalExample
+from kiln_core.contracts.post_eval.scorers import Scorer, ScorerError, score_completion
+from kiln_core.contracts.post_eval.suite import EvalExample
 
 SCORER = TypeAdapter(Scorer)
 

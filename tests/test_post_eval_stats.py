@@ -20,7 +20,7 @@ import pytest
 from kiln_core.post_eval.reduce import (AggregationError, CompletionOutcome, aggregate_example_outcomes,
                                         suite_metrics)
 from kiln_core.post_eval.stats import derive_eval_completion_seed, sign_test_p_value, wilson_interval
-from kiln_core.post_eval.suite import MajorityAtK, MeanAtK, PassAtK, Single
+from kiln_core.contracts.post_eval.suite import MajorityAtK, MeanAtK, PassAtK, Single
 
 Z95 = 1.959963984540054
 

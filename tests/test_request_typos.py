@@ -67,9 +67,9 @@ def test_kiln_lenient_trains_as_kiln_would_and_names_each_ignored_key(typo_reque
 
 
 def test_the_torchrun_workers_request_mode_has_the_same_rule(typo_request, tiny_student, tmp_path):
-    """``kiln_core.training.distributed.worker --request`` (multi-node) validates the request the same way."""
+    """``kiln_core.engine.worker --request`` (multi-node) validates the request the same way."""
     from kiln_core.contracts.opd_config import ConfigError
-    from kiln_core.training.run_request import prepare_train_request
+    from kiln_core.engine.run_request import prepare_train_request
 
     common = {"adapter": "typo", "student_dir": str(tiny_student), "out_root": str(tmp_path / "out")}
     with pytest.raises(ConfigError) as caught:

@@ -42,7 +42,7 @@ Several processes on this machine (data parallel on ``torch.distributed``)::
     $ kiln-flows train --request opd-request.json --adapter demo --student ./student --nproc 4 --json
 
 validates and admits here, then launches ``python -m torch.distributed.run --standalone
---nproc-per-node 4 -m kiln_core.training.distributed.worker`` (gloo on CPU, nccl on CUDA: one GPU per rank).
+--nproc-per-node 4 -m kiln_core.engine.worker`` (gloo on CPU, nccl on CUDA: one GPU per rank).
 Each optimizer step takes ``4 × sequences_per_step`` candidates; rank 0 publishes checkpoints, the
 adapter and the receipt. A checkpoint resumes only with the ``--nproc`` that wrote it.
 """

@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kiln_core.errors import TokenizationError
+
 U32_MAX = 2**32 - 1
 U64_MAX = 2**64 - 1
 
@@ -37,6 +39,24 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[Any] | None = None
+
+
+def normalize_content(content: Any) -> str:
+    """Message content as text: a string as is, null as "", a list of parts as their joined text."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict):
+                raise TokenizationError("content parts must be objects")
+            text = part.get("text")
+            if isinstance(text, str):
+                texts.append(text)
+        return "".join(texts)
+    raise TokenizationError("content must be a string, null or an array of parts")
 
 
 class TopLogprob(BaseModel):

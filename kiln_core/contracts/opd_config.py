@@ -132,7 +132,7 @@ class OpdConfig(BaseModel):
     """Training objective; only reverse_kl runs (Kiln refuses cross_entropy at submit). Kiln default: reverse_kl."""
     loss: Literal["sampled_token", "teacher_top_k", "full_vocab", "teacher_top_k_tail", "teacher_token_ce",
                   "teacher_top_k_forward", "teacher_top_k_tail_forward"] = "teacher_top_k"
-    """Per-token loss: teacher_top_k is Kiln's reverse KL over the teacher's top-K; the _tail, _forward and teacher_token_ce values are opt-in kiln-flows extensions (kiln_core.training.loss). Kiln default: teacher_top_k."""
+    """Per-token loss: teacher_top_k is Kiln's reverse KL over the teacher's top-K; the _tail, _forward and teacher_token_ce values are opt-in kiln-flows extensions (kiln_core.loss). Kiln default: teacher_top_k."""
     top_k: int = Field(default=32, ge=0)
     """Teacher tokens per position the loss compares (count); Kiln runs 16 or 32 (16-31 become 16, 32 and more become 32). Kiln default: 32."""
     samples_per_prompt: int = Field(default=DEFAULT_SAMPLES_PER_PROMPT, ge=0)

@@ -55,7 +55,7 @@ class OpdPrompt(BaseModel):
 
 
 def _message_value(message: ChatMessage) -> dict[str, Any]:
-    from kiln_core.tokenization import normalize_content
+    from kiln_core.contracts.example import normalize_content
 
     raw = message.model_dump(mode="json", exclude_unset=False)
     value: dict[str, Any] = {"role": message.role, "content": normalize_content(raw.get("content"))}

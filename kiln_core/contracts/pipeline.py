@@ -44,7 +44,7 @@ from kiln_core.contracts.sources import CorpusSource, ExamplesSource, OnPolicySa
 from kiln_core.contracts.spec_blocks import DistributedOptions, RunOptions, TeacherSource, VllmBackends
 from kiln_core.contracts.unknown_keys import UnknownKey, find_unknown_keys
 from kiln_core.errors import Rejection
-from kiln_core.post_eval.config import PostEvalConfig
+from kiln_core.contracts.post_eval.config import PostEvalConfig
 
 
 class SpecError(Rejection, ValueError):
@@ -224,8 +224,8 @@ class PipelineSpec(BaseModel):
 
     def _check_gates(self) -> None:
         """Kiln's submit-time ``post_eval`` rules, and the watch's one-process rule, before any work."""
-        from kiln_core.post_eval.config import validate_post_eval_config
-        from kiln_core.post_eval.errors import PostEvalRejection
+        from kiln_core.contracts.post_eval.config import validate_post_eval_config
+        from kiln_core.contracts.post_eval.errors import PostEvalRejection
 
         try:
             validate_post_eval_config(self.post_eval, None)  # the installed-suite check needs storage: engine

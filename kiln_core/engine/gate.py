@@ -11,7 +11,7 @@ several gates on one training job. What each outcome does:
 | --- | --- | --- |
 | ``promoted`` | moved by the publish stage (``kiln_core.engine.publish``, the one writer) | stays |
 | ``kept``, ``inconclusive``, ``error`` | not moved | stays |
-| ``demoted``, ``regression`` | not moved | renamed ``<adapter>.failed`` (``kiln_core.post_eval.fate``) |
+| ``demoted``, ``regression`` | not moved | renamed ``<adapter>.failed`` (``kiln_core.engine.fate``) |
 | none (``post_eval`` without ``min_accuracy``) | moved, as without a gate | stays |
 
 The baseline arm is the base student: Kiln compares against the active adapter unless it has the
@@ -226,7 +226,7 @@ def _act_and_record(trained: TrainRef, spec: PipelineSpec, outcome: str | None, 
     so the pointer's receipt digest covers the evidence.
     """
     from kiln_core.engine.publish import latest_location
-    from kiln_core.post_eval import GateFate, apply_gate_outcome, post_eval_receipt_block
+    from kiln_core.engine.fate import GateFate, apply_gate_outcome, post_eval_receipt_block
     from kiln_core.training.receipt import read_receipt, write_receipt
 
     run = resolve(trained.run_uri)

@@ -3,7 +3,7 @@
 Training already wrote the checkpoints, the adapter and the receipt. Publishing checks the adapter
 bytes against the receipt's digest, then atomically (re)writes ``latest.json`` — the one file a
 consumer reads to find the newest adapter of a name. ``kiln-flows train`` and the pipeline both
-publish, and the post-eval gate's promotion (``kiln_core.post_eval.fate``) writes the pointer
+publish, and the post-eval gate's promotion (``kiln_core.engine.fate``) writes the pointer
 through the same two functions here (``latest_pointer``, ``write_latest``), so the document is the
 same whoever writes it.
 """

@@ -32,9 +32,9 @@ from kiln_core.contracts.names import check_name
 from kiln_core.contracts.opd_config import ConfigError, OpdRequest, parse_opd_request, unknown_request_keys
 from kiln_core.contracts.opd_submit import validate_request_for_offline_training
 from kiln_core.contracts.pipeline import DistributedOptions, PipelineSpec, TeacherSource, parse_spec
+from kiln_core.contracts.post_eval.config import PostEvalConfig, parse_post_eval_config, validate_post_eval_config
 from kiln_core.contracts.unknown_keys import UnknownKey
 from kiln_core.engine.pipeline import LocalStages
-from kiln_core.post_eval.config import PostEvalConfig, parse_post_eval_config, validate_post_eval_config
 from kiln_core.post_eval.registry import SuiteRegistry
 from kiln_core.storage import resolve
 

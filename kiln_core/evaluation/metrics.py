@@ -2,7 +2,7 @@
 
 Three means over every action token (target q scored from row q − 1, as in training):
 
-* ``reverse_kl`` — Kiln's loss (``kiln_core.training.loss.topk_reverse_kl``): student and teacher
+* ``reverse_kl`` — Kiln's loss (``kiln_core.loss.topk_reverse_kl``): student and teacher
   both renormalized over the teacher's K ids of that row, KL(student ‖ teacher);
 * ``top1_agreement`` — the student's argmax over the WHOLE vocabulary equals the teacher's first
   candidate (the one thing the renormalized loss cannot see: student mass outside the K ids);
@@ -27,7 +27,7 @@ from typing import Any, Iterable, Protocol
 import torch
 
 from kiln_core.corpus import CorpusTables, TrainingExample
-from kiln_core.training.loss import echo_env_cross_entropy, topk_reverse_kl
+from kiln_core.loss import echo_env_cross_entropy, topk_reverse_kl
 
 __all__ = ["EvalMetrics", "HiddenStateModel", "evaluate_examples", "evaluate_tables"]
 

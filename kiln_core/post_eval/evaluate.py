@@ -22,13 +22,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kiln_core.post_eval.config import PostEvalConfig
+from kiln_core.contracts.post_eval.config import PostEvalConfig
 from kiln_core.post_eval.gate import (PairedEvidenceError, PostEvalGate, PostEvalGateEvidence, SuiteRun,
                                       decision_verdict, evaluate_paired_promotion)
 from kiln_core.post_eval.reduce import AggregationError
-from kiln_core.post_eval.scorers import JudgeRunner
+from kiln_core.contracts.post_eval.scorers import JudgeRunner
 from kiln_core.post_eval.identity import effective_generation_sha256, suite_sha256
-from kiln_core.post_eval.suite import EvalSuite
+from kiln_core.contracts.post_eval.suite import EvalSuite
 
 __all__ = ["PostEvalResult", "run_post_eval"]
 

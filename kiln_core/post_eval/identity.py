@@ -16,8 +16,8 @@ from __future__ import annotations
 from typing import Any
 
 from kiln_core.post_eval.stats import SEED_DERIVATION_V1
-from kiln_core.post_eval.suite import EvalGenerationParams, EvalSuite, effective_generation
-from kiln_core.post_eval.wire import EFFECTIVE_GENERATION_DOMAIN, SUITE_DOMAIN, hash_json
+from kiln_core.contracts.post_eval.suite import EvalGenerationParams, EvalSuite, effective_generation
+from kiln_core.contracts.post_eval.wire import EFFECTIVE_GENERATION_DOMAIN, SUITE_DOMAIN, hash_json
 
 __all__ = ["suite_sha256", "effective_generation_sha256"]
 

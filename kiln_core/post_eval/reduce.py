@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kiln_core.post_eval.stats import wilson_interval
-from kiln_core.post_eval.wire import rust_debug_str, rust_display_float, to_f32
+from kiln_core.contracts.post_eval.wire import rust_debug_str, rust_display_float, to_f32
 
 __all__ = ["CompletionOutcome", "ReducedOutcome", "AggregationError", "aggregate_example_outcomes", "suite_metrics"]
 
@@ -91,7 +91,7 @@ def aggregate_example_outcomes(outcomes: list[CompletionOutcome], aggregation: A
         AggregationError: Wrong count or indices, disagreeing tags/metadata, a score outside [0, 1].
 
     Example:
-        >>> from kiln_core.post_eval.suite import PassAtK
+        >>> from kiln_core.contracts.post_eval.suite import PassAtK
         >>> raw = [CompletionOutcome("x", 0, "fail", 0.0), CompletionOutcome("x", 1, "pass", 1.0)]
         >>> aggregate_example_outcomes(raw, PassAtK(kind="pass_at_k", k=2))[0].kind
         'pass'

@@ -14,8 +14,8 @@ import logging
 import posixpath
 from typing import Any
 
-from kiln_core.post_eval.errors import PostEvalRejection
-from kiln_core.post_eval.suite import EvalSuite, load_suite
+from kiln_core.contracts.post_eval.errors import PostEvalRejection
+from kiln_core.contracts.post_eval.suite import EvalSuite, load_suite
 from kiln_core.storage import Location, list_children, remove_tree, resolve, write_bytes_atomic
 
 __all__ = ["SuiteRegistry", "is_valid_segment_name"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln_core.training.loss import (
+from kiln_core.loss import (
     _check_topk,
     _FullLogSumExp,
     _GatheredLogits,

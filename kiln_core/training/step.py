@@ -18,7 +18,7 @@ import torch
 
 from kiln_core.contracts.opd_config import OpdConfig
 from kiln_core.corpus import CorpusTables, TrainingExample
-from kiln_core.training.loss import compose_step_loss, echo_env_cross_entropy
+from kiln_core.loss import compose_step_loss, echo_env_cross_entropy
 from kiln_core.training.plan import RunPlan
 from kiln_core.training.progress import TOKEN_COUNT_KEYS, Clock, LoopProgress
 from kiln_core.training.student import Student, lora_module

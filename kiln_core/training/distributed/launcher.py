@@ -1,7 +1,7 @@
 """Launching a data-parallel run from one process (CLI, Prefect task): torchrun with ``nproc`` ranks.
 
 ``launch`` writes a ``DistributedJob`` to a temporary file, runs ``python -m torch.distributed.run
---standalone --nproc-per-node N -m kiln_core.training.distributed.worker --job JOB.json --result
+--standalone --nproc-per-node N -m kiln_core.engine.worker --job JOB.json --result
 RESULT.json --progress PROGRESS.jsonl`` and returns rank 0's ``TrainResult``. The worker module is
 named, never imported: the launcher runs in the parent, the worker in each rank.
 """
@@ -28,7 +28,7 @@ from kiln_core.training.trainer import TrainResult
 
 __all__ = ["DistributedJob", "DistributedRunError", "WORKER_MODULE", "torchrun_command", "launch"]
 
-WORKER_MODULE = "kiln_core.training.distributed.worker"
+WORKER_MODULE = "kiln_core.engine.worker"
 
 
 class DistributedRunError(RuntimeError):

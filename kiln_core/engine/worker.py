@@ -1,4 +1,4 @@
-"""One rank of a data-parallel training run, started by torchrun (``python -m kiln_core.training.distributed.worker``).
+"""One rank of a data-parallel training run, started by torchrun (``python -m kiln_core.engine.worker``).
 
 The rank joins the process group torchrun describes, reads its job — a ``DistributedJob`` written by
 the launcher, or the request arguments of ``kiln-flows train`` (rank 0 validates and admits the
@@ -72,7 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     Multi-node (every node, same arguments; storage shared by all nodes)::
 
         torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint head:29500 \\
-            --rdzv-id opd-run-1 -m kiln_core.training.distributed.worker \\
+            --rdzv-id opd-run-1 -m kiln_core.engine.worker \\
             --request opd-request.json --adapter demo --student ./student --out s3://bucket/kiln
     """
     args = _worker_parser().parse_args(argv)
@@ -106,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _job_from_request(args: argparse.Namespace, world: World) -> DistributedJob:
     """Validate and admit a request file: rank 0 first (it materializes the corpus), then the others
     (they reuse the materialization), so no two ranks ever write the same corpus."""
-    from kiln_core.training.run_request import prepare_train_request
+    from kiln_core.engine.run_request import prepare_train_request
 
     def prepare() -> DistributedJob:
         prepared = prepare_train_request(
@@ -158,6 +158,6 @@ def _write_json(path: str, value: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":  # run the module's own import, not a second copy named __main__
-    from kiln_core.training.distributed.worker import main as _main
+    from kiln_core.engine.worker import main as _main
 
     sys.exit(_main())

@@ -17,9 +17,9 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kiln_core.post_eval.errors import PostEvalRejection
-from kiln_core.post_eval.scorers import Scorer, unported_kinds, SUPPORTED_SCORERS
-from kiln_core.post_eval.wire import F32, json_value, rust_debug_str, rust_display_float, to_f32
+from kiln_core.contracts.post_eval.errors import PostEvalRejection
+from kiln_core.contracts.post_eval.scorers import Scorer, unported_kinds, SUPPORTED_SCORERS
+from kiln_core.contracts.post_eval.wire import F32, json_value, rust_debug_str, rust_display_float, to_f32
 from kiln_core.strict_json import StrictJsonError, loads_strict
 
 __all__ = ["EvalGenerationParams", "EvalAggregation", "EvalChatMessage", "EvalExample", "EvalSuite",

@@ -29,8 +29,8 @@ from typing import Annotated, Any, Literal, Protocol, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kiln_core.post_eval import answer_parsing as parse
-from kiln_core.post_eval.wire import to_f32
+from kiln_core.contracts.post_eval import answer_parsing as parse
+from kiln_core.contracts.post_eval.wire import to_f32
 
 __all__ = ["Scorer", "ScoredCompletion", "ScorerError", "JudgeRunner", "score_completion", "SUPPORTED_SCORERS", "DEFAULT_JUDGE_TEMPLATE", "DEFAULT_JUDGE_REGEX"]
 
@@ -198,7 +198,7 @@ def score_completion(scorer: Any, example: Any, completion: str, judge: JudgeRun
         ScorerError: The suite is broken for this example (missing target, bad regex, ...).
 
     Example:
-        >>> from kiln_core.post_eval.suite import EvalExample
+        >>> from kiln_core.contracts.post_eval.suite import EvalExample
         >>> example = EvalExample.model_validate({"messages": [{"role": "user", "content": "2+2?"}], "target": "4"})
         >>> score_completion(ExactMatch(kind="exact_match"), example, " 4\\n").kind
         'pass'

@@ -11,9 +11,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kiln_core.post_eval.errors import PostEvalRejection
-from kiln_core.post_eval.suite import EvalGenerationParams
-from kiln_core.post_eval.wire import to_f32
+from kiln_core.contracts.post_eval.errors import PostEvalRejection
+from kiln_core.contracts.post_eval.suite import EvalGenerationParams
+from kiln_core.contracts.post_eval.wire import to_f32
 
 __all__ = ["PostEvalConfig", "parse_post_eval_config", "validate_post_eval_config"]
 
@@ -81,7 +81,7 @@ def validate_post_eval_config(config: PostEvalConfig | None, registry: Any | Non
         >>> validate_post_eval_config(PostEvalConfig(suite="s", min_accuracy=1.5), None)
         Traceback (most recent call last):
         ...
-        kiln_core.post_eval.errors.PostEvalRejection: [post_eval_min_accuracy_out_of_range] field post_eval.min_accuracy: post_eval.min_accuracy must be finite and in [0.0, 1.0]
+        kiln_core.contracts.post_eval.errors.PostEvalRejection: [post_eval_min_accuracy_out_of_range] field post_eval.min_accuracy: post_eval.min_accuracy must be finite and in [0.0, 1.0]
     """
     if config is None:
         return

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kiln_core.errors import EnvironmentFailure
-from kiln_core.post_eval.errors import PostEvalRejection
+from kiln_core.contracts.post_eval.errors import PostEvalRejection
 from kiln_core.post_eval.gate import GATE_OUTCOMES, PostEvalGateEvidence
 from kiln_core.storage import Location, move_aside, resolve
 

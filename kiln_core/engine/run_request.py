@@ -1,7 +1,7 @@
 """Request preparation for the ``torchrun`` worker's ``--request`` mode (multi-node runs).
 
 The request → spec → admission → plan path is the engine's (``kiln_core.engine``); this module keeps
-the name the worker (``kiln_core.training.distributed.worker``) imports, and builds its ``DistributedJob``
+the name the worker (``kiln_core.engine.worker``) imports, and builds its ``DistributedJob``
 with the same run directory rule as ``kiln-flows train`` and the pipeline.
 """
 
