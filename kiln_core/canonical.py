@@ -5,9 +5,8 @@ Kiln has three different ideas of "canonical JSON", and mixing them up silently 
 * **Kiln compact** (`kiln_compact_json`): serde_json's compact output of a struct, keys in
   *declaration order*, raw UTF-8, no whitespace. Teacher identities and off-policy manifests are
   compared byte for byte in this form (Kiln's crates/kiln-train/src/teacher_identity.rs).
-* **serde_json's ``Value`` text** (`serde_json_text`): what ``serde_json::to_vec(&Value)`` writes —
-  keys sorted, raw UTF-8, floats in ryu's shortest form. Kiln digests prompt lists this way (the
-  checkpoint's ``data.content_sha256``, on- and off-policy).
+* **serde_json's own bytes** (``kiln_core.serde_json``): what ``serde_json::to_vec`` writes — keys
+  sorted for a ``Value``, floats in Ryū's shortest form. Kiln digests prompt lists and eval suites this way.
 * **Sorted-keys ASCII** (`canonical_json_bytes`, `canonical_sha256`): Python's
   ``json.dumps(sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)``. The
   HF oracle contracts hash requests, results and id lists this way (the next-token oracle's request
@@ -19,12 +18,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from typing import Any
 
 SHA256_PREFIX = "sha256:"
-_I64_MIN = -(2**63)
-_U64_MAX = 2**64 - 1
 
 
 def kiln_compact_json(value: Any) -> str:
@@ -81,62 +77,3 @@ def strip_sha256_prefix(digest: str) -> str:
     if not digest.startswith(SHA256_PREFIX):
         raise ValueError(f"expected a 'sha256:' digest, got {digest!r}")
     return digest[len(SHA256_PREFIX):]
-
-
-def serde_json_text(value: Any) -> str:
-    """Compact JSON exactly as ``serde_json::to_vec(&serde_json::Value)`` writes it.
-
-    Object keys sorted by UTF-8 bytes; raw UTF-8 strings with serde's escapes; integers outside
-    i64/u64 become floats (serde parses them as f64); floats in ryu's notation.
-
-    Example:
-        >>> serde_json_text({"b": [1.0, 1e20, 2e-7], "a": "é"})
-        '{"a":"é","b":[1.0,1e20,2e-7]}'
-    """
-    if value is None:
-        return "null"
-    if value is True:
-        return "true"
-    if value is False:
-        return "false"
-    if isinstance(value, int):
-        return str(value) if _I64_MIN <= value <= _U64_MAX else _ryu(float(value))
-    if isinstance(value, float):
-        return _ryu(value)
-    if isinstance(value, str):
-        value.encode("utf-8")  # a lone surrogate cannot be serialized (serde refuses it when parsing)
-        return json.dumps(value, ensure_ascii=False)
-    if isinstance(value, (list, tuple)):
-        return "[" + ",".join(serde_json_text(item) for item in value) + "]"
-    if isinstance(value, dict):
-        items = sorted(value.items(), key=lambda item: item[0].encode("utf-8"))
-        return "{" + ",".join(f"{serde_json_text(k)}:{serde_json_text(v)}" for k, v in items) + "}"
-    raise TypeError(f"not a JSON value: {type(value).__name__}")
-
-
-def _ryu(number: float) -> str:
-    """serde_json's float text (the ``ryu`` crate's ``format64``): shortest digits, Rust's layout."""
-    if not math.isfinite(number):
-        raise ValueError("JSON has no representation for a non-finite float")
-    if number == 0.0:
-        return "-0.0" if math.copysign(1.0, number) < 0 else "0.0"
-    sign = "-" if number < 0 else ""
-    mantissa, _, exponent = repr(abs(number)).partition("e")
-    whole, _, fraction = mantissa.partition(".")
-    digits = whole + fraction
-    point = len(whole) + (int(exponent) if exponent else 0)  # value = 0.<digits> × 10^point
-    stripped = digits.lstrip("0")
-    point -= len(digits) - len(stripped)
-    digits = stripped.rstrip("0")
-    length, kk = len(digits), point
-    if length <= kk <= 16:  # 1234e7 -> 12340000000.0
-        text = digits + "0" * (kk - length) + ".0"
-    elif 0 < kk <= 16:  # 1234e-2 -> 12.34
-        text = digits[:kk] + "." + digits[kk:]
-    elif -5 < kk <= 0:  # 1234e-6 -> 0.001234
-        text = "0." + "0" * -kk + digits
-    elif length == 1:  # 1e30
-        text = f"{digits}e{kk - 1}"
-    else:  # 1234e30 -> 1.234e33
-        text = f"{digits[0]}.{digits[1:]}e{kk - 1}"
-    return sign + text

@@ -20,7 +20,7 @@ import hashlib
 import json
 from typing import Any, Iterable
 
-from kiln_core.canonical import serde_json_text
+from kiln_core.serde_json import serde_json_text
 
 __all__ = ["kiln_prompts_sha256"]
 

@@ -244,3 +244,15 @@ def test_non_canonical_identity_json_is_refused():
     with pytest.raises(ManifestError) as caught:
         parse_identity_json(json.dumps(json.loads(text), indent=1))
     assert caught.value.kind == "not_canonical"
+
+
+def test_one_serde_json_writer():
+    """Kiln's serde_json digests (prompt lists on- and off-policy, eval suites) come from one writer: three
+    copies existed, and a fix to one would have silently split the digests."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    writers = sorted(path.relative_to(root).as_posix() for package in ("kiln_core", "tasks", "flows", "drills")
+                     for path in (root / package).rglob("*.py")
+                     if re.search(r"^def _ryu\(|ryu's|format64", path.read_text(encoding="utf-8"), re.M))
+    assert writers == ["kiln_core/serde_json.py"]

@@ -26,7 +26,7 @@ from kiln_core.contracts.opd_prompt import (
     prompts_content_sha256,
     training_data_receipt,
 )
-from kiln_core.canonical import serde_json_text
+from kiln_core.serde_json import serde_json_text
 
 
 def _prompt(value: dict) -> OpdPrompt:

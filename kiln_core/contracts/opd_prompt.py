@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kiln_core.canonical import serde_json_text
+from kiln_core.serde_json import serde_json_text
 from kiln_core.contracts.example import ChatMessage, TrajectorySegment
 
 __all__ = [

@@ -26,7 +26,7 @@ import logging
 from typing import Any, Callable, Sequence
 
 from kiln_core.contracts.opd_config import OpdConfig
-from kiln_core.canonical import serde_json_text
+from kiln_core.serde_json import serde_json_text
 from kiln_core.contracts.opd_prompt import OpdPrompt, kiln_prompt_value, prompts_content_sha256
 from kiln_core.contracts.spec_blocks import VllmBackends
 from kiln_core.engine.refs import CorpusRef, ManifestRef, TrainPlan

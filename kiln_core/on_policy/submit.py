@@ -33,7 +33,7 @@ from kiln_core.contracts.identity import TeacherIdentity
 from kiln_core.contracts.opd_config import (ConfigError, OpdConfig, OpdRequest, effective_samples_per_prompt,
                                             resolve_top_k)
 from kiln_core.contracts.opd_submit import validate_config_rules
-from kiln_core.canonical import serde_json_text
+from kiln_core.serde_json import serde_json_text
 from kiln_core.contracts.opd_prompt import OpdPrompt, kiln_prompt_value, prompts_content_sha256
 from kiln_core.errors import Rejection
 from kiln_core.on_policy.render import RenderError, encode_text, render_for_generation, teacher_messages

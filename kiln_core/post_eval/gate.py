@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict
 
 from kiln_core.post_eval.reduce import ReducedOutcome
 from kiln_core.post_eval.stats import sign_test_p_value, wilson_interval
-from kiln_core.contracts.post_eval.wire import rust_debug_str, to_f32
+from kiln_core.serde_json import rust_debug_str, to_f32
 
 __all__ = ["POLICY_VERSION", "SUITE_POLICY", "MINIMUM_PAIRED_EXAMPLES", "EXACT_SIGN_TEST_ALPHA", "GATE_OUTCOMES",
            "SuiteRun", "PostEvalGate", "PairedSummary", "PairedEvidenceError", "paired_aggregate_flips",

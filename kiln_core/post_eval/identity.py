@@ -17,9 +17,12 @@ from typing import Any
 
 from kiln_core.post_eval.stats import SEED_DERIVATION_V1
 from kiln_core.contracts.post_eval.suite import EvalGenerationParams, EvalSuite, effective_generation
-from kiln_core.contracts.post_eval.wire import EFFECTIVE_GENERATION_DOMAIN, SUITE_DOMAIN, hash_json
+from kiln_core.serde_json import hash_json
 
 __all__ = ["suite_sha256", "effective_generation_sha256"]
+
+SUITE_DOMAIN = b"kiln.eval-suite.v1\0"
+EFFECTIVE_GENERATION_DOMAIN = b"kiln.eval-effective-generation.v1\0"
 
 
 def suite_sha256(suite: EvalSuite) -> str:

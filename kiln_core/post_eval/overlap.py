@@ -29,7 +29,7 @@ from typing import Any, Iterable
 
 from kiln_core.contracts.post_eval.answer_parsing import rust_split_whitespace, rust_trim
 from kiln_core.contracts.post_eval.errors import PostEvalRejection
-from kiln_core.contracts.post_eval.wire import encode, json_value, rust_debug_str
+from kiln_core.serde_json import encode, json_value, rust_debug_str
 
 __all__ = ["PROVENANCE_KEY", "example_identity", "row_identity", "EvalContaminationIndex", "TrainingConversation",
            "conversation_from_opd_example", "check_training_overlap"]

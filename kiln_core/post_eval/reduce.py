@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kiln_core.post_eval.stats import wilson_interval
-from kiln_core.contracts.post_eval.wire import rust_debug_str, rust_display_float, to_f32
+from kiln_core.serde_json import rust_debug_str, rust_display_float, to_f32
 
 __all__ = ["CompletionOutcome", "ReducedOutcome", "AggregationError", "aggregate_example_outcomes", "suite_metrics"]
 

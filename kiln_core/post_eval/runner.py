@@ -32,7 +32,7 @@ from kiln_core.contracts.post_eval.scorers import JudgeRunner, ScorerError, scor
 from kiln_core.post_eval.stats import derive_eval_completion_seed
 from kiln_core.post_eval.identity import effective_generation_sha256, suite_sha256
 from kiln_core.contracts.post_eval.suite import EvalGenerationParams, EvalSuite, effective_generation
-from kiln_core.contracts.post_eval.wire import rust_debug_str
+from kiln_core.serde_json import rust_debug_str
 
 __all__ = ["Arm", "PostEvalTimeout", "load_arm", "render_prompt", "generate", "run_suite", "resolve_effective_seed"]
 

@@ -11,7 +11,7 @@ import hashlib
 import math
 from dataclasses import dataclass
 
-from kiln_core.contracts.post_eval.wire import to_f32
+from kiln_core.serde_json import to_f32
 
 __all__ = ["SEED_DERIVATION_V1", "derive_eval_completion_seed", "sign_test_p_value", "WilsonInterval",
            "wilson_interval", "WILSON_Z", "CONFIDENCE_LEVEL"]

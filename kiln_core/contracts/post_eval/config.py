@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kiln_core.contracts.post_eval.errors import PostEvalRejection
 from kiln_core.contracts.post_eval.suite import EvalGenerationParams
-from kiln_core.contracts.post_eval.wire import to_f32
+from kiln_core.serde_json import to_f32
 
 __all__ = ["PostEvalConfig", "parse_post_eval_config", "validate_post_eval_config"]
 

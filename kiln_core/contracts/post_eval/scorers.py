@@ -30,7 +30,7 @@ from typing import Annotated, Any, Literal, Protocol, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from kiln_core.contracts.post_eval import answer_parsing as parse
-from kiln_core.contracts.post_eval.wire import to_f32
+from kiln_core.serde_json import to_f32
 
 __all__ = ["Scorer", "ScoredCompletion", "ScorerError", "JudgeRunner", "score_completion", "SUPPORTED_SCORERS", "DEFAULT_JUDGE_TEMPLATE", "DEFAULT_JUDGE_REGEX"]
 

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kiln_core.contracts.post_eval.errors import PostEvalRejection
 from kiln_core.contracts.post_eval.scorers import Scorer, unported_kinds, SUPPORTED_SCORERS
-from kiln_core.contracts.post_eval.wire import F32, json_value, rust_debug_str, rust_display_float, to_f32
+from kiln_core.serde_json import F32, json_value, rust_debug_str, rust_display_float, to_f32
 from kiln_core.strict_json import StrictJsonError, loads_strict
 
 __all__ = ["EvalGenerationParams", "EvalAggregation", "EvalChatMessage", "EvalExample", "EvalSuite",

@@ -1,22 +1,19 @@
-"""Kiln's identity hashes for eval runs: serde_json's compact bytes, framed and SHA-256'd.
+"""serde_json's bytes, written from Python: the one writer for every digest Kiln takes over JSON.
 
-Kiln pins a suite and an eval run's generation settings with two digests
-[crates/kiln-eval/src/replay.rs · eval_suite_sha256, eval_effective_generation_sha256, hash_json]:
+Kiln hashes what ``serde_json::to_vec`` writes in several places: a prompt list as a
+``serde_json::Value`` (the checkpoint's ``data.content_sha256``: ``serde_json_text``), and eval suites
+and generation settings as structs, framed by a domain [crates/kiln-eval/src/replay.rs · hash_json]:
 
     hash_json(domain, value) = "sha256:" + hex(SHA-256(domain ‖ u64-LE(len(bytes)) ‖ bytes))
     bytes                    = serde_json::to_vec(value)
-
-* ``suite_sha256``: domain ``b"kiln.eval-suite.v1\\0"``, value = the ``EvalSuite`` struct.
-* ``effective_generation_sha256``: domain ``b"kiln.eval-effective-generation.v1\\0"``, value =
-  ``{seed_derivation, effective_seed (decimal string), suite_sha256, generation_override,
-  resolved_thinking_budgets}``.
 
 ``serde_json::to_vec`` writes struct fields in declaration order, skips the fields marked
 ``skip_serializing_if``, and writes ``serde_json::Value`` maps with sorted keys (its default
 ``BTreeMap``). Floats go through Ryū: the shortest digits that round-trip *in the declared type*
 (``f32`` for ``temperature``, ``top_p`` and ``weight``; ``f64`` elsewhere) laid out by Ryū's
 "pretty" rules [dtolnay/ryu src/pretty/mod.rs · format32, format64]. This module reproduces that
-encoding; the models in ``suite.py`` and ``scorers.py`` supply the field order (``wire()`` methods).
+encoding; the post-eval suite and scorer models (``kiln_core.contracts.post_eval``) supply the field order
+(``wire()`` methods).
 Byte parity with a Rust build is reasoned from those sources, not measured (no Rust crates offline).
 """
 
@@ -28,11 +25,9 @@ import struct
 from decimal import Decimal
 from typing import Any
 
-__all__ = ["F32", "to_f32", "format_float", "rust_display_float", "encode", "json_value", "hash_json",
-           "rust_debug_str"]
+__all__ = ["F32", "to_f32", "format_float", "rust_display_float", "encode", "json_value", "serde_json_text",
+           "hash_json", "rust_debug_str"]
 
-SUITE_DOMAIN = b"kiln.eval-suite.v1\0"
-EFFECTIVE_GENERATION_DOMAIN = b"kiln.eval-effective-generation.v1\0"
 _U64_MAX = 2**64 - 1
 _I64_MIN = -(2**63)
 
@@ -186,6 +181,17 @@ def json_value(value: Any) -> Any:
     if isinstance(value, int) and not isinstance(value, bool) and not _I64_MIN <= value <= _U64_MAX:
         return float(value)
     return value
+
+
+def serde_json_text(value: Any) -> str:
+    """``serde_json::to_vec(&serde_json::Value)`` of a parsed JSON document, as text: object keys
+    sorted, raw UTF-8, floats in Ryū's layout (a lone surrogate cannot be written: UnicodeEncodeError).
+
+    Example:
+        >>> serde_json_text({"b": [1.0, 1e20, 2e-7], "a": "é"})
+        '{"a":"é","b":[1.0,1e20,2e-7]}'
+    """
+    return encode(json_value(value)).decode("utf-8")
 
 
 def hash_json(domain: bytes, value: Any) -> str:
