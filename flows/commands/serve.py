@@ -45,9 +45,9 @@ def run(args: argparse.Namespace) -> int:
     parameters = None
     if args.spec:
         spec = load_spec(args.spec)  # a rejection (exit 2) goes to the CLI's guard
-        # Every field spelled out (by alias, e.g. ECHO's `lambda`): the UI picks the tab of a union
-        # such as the optimizer by the keys its value shares with each branch.
-        parameters = {"spec": spec.model_dump(mode="json", by_alias=True)}
+        # The form's view, without what its training-data choice decides (training mode, sampling): a
+        # run from the form with another kind of source must not inherit the file's values for them.
+        parameters = {"spec": spec.form_defaults()}
 
     from flows.local_api import offline_settings, start_local_api
 

@@ -21,7 +21,7 @@ of the checkpoint identity.
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, Union, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -45,6 +45,10 @@ __all__ = [
     "effective_config",
     "PRESETS",
     "SAMPLING_FIELDS",
+    "POSITIVE_FIELDS",
+    "flat_choice_schema",
+    "normalize_flat_choice",
+    "mark_positive",
 ]
 
 SUPPORTED_TOP_K = (32, 16)  # Kiln's KT kernels, largest first (§2.6)
@@ -202,6 +206,79 @@ class EchoConfig(_Strict):
 SAMPLING_FIELDS = ("samples_per_prompt", "temperature", "top_p", "max_tokens", "sampler_segments",
                    "rollout_prompt_rendering", "discount", "clip_epsilon", "stable_opd")
 
+# Numbers Kiln's submit rules require to be above zero (kiln_core.contracts.opd_submit): the form's
+# schema says so too (`exclusiveMinimum: 0`), so both Prefect UIs refuse 0 or a negative value inline.
+POSITIVE_FIELDS = ("top_k", "samples_per_prompt", "learning_rate", "lora_alpha")
+
+
+def mark_positive(prop: dict[str, Any]) -> None:
+    """Mark a number property (or the number branch of a nullable one) ``exclusiveMinimum: 0``."""
+    for branch in prop.get("anyOf", [prop]):
+        if branch.get("type") in ("number", "integer"):
+            branch.pop("minimum", None)
+            branch["exclusiveMinimum"] = 0
+
+
+def _tag_of(model: type[BaseModel], tag: str) -> str:
+    """The one value a branch's ``Literal`` tag field takes."""
+    return get_args(model.model_fields[tag].annotation)[0]
+
+
+def flat_choice_schema(tag: str, branches: tuple[type[BaseModel], ...], *, title: str, description: str) -> dict[str, Any]:
+    """The JSON schema of a tagged choice (``{"kind": "adam_w", "beta1": 0.9}``) as ONE object: a ``tag``
+    dropdown plus every branch's settings, each optional, without defaults, its description prefixed by
+    the branches it belongs to. Prefect's default UI (V1) renders a ``oneOf`` as a raw JSON editor; both
+    of its UIs render this as fields. ``normalize_flat_choice`` reads such a value back.
+
+    Example:
+        >>> flat_choice_schema("kind", (MuonOptimizer, SgdOptimizer), title="Optimizer", description="d")[
+        ...     "properties"]["kind"]["enum"]
+        ['muon', 'sgd']
+    """
+    tags = [_tag_of(model, tag) for model in branches]
+    properties: dict[str, Any] = {tag: {"type": "string", "enum": tags, "default": tags[0], "title": tag.title(),
+                                        "description": f"One of {', '.join(tags)}. Default: {tags[0]}.",
+                                        "position": 0}}
+    owners: dict[str, list[str]] = {}
+    for value, model in zip(tags, branches):
+        for name, prop in model.model_json_schema(by_alias=True).get("properties", {}).items():
+            if name == tag:
+                continue
+            owners.setdefault(name, []).append(value)
+            if name not in properties:  # nullable: a form may send an untouched setting as null
+                setting = {key: item for key, item in prop.items() if key not in ("default", "title", "description")}
+                properties[name] = {"anyOf": [setting, {"type": "null"}], "title": prop.get("title", name),
+                                    "description": prop.get("description", "")}
+    for name, kinds in owners.items():
+        properties[name]["description"] = f"{' and '.join(kinds)} only: {properties[name].get('description', '')}"
+    return {"type": "object", "title": title, "description": description, "properties": properties}
+
+
+def normalize_flat_choice(value: Any, tag: str, branches: tuple[type[BaseModel], ...], *, where: str,
+                          default: str | None = None) -> Any:
+    """A tagged-choice value as a form sends it (every field it shows, empty ones as null) → the branch's
+    own keys. Raises ``ValueError`` ("`<where>.<key>`: ...") for a setting of another branch.
+
+    Example:
+        >>> normalize_flat_choice({"kind": "sgd", "beta1": None}, "kind", (MuonOptimizer, SgdOptimizer), where="o")
+        {'kind': 'sgd'}
+    """
+    if not isinstance(value, dict):
+        return value
+    value = {key: item for key, item in value.items() if item is not None}
+    chosen = value.get(tag, default)
+    model = next((model for model in branches if _tag_of(model, tag) == chosen), None)
+    if model is None:  # an unknown tag: the model's own error names the choices
+        return value
+    own = {field.alias or name for name, field in model.model_fields.items()}
+    others = {field.alias or name for other in branches if other is not model for name, field in other.model_fields.items()}
+    for key in value:
+        if key not in own and key in others:
+            raise ValueError(f"`{where}.{key}`: a setting of another {tag} than {chosen}; clear it, or choose the "
+                             f"{tag} it belongs to")
+    return value
+
+
 PRESETS: dict[str, dict[str, Any]] = {
     # Best on all three held-out metrics, per step and per second, of Kiln's loss, tail, SFT, forward
     # and tail+forward on SmolLM2-135M's half-depth student (bench/distill_quality.py; README figures).
@@ -300,6 +377,13 @@ class OpdConfig(BaseModel):
         properties = handler.resolve_ref_schema(schema).get("properties", {})
         for name in ("training_mode", *SAMPLING_FIELDS):
             properties.pop(name, None)
+        properties["optimizer"] = flat_choice_schema(
+            "kind", (MuonOptimizer, AdamWOptimizer, SgdOptimizer), title="Optimizer",
+            description="Optimizer and its settings: muon (Kiln's default), adam_w or sgd. Fill in only the chosen "
+            "optimizer's settings; empty ones take Kiln's defaults.")
+        for name in POSITIVE_FIELDS:  # Kiln refuses 0 at submit; the form refuses it inline
+            if name in properties:
+                mark_positive(properties[name])
         return schema
 
     @model_validator(mode="before")

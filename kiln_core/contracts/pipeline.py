@@ -47,7 +47,7 @@ from kiln_core.contracts.opd_config import (
     StableOpdOff,
 )
 from kiln_core.contracts.quality_gate import QualityGate
-from kiln_core.contracts.sources import CorpusSource, ExamplesSource, OnPolicySampling, PromptsSource, Source
+from kiln_core.contracts.sources import OnPolicySampling, TrainingData
 from kiln_core.contracts.spec_blocks import DistributedOptions, RunOptions, TeacherSource, VllmBackends
 from kiln_core.errors import Rejection
 from kiln_core.post_eval.config import PostEvalConfig
@@ -84,12 +84,12 @@ class PipelineSpec(BaseModel):
         description="The teacher whose identity the corpus manifest must match.",
         json_schema_extra={"position": 0},
     )
-    source: Source | SkipJsonSchema[None] = Field(
+    source: TrainingData | SkipJsonSchema[None] = Field(
         default=None,
         title="Training data",
         description="What the student learns from: a scored corpus or examples to score (off-policy), or prompts "
-        "(on-policy).",
-        json_schema_extra={"position": 1},
+        "(on-policy); the kind decides the training mode.",
+        json_schema_extra={"position": 1, "title": "Training data"},  # a $ref property loses Field(title=)
     )
     # The same choice as two plain fields, for YAML specs and Kiln request files; the form shows `source`.
     # Dumps carry `source` only, so a dumped spec validates against the form's schema.
@@ -171,6 +171,8 @@ class PipelineSpec(BaseModel):
     @field_validator("config", mode="before")
     @classmethod
     def _no_unknown_config_keys(cls, value: Any) -> Any:
+        # The form's optimizer and Stable-OPD are flat objects (every branch's settings, empty ones null).
+        value = _from_form_choices(value)
         # A typo in a hand-written spec must not train with the default and publish.
         unknown = unknown_config_key(value)
         if unknown is not None:
@@ -182,16 +184,27 @@ class PipelineSpec(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _on_policy_default_config(cls, value: Any) -> Any:
-        # Kiln's default training_mode is on_policy: a spec whose data is prompts (a `prompts` file, or the
-        # form's prompts source) and whose config does not say otherwise trains on-policy.
+    def _training_mode_from_the_data(cls, value: Any) -> Any:
+        """The training mode follows the training data. The form's ``source.kind`` decides it outright: the
+        form does not show ``config.training_mode``, so a value stored with a deployment's defaults (``serve
+        --spec``) must not pin it. A YAML ``prompts:`` spec whose config does not say otherwise trains
+        on-policy (Kiln's default ``training_mode``); one that says off_policy is refused below."""
         if not isinstance(value, dict):
             return value
         source = value.get("source")
-        source_kind = source.get("kind") if isinstance(source, dict) else getattr(source, "kind", None)
-        if value.get("prompts") is None and source_kind != "prompts":
-            return value
+        source_kind = source.get("kind", "corpus") if isinstance(source, dict) else getattr(source, "kind", None)
         config = value.get("config")
+        if source_kind is not None:
+            mode = "on_policy" if source_kind == "prompts" else "off_policy"
+            if config is None:
+                return {**value, "config": {"training_mode": mode}}
+            if isinstance(config, dict):
+                return {**value, "config": {**config, "training_mode": mode}}
+            if isinstance(config, OpdConfig):
+                return {**value, "config": config.model_copy(update={"training_mode": mode})}
+            return value
+        if value.get("prompts") is None:
+            return value
         if config is None:
             return {**value, "config": OpdConfig()}
         if isinstance(config, dict) and "training_mode" not in config:
@@ -228,6 +241,27 @@ class PipelineSpec(BaseModel):
         self._check_gates()
         return self
 
+    def form_defaults(self) -> dict[str, Any]:
+        """This spec as a deployment's default parameters (``kiln-flows serve --spec``): the form's view
+        without what the form's training-data choice decides. ``config.training_mode`` follows
+        ``source.kind``, and the sampling settings live in ``source.sampling`` (prompts); left in the
+        config, these hidden values would ride along with every run from the form, whichever kind is
+        chosen. An off-policy spec keeps a sampling field it sets (``samples_per_prompt`` repeats examples).
+
+        Example:
+            >>> spec = PipelineSpec(corpus="c.jsonl", student="s", adapter="a")
+            >>> "training_mode" in spec.form_defaults()["config"]
+            False
+        """
+        data = self.model_dump(mode="json", by_alias=True)
+        config = data["config"]
+        config.pop("training_mode", None)
+        defaults = OpdConfig.model_fields
+        for name in SAMPLING_FIELDS:
+            if (self.source is not None and self.source.kind == "prompts") or config.get(name) == defaults[name].default:
+                config.pop(name, None)
+        return data
+
     def _check_gates(self) -> None:
         """Kiln's submit-time ``post_eval`` rules, and the watch's one-process rule, before any work."""
         from kiln_core.post_eval.config import validate_post_eval_config
@@ -248,19 +282,15 @@ class PipelineSpec(BaseModel):
         if self.source is None:
             if len(given) == 1 and self.prompts is not None:
                 sampling = {name: getattr(self.config, name) for name in SAMPLING_FIELDS}
-                self.source = PromptsSource(prompts=self.prompts, sampling=OnPolicySampling(**sampling))
+                self.source = TrainingData(kind="prompts", prompts=self.prompts, sampling=OnPolicySampling(**sampling))
             elif len(given) == 1:
-                self.source = (CorpusSource(corpus=self.corpus) if self.corpus is not None
-                               else ExamplesSource(examples=self.examples))
+                self.source = TrainingData(kind=given[0], **{given[0]: getattr(self, given[0])})
             return
         if given:
             raise ValueError("`source`: give the training data once, as `source` or as `corpus`/`examples`/`prompts`")
-        if isinstance(self.source, PromptsSource):
-            self.prompts = self.source.prompts
+        setattr(self, self.source.kind, self.source.path)
+        if self.source.kind == "prompts":
             self.config = self.config.model_copy(update=dict(self.source.sampling))
-            return
-        self.corpus = getattr(self.source, "corpus", None)
-        self.examples = getattr(self.source, "examples", None)
 
     def _on_policy_consistent(self) -> "PipelineSpec":
         """The rules of a ``prompts`` spec that need no file: mode, one process, Kiln's config rules. The
@@ -295,6 +325,29 @@ _STABLE_OPD_MODES = {"off": StableOpdOff, "auto": StableOpdAuto, "manual": Stabl
 def _names(model: type[BaseModel]) -> set[str]:
     return {name for name, info in model.model_fields.items()} | {
         info.alias for info in model.model_fields.values() if info.alias}
+
+
+def _from_form_choices(config: Any) -> Any:
+    """A ``config`` mapping whose ``optimizer`` / ``stable_opd`` came from the form's flat objects
+    (``opd_config.flat_choice_schema``) → the chosen branch's own keys; another branch's setting is
+    refused, naming it."""
+    if not isinstance(config, dict):
+        return config
+    from kiln_core.contracts.opd_config import (
+        AdamWOptimizer,
+        MuonOptimizer,
+        SgdOptimizer,
+        normalize_flat_choice,
+    )
+
+    config = dict(config)
+    if isinstance(config.get("optimizer"), dict):
+        config["optimizer"] = normalize_flat_choice(config["optimizer"], "kind", (MuonOptimizer, AdamWOptimizer,
+                                                    SgdOptimizer), where="config.optimizer", default="muon")
+    if isinstance(config.get("stable_opd"), dict):
+        config["stable_opd"] = normalize_flat_choice(config["stable_opd"], "mode", tuple(_STABLE_OPD_MODES.values()),
+                                                     where="config.stable_opd", default="off")
+    return config
 
 
 def unknown_config_key(value: Any) -> str | None:
@@ -390,6 +443,8 @@ def _field_path(loc: tuple) -> list[str]:
     for part in map(str, loc):
         if part.startswith("tagged-union["):
             skip_tag = True
+        elif part.startswith(("function-after[", "function-before[", "function-wrap[")):
+            continue  # the label of a union member with validators (`TrainingData | None`)
         elif skip_tag:
             skip_tag = False
         else:
