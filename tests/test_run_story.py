@@ -138,9 +138,24 @@ def test_training_log_reports_step_loss_rate_eta_and_checkpoints():
     assert steps[0] == "train step 1/20: loss 1.0000"  # no rate before a step has been timed
     assert re.fullmatch(r"train step 20/20: loss 0\.0500, ~\d+ action tok/s, ETA 0m00s", steps[-1])
     published = [line for line in out.lines if line.startswith("checkpoint published")]
-    # periodic checkpoints before the last step only; the last step's state is the adapter
+    # periodic checkpoints before the last step only (the last step's state is the adapter), one per step line
     assert published[0] == "checkpoint published: demo-checkpoint-step-00000002.kiln-checkpoint"
     assert len(published) == 9
+
+
+def test_checkpoint_lines_are_throttled_like_step_lines():
+    """Issue 19: a 400-step run with checkpoint_interval 4 logged 100 checkpoint lines against 10 step lines."""
+    log, out = _training_log(interval=4)
+    for step in range(1, 401):
+        log.progress(step, 400, 1.0)
+        log.step_committed(step)
+    steps = [line for line in out.lines if line.startswith("train step")]
+    published = [line for line in out.lines if line.startswith("checkpoint published")]
+    assert len(steps) == 11 and len(published) <= len(steps), (len(steps), len(published))
+    assert published[0] == "checkpoint published: demo-checkpoint-step-00000004.kiln-checkpoint"
+    # each later line names the newest checkpoint and how many were committed since the previous line
+    assert published[1] == "checkpoint published: demo-checkpoint-step-00000044.kiln-checkpoint (10 since step 4)"
+    assert published[-1].startswith("checkpoint published: demo-checkpoint-step-00000364.kiln-checkpoint")
 
 
 def test_training_log_counts_rate_from_the_resumed_step():

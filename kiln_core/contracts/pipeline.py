@@ -12,8 +12,9 @@ Two views of the same spec. The form's: the training data is one ``source`` (a s
 ``examples`` to score, or on-policy ``prompts`` with their sampling settings), and the config shows
 neither ``training_mode`` (the source decides it) nor the sampling settings. The file's: ``corpus:``
 or ``examples:`` at the top level and every config field, as before. Both validate to the same spec
-and effective config; a dump is the form's view. Rules a JSON schema can carry (the adapter name's
-``pattern``, ranges, enums) are in the schema, so the form refuses them inline.
+and effective config; a dump is the form's view. Rules a JSON schema can carry in plain words (ranges,
+enums, lengths) are in the schema, so the form refuses them inline; the adapter-name rule is not (a
+``pattern`` would be shown to the user as a regular expression) and is refused by the run's first task.
 
 Secrets never belong here: S3 credentials come from the environment or a Prefect block
 (``storage_block``), never from a field of this model.
@@ -37,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic.json_schema import SkipJsonSchema
 
 from kiln_core.contracts.eval_watch import EvalWatch
-from kiln_core.contracts.names import NAME_PATTERN, NAME_RULE, is_valid_name
+from kiln_core.contracts.names import NAME_RULE, is_valid_name
 from kiln_core.contracts.opd_config import (
     SAMPLING_FIELDS,
     EchoConfig,
@@ -68,6 +69,8 @@ def _form_schema(schema: dict[str, Any]) -> None:
     # The form asks for the training data; a YAML spec may still name `corpus:` or `examples:` instead.
     schema.setdefault("required", []).append("source")
     schema["properties"]["source"].pop("default", None)
+    # pydantic drops a $ref property's title when it equals the model's; V1 then labels the group "Source".
+    schema["properties"]["source"]["title"] = "Training data"
 
 
 def _default_config() -> OpdConfig:
@@ -89,7 +92,7 @@ class PipelineSpec(BaseModel):
         title="Training data",
         description="What the student learns from: a scored corpus or examples to score (off-policy), or prompts "
         "(on-policy); the kind decides the training mode.",
-        json_schema_extra={"position": 1, "title": "Training data"},  # a $ref property loses Field(title=)
+        json_schema_extra={"position": 1},
     )
     # The same choice as two plain fields, for YAML specs and Kiln request files; the form shows `source`.
     # Dumps carry `source` only, so a dumped spec validates against the form's schema.
@@ -119,7 +122,10 @@ class PipelineSpec(BaseModel):
     )
     adapter: str = Field(
         description=f"Output adapter name: {NAME_RULE}.",
-        json_schema_extra={"position": 5, "pattern": NAME_PATTERN},
+        # Only the length in the schema: a JSON-schema `pattern` would make both UIs answer a bad name with
+        # "does not match '<regular expression>'". The rule itself is checked by the run's first task, which
+        # refuses the run in the words of the description (`spec.adapter: 'x y' must be 1-128 characters…`).
+        json_schema_extra={"position": 5, "minLength": 1, "maxLength": 128},
     )
     config: OpdConfig = Field(
         default_factory=_default_config,
@@ -227,7 +233,7 @@ class PipelineSpec(BaseModel):
         if self.examples is not None and self.teacher.kind not in ("local_dir", "local_registry"):
             raise ValueError("`examples` needs a local teacher to score with (teacher.kind local_dir or local_registry)")
         if not is_valid_name(self.adapter):
-            raise ValueError(f"`adapter` must be {NAME_RULE}")
+            raise ValueError(f"`adapter`: {self.adapter!r} must be {NAME_RULE}")
         if self.config.training_mode != "off_policy":
             raise ValueError("`config.training_mode` must be off_policy for a JSONL corpus")
         from kiln_core.contracts.opd_config import ConfigError
@@ -300,7 +306,7 @@ class PipelineSpec(BaseModel):
         from kiln_core.contracts.opd_submit import validate_config_rules
 
         if not is_valid_name(self.adapter):
-            raise ValueError(f"`adapter` must be {NAME_RULE}")
+            raise ValueError(f"`adapter`: {self.adapter!r} must be {NAME_RULE}")
         if self.config.training_mode != "on_policy":
             raise ValueError("`config.training_mode` must be on_policy for `prompts` (off_policy trains from a "
                              "teacher-scored `corpus`)")
