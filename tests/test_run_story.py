@@ -260,6 +260,11 @@ def test_serve_puts_its_limit_and_the_schedules_time_zone_on_the_deployment(monk
     assert deployment.concurrency_limit == 3  # what the deployment page shows instead of "∞"
     [schedule] = deployment.schedules
     assert schedule.schedule.timezone == "UTC" and schedule.schedule.cron == "0 2 * * *"
+    # the deployment page's description says when, with the time zone (not only the schedule's edit dialog)
+    assert "cron `0 2 * * *` in time zone UTC" in deployment.description
+    args = argparse.Namespace(name="local", cron="30 1 * * 1", timezone="Europe/Berlin", spec=None, limit=1)
+    assert serve_command.run(args) == 0
+    assert "cron `30 1 * * 1` in time zone Europe/Berlin" in served["deployments"][0].description
 
 
 def test_the_demos_hint_links_the_run_when_it_went_to_a_server():
