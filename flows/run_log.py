@@ -68,7 +68,8 @@ def quiet_run_logs() -> None:
     for name in ("prefect.task_runs", "prefect.flow_runs", "prefect.engine"):
         logger = logging.getLogger(name)
         if _SHOWN_ONCE not in logger.filters:
-            logger.addFilter(_SHOWN_ONCE)
+            # first: the traceback filter above clears the record's exception, which this one reads
+            logger.filters.insert(0, _SHOWN_ONCE)
 
 
 def rejection_line(error: Any) -> str:

@@ -293,3 +293,44 @@ def test_training_log_works_outside_a_flow_run():
     from tasks.train import _run_logger
 
     assert _run_logger().name == "kiln_flows.train"
+
+
+def test_a_rejection_is_told_once_in_the_run_log():
+    """The failing task's "Task run failed with exception: SpecError(...)" and its "Finished in state
+    Failed(...)" are dropped (the flow run's final state tells it, ``reject_run``); other failures stay."""
+    import logging
+
+    from flows.run_log import quiet_run_logs
+    from kiln_core.contracts.pipeline import SpecError
+
+    quiet_run_logs()
+    logger = logging.getLogger("prefect.task_runs")
+    kept: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            kept.append(record.getMessage())
+
+    handler = Keep()
+    logger.addHandler(handler)
+    try:
+        error = SpecError("/c.jsonl does not exist", "spec.source.corpus", code="file_not_found")
+        logger.error("Task run failed with exception: %r - Retries are exhausted", error, exc_info=(SpecError, error, None),
+                     extra={"task_run_id": "run-1", "task_name": "validate"})
+        logger.error("Finished in state Failed('Task run encountered an exception SpecError: ...')",
+                     extra={"task_run_id": "run-1", "task_name": "validate"})
+        boom = RuntimeError("disk on fire")
+        logger.error("Task run failed with exception: %r", boom, exc_info=(RuntimeError, boom, None),
+                     extra={"task_run_id": "run-2", "task_name": "train"})
+        logger.error("Finished in state Failed('disk on fire')", extra={"task_run_id": "run-2", "task_name": "train"})
+    finally:
+        logger.removeHandler(handler)
+    assert kept == ["Task run failed with exception: RuntimeError('disk on fire')", "Finished in state Failed('disk on fire')"]
+
+
+def test_a_rejection_line_names_the_code_the_place_and_the_rule():
+    from flows.run_log import rejection_line
+    from kiln_core.errors import Rejection
+
+    assert rejection_line(Rejection("token_count_mismatch", "3 tokens, 4 logprobs", line=3, file="c.jsonl")) == \
+        "rejected (token_count_mismatch) c.jsonl line 3: 3 tokens, 4 logprobs"

@@ -69,8 +69,11 @@ def _form_schema(schema: dict[str, Any]) -> None:
     # The form asks for the training data; a YAML spec may still name `corpus:` or `examples:` instead.
     schema.setdefault("required", []).append("source")
     schema["properties"]["source"].pop("default", None)
-    # pydantic drops a $ref property's title when it equals the model's; V1 then labels the group "Source".
-    schema["properties"]["source"]["title"] = "Training data"
+    # pydantic drops a $ref property's title (it equals the model's), and Prefect's V1 UI then labels the
+    # group with the bare property name ("Source", "Config"); V2 reads the model's title. Say it once here.
+    for name, title in (("teacher", "Teacher"), ("source", "Training data"), ("config", "Training config (Kiln OpdConfig)"),
+                        ("options", "Run options")):
+        schema["properties"][name].setdefault("title", title)
 
 
 def _default_config() -> OpdConfig:
