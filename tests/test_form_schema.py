@@ -98,6 +98,8 @@ def test_the_optimizer_is_one_kind_dropdown_with_every_setting_optional(schema):
     assert set(settings) == {"momentum", "nesterov", "ns_iters", "weight_decay", "beta1", "beta2", "eps"}
     # no defaults (a default of one optimizer would be sent along with another), and each says whose it is
     assert [name for name, prop in settings.items() if "default" in prop] == []
+    # unset settings open on "None" (a bool switch opened on "bool" would send false for every optimizer)
+    assert [name for name, prop in settings.items() if prop["anyOf"][0] != {"type": "null"}] == []
     assert settings["beta1"]["description"].startswith("adam_w only: ")
     assert settings["weight_decay"]["description"].startswith("muon and adam_w only: ")
     stable = schema["definitions"]["OnPolicySampling"]["properties"]["stable_opd"]
@@ -333,7 +335,7 @@ def test_a_served_spec_does_not_pin_what_the_source_kind_decides():
 
     served = parse_spec({**BASE, "corpus": "/c.jsonl", "config": {**CONFIG, "training_mode": "off_policy"}})
     defaults = served.form_defaults()
-    assert "training_mode" not in defaults["config"] and "temperature" not in defaults["config"]
+    assert not {"training_mode", "temperature", "stable_opd", "samples_per_prompt"} & set(defaults["config"])
     assert parse_spec(defaults) == served
     # the form: Source → prompts, the prompts file filled in, the corpus cleared, one sampling setting edited
     on_policy = {**defaults, "source": {"kind": "prompts", "corpus": "", "prompts": "/p.jsonl",

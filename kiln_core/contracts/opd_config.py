@@ -245,9 +245,12 @@ def flat_choice_schema(tag: str, branches: tuple[type[BaseModel], ...], *, title
             if name == tag:
                 continue
             owners.setdefault(name, []).append(value)
-            if name not in properties:  # nullable: a form may send an untouched setting as null
+            if name not in properties:
+                # Nullable, null FIRST: a form opens an unset setting on its first choice, and a switch
+                # (Muon's nesterov) opened on "bool" would send false for every optimizer; on "None" it sends
+                # nothing. A value the defaults give (adam_w's beta1) opens on its type.
                 setting = {key: item for key, item in prop.items() if key not in ("default", "title", "description")}
-                properties[name] = {"anyOf": [setting, {"type": "null"}], "title": prop.get("title", name),
+                properties[name] = {"anyOf": [{"type": "null"}, setting], "title": prop.get("title", name),
                                     "description": prop.get("description", "")}
     for name, kinds in owners.items():
         properties[name]["description"] = f"{' and '.join(kinds)} only: {properties[name].get('description', '')}"

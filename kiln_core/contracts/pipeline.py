@@ -265,9 +265,9 @@ class PipelineSpec(BaseModel):
         data = self.model_dump(mode="json", by_alias=True)
         config = data["config"]
         config.pop("training_mode", None)
-        defaults = OpdConfig.model_fields
+        defaults = OpdConfig().model_dump(mode="json", by_alias=True)
         for name in SAMPLING_FIELDS:
-            if (self.source is not None and self.source.kind == "prompts") or config.get(name) == defaults[name].default:
+            if (self.source is not None and self.source.kind == "prompts") or config.get(name) == defaults[name]:
                 config.pop(name, None)
         return data
 
