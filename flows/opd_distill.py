@@ -9,8 +9,10 @@ same ``latest.json``, the same gate (``post_eval`` / ``quality_gate``: only a pr
 published; the decision is a ``kiln-flows.adapter.*`` event, ``tasks/gate.py``). A spec whose source is
 ``prompts`` trains on-policy on the same path: a ``prompts`` task checks them (Kiln's submit rules,
 before any model loads) in place of admission, and the ``train`` task samples, scores and trains,
-storing every rollout so that a retry reuses them. A rejected input fails the run at once (never retried); a storage or network
-failure is retried by the stage's task.
+storing every rollout so that a retry reuses them. A rejected input fails the run at once (never retried), with
+one line as the run's state (``rejected (<code>) spec.<field>: <rule>``, the field as the form names it), the
+adapter tag and a short ``rejected-<adapter>`` artifact, never as a crash; a storage or network failure is
+retried by the stage's task.
 """
 
 
@@ -20,9 +22,15 @@ from typing import Any
 from prefect import flow
 from prefect.states import Cancelled
 
-from flows.run_log import quiet_run_logs, run_name, tag_run
+from flows.run_log import quiet_run_logs, reject_run, run_name, tag_run
 from kiln_core.contracts.pipeline import PipelineSpec, SpecError
-from kiln_core.errors import KilnFlowsError
+from kiln_core.errors import KilnFlowsError, Rejection
+
+
+def _adapter_of(spec: Any) -> str | None:
+    """The adapter name of the flow's parameter, valid or not yet validated (None when there is none)."""
+    adapter = spec.get("adapter") if isinstance(spec, dict) else getattr(spec, "adapter", None)
+    return adapter if isinstance(adapter, str) and adapter.strip() else None
 
 
 class RunFailed(KilnFlowsError):
@@ -86,11 +94,19 @@ def opd_distill(spec: PipelineSpec) -> dict[str, Any]:
     from tasks.validate import validate_spec
 
     quiet_run_logs()
-    spec = validate_spec(spec)
-    tag_run(f"adapter:{spec.adapter}")
+    # The adapter tag first, from the raw parameter: a run refused for its input is still found by its tag.
+    adapter = _adapter_of(spec)
+    if adapter:
+        tag_run(f"adapter:{adapter}")
+    try:
+        spec = validate_spec(spec)
+        with storage_credentials(spec.options.storage_block):
+            result = run_pipeline(spec, PrefectStages(spec))
+    except Rejection as error:
+        # Bad input, not a crash: one line as the run's state (what the UI and the log show), a short
+        # artifact, and the exception kept in the state so `kiln-flows run` still exits 2 with it.
+        return reject_run(error, adapter)
     logger = get_run_logger()
-    with storage_credentials(spec.options.storage_block):
-        result = run_pipeline(spec, PrefectStages(spec))
     loss = "n/a" if result.final_loss is None else f"{result.final_loss:.4f}"
     logger.info("summary: %s %s after %d/%s steps, final loss %s; receipt %s%s", spec.adapter, result.status,
                 result.steps, result.total_steps or "?", loss, result.receipt,

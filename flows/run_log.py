@@ -27,14 +27,87 @@ class _StageCompletionFilter(logging.Filter):
         return not message.startswith(("Finished in state Completed", "Finished in state Cached"))
 
 
+class _RejectionShownOnce(logging.Filter):
+    """A rejected input is told once, by the flow run's final state (``reject_run``). Dropped: the failing
+    task's "Task run failed with exception: SpecError(...)" and its "Finished in state Failed(...)", and the
+    engine's "exited with unexpected exception" when the flow returned the rejection as its state (the
+    engine re-raises it only to set the process's exit status)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rejected_task_runs: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from kiln_core.errors import Rejection
+
+        error = record.exc_info[1] if record.exc_info else None
+        task_run = str(getattr(record, "task_run_id", "") or "")
+        if isinstance(error, Rejection):
+            if record.name.startswith("prefect.task_runs"):
+                self.rejected_task_runs.add(task_run)
+                return False
+            if record.name.startswith("prefect.engine") or record.name.startswith("prefect.flow_runs"):
+                return not _REJECTED_RUNS
+        if task_run and task_run in self.rejected_task_runs and record.getMessage().startswith("Finished in state Failed"):
+            return False
+        return True
+
+
+_REJECTED_RUNS: set[str] = set()
+_SHOWN_ONCE = _RejectionShownOnce()
+
+
 def quiet_run_logs() -> None:
-    """Install the filters on Prefect's task-run and flow-run loggers (once per process)."""
+    """Install the filters on Prefect's task-run, flow-run and engine loggers (once per process)."""
     from flows.local_api import hide_rejection_tracebacks
 
     hide_rejection_tracebacks()
     logger = logging.getLogger("prefect.task_runs")
     if not any(isinstance(f, _StageCompletionFilter) for f in logger.filters):
         logger.addFilter(_StageCompletionFilter())
+    for name in ("prefect.task_runs", "prefect.flow_runs", "prefect.engine"):
+        logger = logging.getLogger(name)
+        if _SHOWN_ONCE not in logger.filters:
+            # first: the traceback filter above clears the record's exception, which this one reads
+            logger.filters.insert(0, _SHOWN_ONCE)
+
+
+def rejection_line(error: Any) -> str:
+    """One line for a rejected input: ``rejected (<code>) <where>: <rule>``; where is the field
+    (``spec.source.corpus``), or the file and line.
+
+    Example:
+        >>> from kiln_core.errors import Rejection
+        >>> rejection_line(Rejection("invalid_student", "/x is not a directory", field="spec.student"))
+        'rejected (invalid_student) spec.student: /x is not a directory'
+    """
+    where = " ".join(str(part) for part in (error.file, f"line {error.line}" if error.line is not None else None,
+                                            error.field) if part)
+    return f"rejected ({error.code}) {where + ': ' if where else ''}{error.message}"
+
+
+def reject_run(error: Any, adapter: str | None) -> Any:
+    """The flow's end for a rejected input: a ``Failed`` state whose message is ``rejection_line`` and
+    whose data is the error (``state.result()`` re-raises it), plus a short markdown artifact
+    ``rejected-<adapter>`` saying what to fix."""
+    from prefect.runtime import flow_run
+    from prefect.states import Failed
+
+    line = rejection_line(error)
+    _REJECTED_RUNS.add(str(flow_run.get_id()))
+    try:
+        from prefect.artifacts import create_markdown_artifact
+
+        from tasks.artifacts import artifact_key
+
+        create_markdown_artifact(
+            key=artifact_key("rejected", adapter or "run"),
+            markdown=f"### Rejected: nothing was trained or published\n\n**{error.code}**"
+            + (f" at `{error.field}`" if error.field else "") + f"\n\n{error.message}\n",
+            description=line[:200])
+    except Exception as failure:  # noqa: BLE001 - the artifact is a courtesy; the state carries the rejection
+        logging.getLogger("kiln_flows").debug("could not write the rejected artifact: %s", failure)
+    return Failed(message=line, data=error)
 
 
 def run_name() -> str:

@@ -5,17 +5,15 @@ engine and the tasks can use it without importing ``flows``.
 """
 
 from kiln_core.contracts.pipeline import (
-    CorpusSource,
     DistributedOptions,
-    ExamplesSource,
     PipelineSpec,
-    PromptsSource,
     RunOptions,
     SpecError,
     TeacherSource,
+    TrainingData,
     load_spec,
     parse_spec,
 )
 
-__all__ = ["CorpusSource", "DistributedOptions", "ExamplesSource", "PipelineSpec", "PromptsSource", "RunOptions",
-           "SpecError", "TeacherSource", "load_spec", "parse_spec"]
+__all__ = ["DistributedOptions", "PipelineSpec", "RunOptions", "SpecError", "TeacherSource", "TrainingData",
+           "load_spec", "parse_spec"]

@@ -11,6 +11,7 @@ from prefect import flow, task
 from prefect.states import Failed
 
 from tasks.artifacts import artifact_key, table_rows
+from tasks.names import run_name
 
 
 def verdict_of(corpus: str, student: str, top_k: int, teacher_manifest: str | None, kiln_strict: bool) -> dict[str, Any]:
@@ -30,7 +31,7 @@ def verdict_of(corpus: str, student: str, top_k: int, teacher_manifest: str | No
     return {"corpus": corpus, **result.to_json()}
 
 
-@task(name="admit-only", task_run_name="admit-only-{corpus}")
+@task(name="admit-only", task_run_name=run_name("admit-only", "corpus"))
 def admission_verdict(corpus: str, student: str, top_k: int, teacher_manifest: str | None, kiln_strict: bool) -> dict[str, Any]:
     """The admission verdict for one corpus (no output written)."""
     return verdict_of(corpus, student, top_k, teacher_manifest, kiln_strict)

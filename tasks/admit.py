@@ -15,6 +15,7 @@ from prefect import task
 
 from kiln_core.engine.refs import CorpusRef, InputsRef, ManifestRef
 from tasks.cache import DigestCachePolicy
+from tasks.names import run_name
 
 ADMIT_CACHE = DigestCachePolicy(
     # v3: results are engine refs (kiln_core.engine.refs) pointing at admission format v2 (Kiln's
@@ -24,7 +25,7 @@ ADMIT_CACHE = DigestCachePolicy(
 )
 
 
-@task(name="fingerprint", task_run_name="fingerprint-{corpus_uri}")
+@task(name="fingerprint", task_run_name=run_name("fingerprint", "corpus_uri"))
 def fingerprint_inputs(corpus_uri: str, student_dir: str, top_k: int, storage_options: dict | None = None) -> InputsRef:
     """Digest the run's inputs (always runs: it is what decides whether anything else must)."""
     from kiln_core.engine.stages import fingerprint
@@ -32,7 +33,7 @@ def fingerprint_inputs(corpus_uri: str, student_dir: str, top_k: int, storage_op
     return fingerprint(corpus_uri, student_dir, top_k, storage_options)
 
 
-@task(name="admit", task_run_name="admit-{dataset_sha256}", cache_policy=ADMIT_CACHE, persist_result=True,
+@task(name="admit", task_run_name=run_name("admit", "dataset_sha256"), cache_policy=ADMIT_CACHE, persist_result=True,
       result_serializer="json")
 def admit_task(
     inputs: InputsRef,

@@ -12,11 +12,12 @@ from prefect import task
 
 from kiln_core.engine.refs import CorpusRef
 from tasks.cache import DigestCachePolicy
+from tasks.names import run_name
 
 
 @task(
     name="materialize",
-    task_run_name="materialize-{corpus.dataset_sha256}",
+    task_run_name=run_name("materialize", "corpus", "dataset_sha256"),
     # v3: see ADMIT_CACHE (engine refs, admission format v2)
     cache_policy=DigestCachePolicy(version="kiln-flows-materialize-v3", inputs=("corpus",)),
     persist_result=True,

@@ -46,7 +46,8 @@ def _cancel_poller(every_seconds: float) -> Callable[[], bool]:
 
 class TrainingLog:
     """The run log's view of training: a line every ``every`` steps (and the first and last) with the
-    step, loss, throughput and ETA, and a line for every periodic checkpoint committed.
+    step, loss, throughput and ETA, and a checkpoint line at most as often (the newest checkpoint, with
+    how many were committed since the previous line).
 
     Throughput is in action tokens per second, estimated from the corpus' mean action tokens per
     example (the trainer reports steps, not tokens); the receipt has the exact counts.
@@ -60,6 +61,8 @@ class TrainingLog:
         self._started = time.monotonic()
         self._first_step: int | None = None
         self.total: int | None = None
+        self._last_checkpoint_line: int | None = None
+        self._checkpoints_unlogged = 0
 
     def progress(self, step: int, total: int, loss: float) -> None:
         self.total = total
@@ -81,8 +84,18 @@ class TrainingLog:
     def step_committed(self, step: int) -> None:
         # The trainer commits a periodic checkpoint at every interval step before the last one; the
         # last step's state is the adapter itself.
-        if self.interval and step % self.interval == 0 and (self.total is None or step < self.total):
-            self.logger.info("checkpoint published: %s-checkpoint-step-%08d.kiln-checkpoint", self.adapter, step)
+        if not (self.interval and step % self.interval == 0 and (self.total is None or step < self.total)):
+            return
+        # Throttled like the step lines: a checkpoint every 4 steps of a 400-step run is 99 checkpoints,
+        # and one line per step line (the newest, with the count since the last line) says as much.
+        self._checkpoints_unlogged += 1
+        every = self.every or max(1, (self.total or 0) // 10)
+        if self._last_checkpoint_line is not None and step - self._last_checkpoint_line < every:
+            return
+        since = (f" ({self._checkpoints_unlogged} since step {self._last_checkpoint_line})"
+                 if self._checkpoints_unlogged > 1 else "")
+        self.logger.info("checkpoint published: %s-checkpoint-step-%08d.kiln-checkpoint%s", self.adapter, step, since)
+        self._last_checkpoint_line, self._checkpoints_unlogged = step, 0
 
 
 def _run_logger():

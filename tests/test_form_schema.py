@@ -2,17 +2,13 @@
 
 The schema is the one a deployment stores (``prefect.utilities.callables.parameter_schema``, what
 ``serve`` and ``prefect deploy`` send), so what is counted here is what the form shows: every field has
-a one-line description, every group a title, no reST markup, and the adapter-name rule is a schema
-``pattern`` that agrees with the Python rule.
+a one-line description, every group a title, no reST markup, no ``oneOf`` (Prefect's default UI shows
+one as a raw JSON editor), and no regular expression a validator would quote back to the user.
 """
 
 from __future__ import annotations
 
-import re
-
 import pytest
-
-from kiln_core.contracts.names import NAME_PATTERN, is_valid_name
 
 
 @pytest.fixture(scope="module")
@@ -58,17 +54,84 @@ def test_every_config_field_shows_once_where_it_acts(schema):
         assert definitions["OnPolicySampling"]["properties"][name]["description"] == OpdConfig.model_fields[name].description
 
 
-def test_training_data_is_one_choice_of_source(schema):
+def _walk(node, where="schema"):
+    """(where, sub-schema) for every dict in the schema."""
+    if isinstance(node, dict):
+        yield where, node
+        for key, value in node.items():
+            yield from _walk(value, f"{where}.{key}")
+    elif isinstance(node, list):
+        for index, value in enumerate(node):
+            yield from _walk(value, f"{where}[{index}]")
+
+
+def test_no_choice_is_a_oneof_that_the_default_ui_shows_as_json(schema):
+    """Prefect 3.9 opens its V1 UI, which renders a ``oneOf`` (pydantic's discriminated union) as a raw JSON
+    editor; a plain enum plus fields renders as a form in V1 and V2 alike."""
+    unions = [where for where, node in _walk(schema) if "oneOf" in node or "discriminator" in node]
+    assert unions == []
+    # The only anyOf left are "a value or nothing" (an optional field), which both UIs show as the field.
+    choices = [where for where, node in _walk(schema) if "anyOf" in node
+               and [option.get("type") for option in node["anyOf"]].count("null") != 1]
+    assert choices == []
+
+
+def test_training_data_is_one_kind_dropdown_with_one_field_per_kind(schema):
     spec = schema["definitions"]["PipelineSpec"]
     assert "corpus" not in spec["properties"] and "examples" not in spec["properties"]
-    assert "source" in spec["required"] and spec["properties"]["source"]["title"] == "Training data"
-    branches = {definitions_ref.rsplit("/", 1)[-1] for definitions_ref in
-                (option["$ref"] for option in spec["properties"]["source"]["oneOf"])}
-    assert branches == {"CorpusSource", "ExamplesSource", "PromptsSource"}
-    for branch, only in (("CorpusSource", "corpus"), ("ExamplesSource", "examples"), ("PromptsSource", "prompts")):
-        fields = set(schema["definitions"][branch]["properties"]) - {"kind"}
-        assert only in fields and not fields & ({"corpus", "examples", "prompts"} - {only})
-        assert schema["definitions"][branch].get("additionalProperties") is False  # cannot fill two
+    assert "source" in spec["required"] and spec["properties"]["source"]["$ref"].endswith("/TrainingData")
+    assert spec["properties"]["source"]["title"] == "Training data"
+    source = schema["definitions"]["TrainingData"]
+    assert source["title"] == "Training data" and source.get("additionalProperties") is False
+    assert source["properties"]["kind"]["enum"] == ["corpus", "examples", "prompts"]
+    assert source["properties"]["kind"]["title"] == "Kind"
+    assert set(source["properties"]) == {"kind", "corpus", "examples", "prompts", "sampling"}
+    assert source["properties"]["sampling"]["anyOf"][0]["$ref"].endswith("/OnPolicySampling")
+
+
+def test_the_optimizer_is_one_kind_dropdown_with_every_setting_optional(schema):
+    optimizer = schema["definitions"]["OpdConfig"]["properties"]["optimizer"]
+    assert optimizer["type"] == "object" and optimizer["title"] == "Optimizer"
+    assert optimizer["properties"]["kind"]["enum"] == ["muon", "adam_w", "sgd"]
+    assert optimizer["properties"]["kind"]["default"] == "muon"
+    settings = {name: prop for name, prop in optimizer["properties"].items() if name != "kind"}
+    assert set(settings) == {"momentum", "nesterov", "ns_iters", "weight_decay", "beta1", "beta2", "eps"}
+    # no defaults (a default of one optimizer would be sent along with another), and each says whose it is
+    assert [name for name, prop in settings.items() if "default" in prop] == []
+    # unset settings open on "None" (a bool switch opened on "bool" would send false for every optimizer)
+    assert [name for name, prop in settings.items() if prop["anyOf"][0] != {"type": "null"}] == []
+    assert settings["beta1"]["description"].startswith("adam_w only: ")
+    assert settings["weight_decay"]["description"].startswith("muon and adam_w only: ")
+    stable = schema["definitions"]["OnPolicySampling"]["properties"]["stable_opd"]
+    assert stable["properties"]["mode"]["enum"] == ["off", "auto", "manual"]
+
+
+@pytest.mark.parametrize("definition, field", [("OpdConfig", "top_k"), ("OpdConfig", "learning_rate"),
+                                               ("OpdConfig", "lora_alpha"), ("OnPolicySampling", "samples_per_prompt")])
+def test_numbers_that_must_be_positive_say_so(schema, definition, field):
+    """Kiln refuses 0 at submit; the form refuses it inline (``exclusiveMinimum: 0``)."""
+    from prefect.utilities.schema_tools import validate
+
+    prop = schema["definitions"][definition]["properties"][field]
+    numeric = [option for option in prop.get("anyOf", [prop]) if option.get("type") in ("number", "integer")]
+    assert len(numeric) == 1 and numeric[0]["exclusiveMinimum"] == 0 and "minimum" not in numeric[0]
+    config = {"top_k": 16, field: 0} if definition == "OpdConfig" else {}
+    source = {"kind": "prompts", "prompts": "/p", "sampling": {field: 0}} if definition != "OpdConfig" \
+        else {"kind": "corpus", "corpus": "/c"}
+    spec = {**BASE, "source": source, "config": config}
+    with pytest.raises(Exception, match="less than or equal to the minimum of 0"):
+        validate({"spec": spec}, schema, raise_on_error=True, ignore_required=False)
+
+
+def test_the_learning_rate_is_a_number_field(schema):
+    """Letters typed into it are refused (a number input), never passed on as text."""
+    from prefect.utilities.schema_tools import validate
+
+    prop = schema["definitions"]["OpdConfig"]["properties"]["learning_rate"]
+    assert [option["type"] for option in prop["anyOf"]] == ["number", "null"]
+    spec = {**BASE, "source": {"kind": "corpus", "corpus": "/c"}, "config": {"learning_rate": "3e-4x"}}
+    with pytest.raises(Exception, match="'3e-4x' is not valid"):
+        validate({"spec": spec}, schema, raise_on_error=True, ignore_required=False)
 
 
 def test_descriptions_are_plain_text_and_groups_have_titles(schema):
@@ -92,32 +155,45 @@ def test_config_descriptions_say_kilns_default(schema):
     assert "25" in config["checkpoint_interval"]["description"]
 
 
-@pytest.mark.parametrize("name", ["a", "nightly", "my-adapter_v2.1", "x" * 128, "A.b"])
-def test_adapter_pattern_accepts_what_the_rule_accepts(schema, name):
-    pattern = schema["definitions"]["PipelineSpec"]["properties"]["adapter"]["pattern"]
-    assert pattern == NAME_PATTERN
-    assert re.search(pattern, name) and is_valid_name(name)
+def test_no_regular_expression_reaches_the_form(schema):
+    """A schema ``pattern`` comes back to the user as "does not match '<regex>'" in both UIs; the adapter
+    field carries its length only, and the rule in words is its description."""
+    patterns = [where for where, node in _walk(schema) if "pattern" in node and isinstance(node["pattern"], str)]
+    assert patterns == []
+    adapter = schema["definitions"]["PipelineSpec"]["properties"]["adapter"]
+    assert (adapter["minLength"], adapter["maxLength"]) == (1, 128)
+    assert "1-128 characters of letters, digits" in adapter["description"]
 
 
-@pytest.mark.parametrize("name", ["my adapter/v2!", "", ".hidden", "a..b", "x" * 129, "run.kiln-checkpoint",
-                                  "../up", "tab\tname"])
-def test_adapter_pattern_refuses_what_the_rule_refuses(schema, name):
-    pattern = schema["definitions"]["PipelineSpec"]["properties"]["adapter"]["pattern"]
-    assert not re.search(pattern, name) and not is_valid_name(name)
+@pytest.mark.parametrize("name", ["my adapter/v2!", ".hidden", "a..b", "run.kiln-checkpoint", "../up"])
+def test_a_bad_adapter_name_is_refused_in_words(schema, name):
+    """The server takes the form's value (the schema has no pattern); the run's first check refuses it,
+    quoting the name and the rule, never the regular expression."""
+    from prefect.utilities.schema_tools import validate
+
+    from kiln_core.contracts.names import NAME_PATTERN
+    from kiln_core.contracts.pipeline import SpecError, parse_spec
+    from tests.integration.conftest import pipeline_spec
+
+    inputs = {"teacher": "/t", "student": "/s", "storage_root": "/r"}
+    validate({"spec": pipeline_spec(inputs, "/c.jsonl", "fine-name")}, schema, raise_on_error=True, ignore_required=False)
+    validate({"spec": pipeline_spec(inputs, "/c.jsonl", name)}, schema, raise_on_error=True, ignore_required=False)
+    with pytest.raises(SpecError) as caught:
+        parse_spec(pipeline_spec(inputs, "/c.jsonl", name))
+    assert caught.value.code == "invalid_adapter_name" and caught.value.field == "adapter"
+    assert f"{name!r} must be 1-128 characters of letters" in caught.value.message
+    assert NAME_PATTERN not in str(caught.value) and "(?!" not in str(caught.value)
 
 
-def test_server_side_schema_check_refuses_a_bad_adapter(schema):
-    """What ``enforce_parameter_schema`` does on the server (and the UI's inline check asks it)."""
+def test_a_too_long_adapter_name_is_refused_by_the_form(schema):
     from prefect.utilities.schema_tools import validate
 
     from tests.integration.conftest import pipeline_spec
 
     inputs = {"teacher": "/t", "student": "/s", "storage_root": "/r"}
-    good = {"spec": pipeline_spec(inputs, "/c.jsonl", "fine-name")}
-    validate(good, schema, raise_on_error=True, ignore_required=False)
-    bad = {"spec": pipeline_spec(inputs, "/c.jsonl", "my adapter/v2!")}
-    with pytest.raises(Exception, match="does not match"):
-        validate(bad, schema, raise_on_error=True, ignore_required=False)
+    with pytest.raises(Exception, match="is too long"):
+        validate({"spec": pipeline_spec(inputs, "/c.jsonl", "x" * 129)}, schema, raise_on_error=True,
+                 ignore_required=False)
 
 
 def test_docstrings_and_descriptions_are_one_source():
@@ -199,9 +275,17 @@ def test_a_dumped_spec_is_what_the_server_accepts(schema):
 @pytest.mark.parametrize("spec, field, message", [
     ({**BASE, "source": {"kind": "corpus", "corpus": "/c"}, "examples": "/e"}, "source", "give the training data once"),
     ({**BASE, "source": {"kind": "corpus", "corpus": "/c", "examples": "/e"}}, "source.examples",
-     "Extra inputs are not permitted"),
+     "the training data is corpus (source kind); clear examples, or choose kind examples"),
+    ({**BASE, "source": {"kind": "prompts", "corpus": "/c"}}, "source.prompts",
+     "required when the training data is prompts"),
+    ({**BASE, "source": {"kind": "corpus", "corpus": "/c", "sampling": {"temperature": 0.5}}}, "source.sampling",
+     "sampling settings act on-policy only"),
     ({**BASE, "source": {"kind": "prompts", "prompts": "/p", "sampling": {"top_p": "high"}}}, "source.sampling.top_p",
      "valid number"),
+    ({**BASE, "source": {"kind": "corpus", "corpus": "/c"}, "config": {"optimizer": {"kind": "sgd", "beta1": 0.5}}},
+     "config.optimizer.beta1", "a setting of another kind than sgd"),
+    ({**BASE, "source": {"kind": "prompts", "prompts": "/p", "sampling": {"stable_opd": {"mode": "off", "kl_beta": 1.0}}}},
+     "source.sampling.stable_opd.kl_beta", "a setting of another mode than off"),
     ({**BASE}, "spec", "give exactly one of `corpus`"),
 ])
 def test_source_rules_name_the_field(spec, field, message):
@@ -228,3 +312,53 @@ def test_every_optional_group_has_its_own_title(schema):
                 for name, prop in definition.get("properties", {}).items()
                 if any("$ref" in option for option in prop.get("anyOf", [])) and not prop.get("title")]
     assert untitled == []
+
+
+def test_what_the_form_sends_for_untouched_fields_is_not_a_choice():
+    """A form sends every field it shows: empty text boxes ("" or null) and unset settings (null) of the
+    kinds not chosen are not given, and the defaults of the sampling group ride along harmlessly."""
+    from kiln_core.contracts.pipeline import parse_spec
+
+    spec = parse_spec({**BASE, "source": {"kind": "corpus", "corpus": "/c", "examples": "", "prompts": None,
+                                          "sampling": {}},
+                       "config": {"top_k": 16, "optimizer": {"kind": "adam_w", "beta1": 0.8, "momentum": None,
+                                                             "nesterov": None, "ns_iters": None}}})
+    assert (spec.corpus, spec.examples, spec.prompts, spec.source.sampling) == ("/c", None, None, None)
+    assert spec.config.optimizer.kind == "adam_w" and spec.config.optimizer.beta1 == 0.8
+
+
+def test_a_served_spec_does_not_pin_what_the_source_kind_decides():
+    """``serve --spec`` stores the file's spec as the deployment's defaults; a run from the form with the
+    other kind of source trains in that kind's mode with that kind's sampling settings (issue 19)."""
+    from kiln_core.contracts.opd_config import OpdConfig
+    from kiln_core.contracts.pipeline import parse_spec
+
+    served = parse_spec({**BASE, "corpus": "/c.jsonl", "config": {**CONFIG, "training_mode": "off_policy"}})
+    defaults = served.form_defaults()
+    assert not {"training_mode", "temperature", "stable_opd", "samples_per_prompt"} & set(defaults["config"])
+    assert parse_spec(defaults) == served
+    # the form: Source → prompts, the prompts file filled in, the corpus cleared, one sampling setting edited
+    on_policy = {**defaults, "source": {"kind": "prompts", "corpus": "", "prompts": "/p.jsonl",
+                                        "sampling": {"temperature": 0.5}}}
+    spec = parse_spec(on_policy)
+    assert (spec.config.training_mode, spec.prompts, spec.config.temperature) == ("on_policy", "/p.jsonl", 0.5)
+    assert spec.config.top_p == OpdConfig().top_p and spec.config.top_k == 16
+    # a deployment stored before this change still carries training_mode: the source kind decides it
+    stale = {**on_policy, "config": {**defaults["config"], "training_mode": "off_policy", "temperature": 1.0}}
+    assert parse_spec(stale).config.training_mode == "on_policy" and parse_spec(stale).config.temperature == 0.5
+    # and the other way round: a served prompts spec run from the form with a corpus
+    prompts = parse_spec({**BASE, "prompts": "/p.jsonl", "config": {"top_k": 16, "temperature": 0.7}}).form_defaults()
+    assert prompts["source"] == {"kind": "prompts", "prompts": "/p.jsonl",
+                                 "sampling": {**prompts["source"]["sampling"], "temperature": 0.7}}
+    off = parse_spec({**prompts, "source": {"kind": "corpus", "corpus": "/c.jsonl"}})
+    assert (off.config.training_mode, off.corpus, off.prompts) == ("off_policy", "/c.jsonl", None)
+
+
+def test_served_defaults_are_what_the_server_accepts(schema):
+    from prefect.utilities.schema_tools import validate
+
+    from kiln_core.contracts.pipeline import parse_spec
+
+    for spec in ({**BASE, "corpus": "/c.jsonl", "config": CONFIG},
+                 {**BASE, "prompts": "/p.jsonl", "config": {"temperature": 0.7, "optimizer": {"kind": "sgd"}}}):
+        validate({"spec": parse_spec(spec).form_defaults()}, schema, raise_on_error=True, ignore_required=False)

@@ -139,9 +139,24 @@ def test_training_log_reports_step_loss_rate_eta_and_checkpoints():
     assert steps[0] == "train step 1/20: loss 1.0000"  # no rate before a step has been timed
     assert re.fullmatch(r"train step 20/20: loss 0\.0500, ~\d+ action tok/s, ETA 0m00s", steps[-1])
     published = [line for line in out.lines if line.startswith("checkpoint published")]
-    # periodic checkpoints before the last step only; the last step's state is the adapter
+    # periodic checkpoints before the last step only (the last step's state is the adapter), one per step line
     assert published[0] == "checkpoint published: demo-checkpoint-step-00000002.kiln-checkpoint"
     assert len(published) == 9
+
+
+def test_checkpoint_lines_are_throttled_like_step_lines():
+    """Issue 19: a 400-step run with checkpoint_interval 4 logged 100 checkpoint lines against 10 step lines."""
+    log, out = _training_log(interval=4)
+    for step in range(1, 401):
+        log.progress(step, 400, 1.0)
+        log.step_committed(step)
+    steps = [line for line in out.lines if line.startswith("train step")]
+    published = [line for line in out.lines if line.startswith("checkpoint published")]
+    assert len(steps) == 11 and len(published) <= len(steps), (len(steps), len(published))
+    assert published[0] == "checkpoint published: demo-checkpoint-step-00000004.kiln-checkpoint"
+    # each later line names the newest checkpoint and how many were committed since the previous line
+    assert published[1] == "checkpoint published: demo-checkpoint-step-00000044.kiln-checkpoint (10 since step 4)"
+    assert published[-1].startswith("checkpoint published: demo-checkpoint-step-00000364.kiln-checkpoint")
 
 
 def test_training_log_counts_rate_from_the_resumed_step():
@@ -246,6 +261,11 @@ def test_serve_puts_its_limit_and_the_schedules_time_zone_on_the_deployment(monk
     assert deployment.concurrency_limit == 3  # what the deployment page shows instead of "∞"
     [schedule] = deployment.schedules
     assert schedule.schedule.timezone == "UTC" and schedule.schedule.cron == "0 2 * * *"
+    # the deployment page's description says when, with the time zone (not only the schedule's edit dialog)
+    assert "cron `0 2 * * *` in time zone UTC" in deployment.description
+    args = argparse.Namespace(name="local", cron="30 1 * * 1", timezone="Europe/Berlin", spec=None, limit=1)
+    assert serve_command.run(args) == 0
+    assert "cron `30 1 * * 1` in time zone Europe/Berlin" in served["deployments"][0].description
 
 
 def test_the_demos_hint_links_the_run_when_it_went_to_a_server():
@@ -274,3 +294,44 @@ def test_training_log_works_outside_a_flow_run():
     from tasks.train import _run_logger
 
     assert _run_logger().name == "kiln_flows.train"
+
+
+def test_a_rejection_is_told_once_in_the_run_log():
+    """The failing task's "Task run failed with exception: SpecError(...)" and its "Finished in state
+    Failed(...)" are dropped (the flow run's final state tells it, ``reject_run``); other failures stay."""
+    import logging
+
+    from flows.run_log import quiet_run_logs
+    from kiln_core.contracts.pipeline import SpecError
+
+    quiet_run_logs()
+    logger = logging.getLogger("prefect.task_runs")
+    kept: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            kept.append(record.getMessage())
+
+    handler = Keep()
+    logger.addHandler(handler)
+    try:
+        error = SpecError("/c.jsonl does not exist", "spec.source.corpus", code="file_not_found")
+        logger.error("Task run failed with exception: %r - Retries are exhausted", error, exc_info=(SpecError, error, None),
+                     extra={"task_run_id": "run-1", "task_name": "validate"})
+        logger.error("Finished in state Failed('Task run encountered an exception SpecError: ...')",
+                     extra={"task_run_id": "run-1", "task_name": "validate"})
+        boom = RuntimeError("disk on fire")
+        logger.error("Task run failed with exception: %r", boom, exc_info=(RuntimeError, boom, None),
+                     extra={"task_run_id": "run-2", "task_name": "train"})
+        logger.error("Finished in state Failed('disk on fire')", extra={"task_run_id": "run-2", "task_name": "train"})
+    finally:
+        logger.removeHandler(handler)
+    assert kept == ["Task run failed with exception: RuntimeError('disk on fire')", "Finished in state Failed('disk on fire')"]
+
+
+def test_a_rejection_line_names_the_code_the_place_and_the_rule():
+    from flows.run_log import rejection_line
+    from kiln_core.errors import Rejection
+
+    assert rejection_line(Rejection("token_count_mismatch", "3 tokens, 4 logprobs", line=3, file="c.jsonl")) == \
+        "rejected (token_count_mismatch) c.jsonl line 3: 3 tokens, 4 logprobs"

@@ -45,9 +45,9 @@ def run(args: argparse.Namespace) -> int:
     parameters = None
     if args.spec:
         spec = load_spec(args.spec)  # a rejection (exit 2) goes to the CLI's guard
-        # Every field spelled out (by alias, e.g. ECHO's `lambda`): the UI picks the tab of a union
-        # such as the optimizer by the keys its value shares with each branch.
-        parameters = {"spec": spec.model_dump(mode="json", by_alias=True)}
+        # The form's view, without what its training-data choice decides (training mode, sampling): a
+        # run from the form with another kind of source must not inherit the file's values for them.
+        parameters = {"spec": spec.form_defaults()}
 
     from flows.local_api import offline_settings, start_local_api
 
@@ -70,6 +70,9 @@ def run(args: argparse.Namespace) -> int:
         # The same cap as the runner's --limit, on the deployment itself: the server enforces it (runs
         # queue) and the deployment page shows it instead of "∞".
         concurrency_limit=args.limit,
+        # The deployment page shows the description up front; the schedule's time zone is otherwise only
+        # in the schedule's edit dialog.
+        description=_description(args.cron, args.timezone or "UTC", args.spec),
         # The package is installed: each run imports `flows.opd_distill` in a fresh
         # `python -m prefect.engine` process. (`opd_distill.serve()` would instead ship the in-memory
         # flow to the child, where the postponed `PipelineSpec` annotation cannot be resolved.)
@@ -78,6 +81,13 @@ def run(args: argparse.Namespace) -> int:
     _print_hint(args.name, PREFECT_API_URL.value(), PREFECT_UI_URL.value(), schedules is not None)
     serve(deployment, limit=args.limit, pause_on_shutdown=True)
     return 0
+
+
+def _description(cron: str | None, timezone: str, spec_file: str | None) -> str:
+    """The deployment's description: what it runs, from which spec, and when (with the time zone)."""
+    what = "Kiln-compatible distillation (opd-distill)" + (f", defaults from {spec_file}" if spec_file else "")
+    when = f"Scheduled: cron `{cron}` in time zone {timezone}." if cron else "No schedule: runs start from the UI or the API."
+    return f"{what}. {when} Run → Custom run shows the spec as a form (either Prefect UI)."
 
 
 def _print_hint(name: str, api_url: str | None, ui_url: str | None, scheduled: bool) -> None:

@@ -13,9 +13,8 @@ import re
 
 from kiln_core.contracts.opd_config import ConfigError
 
-# The whole rule as one regular expression that Python's re and ECMAScript read alike: it is also the
-# JSON-schema `pattern` of the pipeline spec's adapter field, so the Prefect UI's form refuses a bad
-# name inline with the same rule.
+# The whole rule as one regular expression. It stays out of every message (users read NAME_RULE) and
+# out of the run form's schema, whose validators would quote it back ("does not match '^(?!…'").
 NAME_PATTERN = r"^(?!.*\.\.)(?!.*\.kiln-checkpoint$)[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 _NAME = re.compile(NAME_PATTERN)
 NAME_RULE = ("1-128 characters of letters, digits, '.', '_' or '-', starting with a letter or digit, "

@@ -40,6 +40,7 @@ from kiln_core.contracts.opd_blocks import (  # noqa: F401 - re-exported: the co
     StableOpdManual,
     StableOpdOff,
 )
+from kiln_core.contracts.form_choices import POSITIVE_FIELDS, flat_choice_schema, mark_positive
 from kiln_core.contracts.opd_prompt import OpdPrompt
 from kiln_core.contracts.unknown_keys import UnknownKey, find_unknown_keys
 
@@ -197,6 +198,13 @@ class OpdConfig(BaseModel):
         properties = handler.resolve_ref_schema(schema).get("properties", {})
         for name in ("training_mode", *SAMPLING_FIELDS):
             properties.pop(name, None)
+        properties["optimizer"] = flat_choice_schema(
+            "kind", (MuonOptimizer, AdamWOptimizer, SgdOptimizer), title="Optimizer",
+            description="Optimizer and its settings: muon (Kiln's default), adam_w or sgd. Fill in only the chosen "
+            "optimizer's settings; empty ones take Kiln's defaults.")
+        for name in POSITIVE_FIELDS:  # Kiln refuses 0 at submit; the form refuses it inline
+            if name in properties:
+                mark_positive(properties[name])
         return schema
 
     @model_validator(mode="before")

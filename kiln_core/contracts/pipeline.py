@@ -12,8 +12,9 @@ Two views of the same spec. The form's: the training data is one ``source`` (a s
 ``examples`` to score, or on-policy ``prompts`` with their sampling settings), and the config shows
 neither ``training_mode`` (the source decides it) nor the sampling settings. The file's: ``corpus:``
 or ``examples:`` at the top level and every config field, as before. Both validate to the same spec
-and effective config; a dump is the form's view. Rules a JSON schema can carry (the adapter name's
-``pattern``, ranges, enums) are in the schema, so the form refuses them inline.
+and effective config; a dump is the form's view. Rules a JSON schema can carry in plain words (ranges,
+enums, lengths) are in the schema, so the form refuses them inline; the adapter-name rule is not (a
+``pattern`` would be shown to the user as a regular expression) and is refused by the run's first task.
 
 Secrets never belong here: S3 credentials come from the environment or a Prefect block
 (``storage_block``), never from a field of this model.
@@ -37,14 +38,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic.json_schema import SkipJsonSchema
 
 from kiln_core.contracts.eval_watch import EvalWatch
-from kiln_core.contracts.names import NAME_PATTERN, NAME_RULE, is_valid_name
+from kiln_core.contracts.form_choices import config_from_form, spec_form_schema
+from kiln_core.contracts.names import NAME_RULE, is_valid_name
 from kiln_core.contracts.opd_config import SAMPLING_FIELDS, OpdConfig
 from kiln_core.contracts.quality_gate import QualityGate
-from kiln_core.contracts.sources import CorpusSource, ExamplesSource, OnPolicySampling, PromptsSource, Source
+from kiln_core.contracts.sources import OnPolicySampling, TrainingData
 from kiln_core.contracts.spec_blocks import DistributedOptions, RunOptions, TeacherSource, VllmBackends
 from kiln_core.contracts.unknown_keys import UnknownKey, find_unknown_keys
-from kiln_core.errors import Rejection
 from kiln_core.contracts.post_eval.config import PostEvalConfig
+from kiln_core.errors import Rejection
 
 
 class SpecError(Rejection, ValueError):
@@ -58,12 +60,6 @@ class SpecError(Rejection, ValueError):
         return self.message
 
 
-def _form_schema(schema: dict[str, Any]) -> None:
-    # The form asks for the training data; a YAML spec may still name `corpus:` or `examples:` instead.
-    schema.setdefault("required", []).append("source")
-    schema["properties"]["source"].pop("default", None)
-
-
 def _default_config() -> OpdConfig:
     return OpdConfig(training_mode="off_policy")
 
@@ -71,18 +67,18 @@ def _default_config() -> OpdConfig:
 class PipelineSpec(BaseModel):
     """A Kiln-compatible distillation run: teacher → corpus (or prompts, on-policy) → student → adapter."""
 
-    model_config = ConfigDict(extra="forbid", title="PipelineSpec", json_schema_extra=_form_schema)
+    model_config = ConfigDict(extra="forbid", title="PipelineSpec", json_schema_extra=spec_form_schema)
 
     teacher: TeacherSource = Field(
         default_factory=lambda: TeacherSource(kind="local_registry", alias="teacher"),
         description="The teacher whose identity the corpus manifest must match.",
         json_schema_extra={"position": 0},
     )
-    source: Source | SkipJsonSchema[None] = Field(
+    source: TrainingData | SkipJsonSchema[None] = Field(
         default=None,
         title="Training data",
         description="What the student learns from: a scored corpus or examples to score (off-policy), or prompts "
-        "(on-policy).",
+        "(on-policy); the kind decides the training mode.",
         json_schema_extra={"position": 1},
     )
     # The same choice as two plain fields, for YAML specs and Kiln request files; the form shows `source`.
@@ -113,7 +109,10 @@ class PipelineSpec(BaseModel):
     )
     adapter: str = Field(
         description=f"Output adapter name: {NAME_RULE}.",
-        json_schema_extra={"position": 5, "pattern": NAME_PATTERN},
+        # Only the length in the schema: a JSON-schema `pattern` would make both UIs answer a bad name with
+        # "does not match '<regular expression>'". The rule itself is checked by the run's first task, which
+        # refuses the run in the words of the description (`spec.adapter: 'x y' must be 1-128 characters…`).
+        json_schema_extra={"position": 5, "minLength": 1, "maxLength": 128},
     )
     config: OpdConfig = Field(
         default_factory=_default_config,
@@ -165,6 +164,8 @@ class PipelineSpec(BaseModel):
     @field_validator("config", mode="before")
     @classmethod
     def _no_unknown_config_keys(cls, value: Any) -> Any:
+        # The form's optimizer and Stable-OPD are flat objects (every branch's settings, empty ones null).
+        value = config_from_form(value)
         # A typo in a hand-written spec must not train with the default and publish.
         unknown = unknown_config_keys(value)
         if unknown:
@@ -176,16 +177,27 @@ class PipelineSpec(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _on_policy_default_config(cls, value: Any) -> Any:
-        # Kiln's default training_mode is on_policy: a spec whose data is prompts (a `prompts` file, or the
-        # form's prompts source) and whose config does not say otherwise trains on-policy.
+    def _training_mode_from_the_data(cls, value: Any) -> Any:
+        """The training mode follows the training data. The form's ``source.kind`` decides it outright: the
+        form does not show ``config.training_mode``, so a value stored with a deployment's defaults (``serve
+        --spec``) must not pin it. A YAML ``prompts:`` spec whose config does not say otherwise trains
+        on-policy (Kiln's default ``training_mode``); one that says off_policy is refused below."""
         if not isinstance(value, dict):
             return value
         source = value.get("source")
-        source_kind = source.get("kind") if isinstance(source, dict) else getattr(source, "kind", None)
-        if value.get("prompts") is None and source_kind != "prompts":
-            return value
+        source_kind = source.get("kind", "corpus") if isinstance(source, dict) else getattr(source, "kind", None)
         config = value.get("config")
+        if source_kind is not None:
+            mode = "on_policy" if source_kind == "prompts" else "off_policy"
+            if config is None:
+                return {**value, "config": {"training_mode": mode}}
+            if isinstance(config, dict):
+                return {**value, "config": {**config, "training_mode": mode}}
+            if isinstance(config, OpdConfig):
+                return {**value, "config": config.model_copy(update={"training_mode": mode})}
+            return value
+        if value.get("prompts") is None:
+            return value
         if config is None:
             return {**value, "config": OpdConfig()}
         if isinstance(config, dict) and "training_mode" not in config:
@@ -208,7 +220,7 @@ class PipelineSpec(BaseModel):
         if self.examples is not None and self.teacher.kind not in ("local_dir", "local_registry"):
             raise ValueError("`examples` needs a local teacher to score with (teacher.kind local_dir or local_registry)")
         if not is_valid_name(self.adapter):
-            raise ValueError(f"`adapter` must be {NAME_RULE}")
+            raise ValueError(f"`adapter`: {self.adapter!r} must be {NAME_RULE}")
         if self.config.training_mode != "off_policy":
             raise ValueError("`config.training_mode` must be off_policy for a JSONL corpus")
         from kiln_core.contracts.opd_config import ConfigError
@@ -221,6 +233,27 @@ class PipelineSpec(BaseModel):
             raise ValueError(f"`{field}`: {error.message}") from None
         self._check_gates()
         return self
+
+    def form_defaults(self) -> dict[str, Any]:
+        """This spec as a deployment's default parameters (``kiln-flows serve --spec``): the form's view
+        without what the form's training-data choice decides. ``config.training_mode`` follows
+        ``source.kind``, and the sampling settings live in ``source.sampling`` (prompts); left in the
+        config, these hidden values would ride along with every run from the form, whichever kind is
+        chosen. An off-policy spec keeps a sampling field it sets (``samples_per_prompt`` repeats examples).
+
+        Example:
+            >>> spec = PipelineSpec(corpus="c.jsonl", student="s", adapter="a")
+            >>> "training_mode" in spec.form_defaults()["config"]
+            False
+        """
+        data = self.model_dump(mode="json", by_alias=True)
+        config = data["config"]
+        config.pop("training_mode", None)
+        defaults = OpdConfig().model_dump(mode="json", by_alias=True)
+        for name in SAMPLING_FIELDS:
+            if (self.source is not None and self.source.kind == "prompts") or config.get(name) == defaults[name]:
+                config.pop(name, None)
+        return data
 
     def _check_gates(self) -> None:
         """Kiln's submit-time ``post_eval`` rules, and the watch's one-process rule, before any work."""
@@ -242,19 +275,15 @@ class PipelineSpec(BaseModel):
         if self.source is None:
             if len(given) == 1 and self.prompts is not None:
                 sampling = {name: getattr(self.config, name) for name in SAMPLING_FIELDS}
-                self.source = PromptsSource(prompts=self.prompts, sampling=OnPolicySampling(**sampling))
+                self.source = TrainingData(kind="prompts", prompts=self.prompts, sampling=OnPolicySampling(**sampling))
             elif len(given) == 1:
-                self.source = (CorpusSource(corpus=self.corpus) if self.corpus is not None
-                               else ExamplesSource(examples=self.examples))
+                self.source = TrainingData(kind=given[0], **{given[0]: getattr(self, given[0])})
             return
         if given:
             raise ValueError("`source`: give the training data once, as `source` or as `corpus`/`examples`/`prompts`")
-        if isinstance(self.source, PromptsSource):
-            self.prompts = self.source.prompts
+        setattr(self, self.source.kind, self.source.path)
+        if self.source.kind == "prompts":
             self.config = self.config.model_copy(update=dict(self.source.sampling))
-            return
-        self.corpus = getattr(self.source, "corpus", None)
-        self.examples = getattr(self.source, "examples", None)
 
     def _on_policy_consistent(self) -> "PipelineSpec":
         """The rules of a ``prompts`` spec that need no file: mode, one process, Kiln's config rules. The
@@ -264,7 +293,7 @@ class PipelineSpec(BaseModel):
         from kiln_core.contracts.opd_submit import validate_config_rules
 
         if not is_valid_name(self.adapter):
-            raise ValueError(f"`adapter` must be {NAME_RULE}")
+            raise ValueError(f"`adapter`: {self.adapter!r} must be {NAME_RULE}")
         if self.config.training_mode != "on_policy":
             raise ValueError("`config.training_mode` must be on_policy for `prompts` (off_policy trains from a "
                              "teacher-scored `corpus`)")
@@ -363,6 +392,8 @@ def _field_path(loc: tuple) -> list[str]:
     for part in map(str, loc):
         if part.startswith("tagged-union["):
             skip_tag = True
+        elif part.startswith(("function-after[", "function-before[", "function-wrap[")):
+            continue  # the label of a union member with validators (`TrainingData | None`)
         elif skip_tag:
             skip_tag = False
         else:

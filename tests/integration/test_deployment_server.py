@@ -133,17 +133,33 @@ def test_kiln_flows_serve_creates_deployment_and_runs_it(live_server, pipeline_i
             return live_server.find_deployment("opd-distill", "itest-served")
 
         deployment = wait_for(served, timeout=180, interval=2, what="the served deployment")
-        assert deployment["parameters"]["spec"]["adapter"] == adapter
-        assert deployment["parameters"]["spec"]["config"]["optimizer"]["beta1"] == 0.9  # spelled out for the UI
+        defaults = deployment["parameters"]["spec"]
+        assert defaults["adapter"] == adapter
+        # What the form's training-data kind decides is not pinned by the served file (issue 19).
+        assert "training_mode" not in defaults["config"] and "temperature" not in defaults["config"]
         [schedule] = deployment["schedules"]
         assert schedule["schedule"]["cron"] == "0 3 * * *" and schedule["schedule"]["timezone"] == "UTC"
+        assert "in time zone UTC" in deployment["description"]
         assert deployment["entrypoint"] == "flows.opd_distill.opd_distill"
 
-        run = live_server.create_run(deployment, {"spec": spec}, name="itest-served-run")
-        final = live_server.wait_for_state(run["id"], {"COMPLETED"}, timeout=600)
-        assert final["state"]["type"] == "COMPLETED", f"{final['state']}\n{live_server.tails()}"
+        # A run from each kind of the form's training data, starting from the deployment's defaults as
+        # the form does: the served corpus (off-policy), then Kind → prompts with a prompts file (on-policy).
+        runs = {"corpus": live_server.create_run(deployment, {"spec": defaults}, name="itest-served-run")}
+        prompts = tmp_path / "prompts.jsonl"
+        prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": text},
+                                                             {"role": "assistant", "content": ""}]}) + "\n"
+                                   for text in ("What is two plus two?", "Name a colour.")), encoding="utf-8")
+        on_policy = {**defaults, "adapter": f"{adapter}-prompts",
+                     "source": {"kind": "prompts", "corpus": None, "prompts": str(prompts),
+                                "sampling": {"samples_per_prompt": 2, "max_tokens": 4}}}
+        runs["prompts"] = live_server.create_run(deployment, {"spec": on_policy}, name="itest-served-prompts")
+        for kind, run in runs.items():
+            final = live_server.wait_for_state(run["id"], {"COMPLETED", "FAILED", "CRASHED"}, timeout=600)
+            assert final["state"]["type"] == "COMPLETED", f"{kind}: {final['state']}\n{live_server.tails()}"
         _, receipt = _receipt(pipeline_inputs["storage_root"], adapter)
-        assert receipt["status"] == "success"
+        assert receipt["status"] == "success" and receipt["opd"]["training_mode"] == "off_policy"
+        _, receipt = _receipt(pipeline_inputs["storage_root"], f"{adapter}-prompts")
+        assert receipt["status"] == "success" and receipt["opd"]["training_mode"] == "on_policy", receipt
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)

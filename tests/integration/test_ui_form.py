@@ -1,12 +1,14 @@
 """The Prefect UI as a user sees it, in headless Chromium against a real server and worker.
 
-* The Custom run form of ``opd-distill/nightly`` renders ``PipelineSpec`` with help text on every
-  config field, refuses a bad adapter name inline (the schema's ``pattern``), and what it submits
-  reaches the run.
+* The Custom run form of ``opd-distill/nightly`` renders ``PipelineSpec`` as fields (no JSON editor)
+  in both of Prefect's UIs: the default one (V1, ``/deployments/…``) and the new one (V2, ``/v2/…``),
+  with help text on every config field; the prompts kind of the training data submits an on-policy
+  spec; the learning rate takes no letters; 0 is refused where Kiln needs a positive number.
 * A run's page tells the story in its Logs tab (stages, training steps, checkpoints, summary) and its
   artifacts render: the loss-curve chart is an image with a non-zero size, the receipt is one compact
   table, the outputs list starts with adapter, receipt and ``latest.json``.
-* A rejected spec fails its run with one line naming the field and no traceback.
+* A rejected spec fails its run with one line naming the field as the form does, once, with no
+  traceback and no "unexpected exception", the adapter tag and a ``rejected-<adapter>`` artifact.
 
 Screenshots of each page are kept under the test's temporary directory (the path is printed).
 """
@@ -125,146 +127,313 @@ def _click_clear_of_toasts(driver, button) -> None:
     button.click()
 
 
-def test_custom_run_form_renders_spec_and_submits_edits(live_server, deployment, paused_pool, browser, screenshots):
+def _wait_for_form(driver, page: str, screenshots: Path, name: str, label_xpath: str) -> None:
     from selenium.webdriver.common.by import By
-    from selenium.webdriver.common.keys import Keys
     from selenium.webdriver.support import expected_conditions as ec
     from selenium.webdriver.support.ui import WebDriverWait
 
-    page = f"{live_server.url}/v2/deployments/deployment/{deployment['id']}/run"
-    browser.get(page)
+    driver.get(page)
     try:
-        WebDriverWait(browser, 120).until(
-            ec.presence_of_element_located((By.XPATH, "//label[normalize-space()='Adapter']"))
-        )
+        WebDriverWait(driver, 120).until(ec.presence_of_element_located((By.XPATH, label_xpath)))
     except Exception:
-        browser.save_screenshot(str(screenshots / "form-timeout.png"))
-        raise AssertionError(f"the run form never showed the Adapter field at {page}\n{live_server.tails()}") from None
-    browser.save_screenshot(str(screenshots / "form-top.png"))
+        driver.save_screenshot(str(screenshots / f"{name}-timeout.png"))
+        raise AssertionError(f"the run form never showed the Adapter field at {page}") from None
 
-    # The PipelineSpec renders as nested groups, each titled, with help text from the field docstrings.
+
+def _no_json_editor(driver) -> list[str]:
+    """The JSON editors on the page (V2: CodeMirror; V1: prefect-design's code/JSON input)."""
+    from selenium.webdriver.common.by import By
+
+    found = driver.find_elements(By.CSS_SELECTOR, ".cm-editor, .p-code-input, [class*='schema-form-property-json'], "
+                                                  "[class*='json-input']")
+    return [element.get_attribute("class") for element in found]
+
+
+def _created_runs(live_server, deployment, before: set[str]) -> list[dict]:
+    return [run for run in live_server.runs_of(deployment["id"]) if run["id"] not in before and not run["auto_scheduled"]]
+
+
+def _submit_until_created(driver, live_server, deployment, before: set[str], screenshots: Path, name: str) -> dict:
+    """Press Submit (at most 3 times: under load the server's SQLite can answer the UI's create call with
+    503, the UI keeps the form with an error toast and a person presses Submit again); the created run."""
+    from selenium.webdriver.common.by import By
+
+    runs = []
+    for attempt in range(3):
+        submits = driver.find_elements(By.XPATH, "//button[@type='submit' and normalize-space()='Submit']")
+        if not submits:
+            break  # the UI already left the form: the run was created
+        _click_clear_of_toasts(driver, submits[0])
+        try:
+            runs = wait_for(lambda: _created_runs(live_server, deployment, before), timeout=40, interval=1,
+                            what="the flow run the form submits")
+            break
+        except TimeoutError:
+            driver.save_screenshot(str(screenshots / f"{name}-submit-{attempt}.png"))
+    if not runs:
+        try:
+            runs = wait_for(lambda: _created_runs(live_server, deployment, before), timeout=20, interval=1,
+                            what="the flow run the form submits")
+        except TimeoutError:
+            raise AssertionError(f"no flow run was created; screenshots in {screenshots}\n{live_server.tails()}") from None
+    return runs[0]
+
+
+def test_custom_run_form_renders_spec_and_submits_edits(live_server, deployment, paused_pool, browser, screenshots):
+    """The new UI (V2, ``/v2/…``): fields for every group, the prompts kind with its sampling settings,
+    0 refused where Kiln needs a positive number, and what it submits reaches the run."""
+    from kiln_core.contracts.pipeline import parse_spec
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    page = f"{live_server.url}/v2/deployments/deployment/{deployment['id']}/run"
+    adapter_label = "//label[normalize-space()='Adapter']"
+    _wait_for_form(browser, page, screenshots, "v2-form", adapter_label)
+    browser.save_screenshot(str(screenshots / "v2-form-top.png"))
+
+    # The PipelineSpec renders as nested groups, each titled, with help text from the field docstrings,
+    # and no JSON editor: the training data and the optimizer are a Kind dropdown plus fields.
     labels = {element.text.strip() for element in browser.find_elements(By.TAG_NAME, "label")}
-    for expected in ("Teacher (Optional)", "Kind (Optional)", "Path (Optional)", "Training data", "Examples", "Student",
-                     "Storage Root (Optional)", "Adapter", "Training config (Kiln OpdConfig) (Optional)",
-                     "Top K (Optional)", "ECHO (Optional)", "Distributed training (Optional)"):
+    for expected in ("Teacher (Optional)", "Kind (Optional)", "Path (Optional)", "Training data", "Corpus (Optional)",
+                     "Examples (Optional)", "Prompts (Optional)", "Student", "Storage Root (Optional)", "Adapter",
+                     "Training config (Kiln OpdConfig) (Optional)", "Top K (Optional)", "Learning Rate (Optional)",
+                     "Optimizer (Optional)", "Beta1 (Optional)", "Momentum (Optional)", "ECHO (Optional)",
+                     "Distributed training (Optional)"):
         assert expected in labels, f"form label {expected!r} missing; labels: {sorted(labels)}"
     assert not any(label.startswith("Field") for label in labels), sorted(labels)
-    # Off-policy: one source is filled (examples here), and no sampling setting is on the form.
-    assert not {"Corpus (Optional)", "Examples (Optional)", "Corpus"} & labels
+    assert _no_json_editor(browser) == []
+    # Off-policy (the yaml's examples): no sampling setting is on the form until the prompts kind asks for it.
     sampling = {"Samples Per Prompt (Optional)", "Temperature (Optional)", "Top P (Optional)",
                 "Max Tokens (Optional)", "Training Mode (Optional)"}
     assert not sampling & labels, sampling & labels
     form_text = _text(browser)
-    assert "Output adapter name: 1-128 characters" in form_text
-    assert "``" not in form_text  # no raw reST markup anywhere on the form
+    assert "Output adapter name: 1-128 characters" in form_text and "adam_w only: " in form_text
+    assert "``" not in form_text and "(?!" not in form_text  # no raw reST markup, no regular expression
     top_k = browser.find_element(By.XPATH, "//label[normalize-space()='Top K (Optional)']")
     browser.execute_script("arguments[0].scrollIntoView({block: 'start'});", top_k)
-    browser.save_screenshot(str(screenshots / "form-config-group.png"))
+    browser.save_screenshot(str(screenshots / "v2-form-config-group.png"))
     for label, help_text in (("Top K (Optional)", "Teacher tokens per position the loss compares"),
                              ("Lora Rank (Optional)", "Kiln default: 16"),
                              ("Checkpoint Interval (Optional)", "every this many optimizer steps"),
                              ("Epochs (Optional)", "Passes over the corpus")):
         assert help_text in _help_text(browser, label), (label, _help_text(browser, label))
 
-    # The teacher kind Literal is a dropdown offering the three kinds, set to the yaml's default.
+    # The teacher kind Literal is a dropdown offering the kinds, set to the yaml's default.
     kind = _field_for(browser, "Kind (Optional)")
     assert kind.text.strip() == "local_dir"
     browser.execute_script("arguments[0].scrollIntoView({block: 'center'});", kind)
     kind.click()
     options = WebDriverWait(browser, 30).until(lambda d: d.find_elements(By.XPATH, "//*[@role='option']"))
     offered = {(option.get_attribute("textContent") or "").strip() for option in options}
-    browser.save_screenshot(str(screenshots / "form-kind-dropdown.png"))
-    assert {"kiln_server", "local_registry", "local_dir"} <= offered, (offered, [o.get_attribute("outerHTML") for o in options])
+    browser.save_screenshot(str(screenshots / "v2-form-kind-dropdown.png"))
+    assert {"kiln_server", "local_registry", "local_dir"} <= offered, offered
     browser.find_element(By.TAG_NAME, "body").send_keys(Keys.ESCAPE)
     WebDriverWait(browser, 30).until(lambda d: not d.find_elements(By.XPATH, "//*[@role='option']"))
 
-    # The on-policy tab of the training data shows the prompts and their sampling settings instead.
-    prompts_tab = browser.find_element(By.XPATH, "//*[self::button or @role='tab'][normalize-space()='Prompts (on-policy)']")
-    browser.execute_script("arguments[0].scrollIntoView({block: 'center'});", prompts_tab)
-    prompts_tab.click()
-    WebDriverWait(browser, 30).until(lambda d: d.find_elements(By.XPATH, "//label[normalize-space()='Prompts']"))
+    # Training data → Kind: prompts; the examples cleared, a prompts file typed, the sampling group opened.
+    source_kind = _fields_for(browser, "Kind (Optional)")[1]
+    assert source_kind.text.strip() == "examples"
+    browser.execute_script("arguments[0].scrollIntoView({block: 'center'});", source_kind)
+    source_kind.click()
+    WebDriverWait(browser, 30).until(lambda d: d.find_elements(By.XPATH, "//*[@role='option'][normalize-space()='prompts']"))[0].click()
+    WebDriverWait(browser, 30).until(lambda d: _fields_for(d, "Kind (Optional)")[1].text.strip() == "prompts")
+    _toggle(browser, "Examples (Optional)", "None")
+    _toggle(browser, "Prompts (Optional)", "str")
+    prompts_box = WebDriverWait(browser, 30).until(lambda d: _row_input(d, "Prompts (Optional)"))
+    prompts_box.send_keys("./kiln-data/prompts.jsonl")
+    _toggle(browser, "Sampling (prompts only) (Optional)", "Sampling (prompts only)")
+    WebDriverWait(browser, 30).until(lambda d: d.find_elements(By.XPATH, "//label[normalize-space()='Temperature (Optional)']"))
     on_policy = {element.text.strip() for element in browser.find_elements(By.TAG_NAME, "label")}
-    browser.save_screenshot(str(screenshots / "form-prompts-source.png"))
+    browser.execute_script("arguments[0].scrollIntoView({block: 'start'});", prompts_box)
+    browser.save_screenshot(str(screenshots / "v2-form-prompts-source.png"))
     assert sampling - {"Training Mode (Optional)"} <= on_policy, sorted(on_policy)
-    assert "Examples" not in on_policy
-    browser.get(page)  # back to the deployment's defaults (the examples source) for the edit below
-    WebDriverWait(browser, 120).until(
-        ec.presence_of_element_located((By.XPATH, "//label[normalize-space()='Adapter']")))
 
-    def type_adapter(name: str):
-        """Edit the adapter name the way a person does (select all, type)."""
-        adapter = _field_for(browser, "Adapter")
-        browser.execute_script("arguments[0].scrollIntoView({block: 'center'});", adapter)
-        adapter.click()
-        adapter.send_keys(Keys.CONTROL, "a")
-        adapter.send_keys(Keys.BACKSPACE)
-        adapter.send_keys(name)
-        assert adapter.get_attribute("value") == name
-        return adapter
+    def type_into(label: str, text: str):
+        """Edit a field the way a person does (select all, type); the value the field keeps."""
+        field = _row_input(browser, label)
+        browser.execute_script("arguments[0].scrollIntoView({block: 'center'});", field)
+        field.click()
+        field.send_keys(Keys.CONTROL, "a")
+        field.send_keys(Keys.BACKSPACE)
+        field.send_keys(text)
+        return field.get_attribute("value")
 
-    def press_submit():
-        [submit] = browser.find_elements(By.XPATH, "//button[@type='submit' and normalize-space()='Submit']")
-        _click_clear_of_toasts(browser, submit)
-
+    # Letters do not go into the learning rate: it is a number field (what a person typed is not dropped
+    # silently into a text parameter), and a number does.
+    assert type_into("Learning Rate (Optional)", "abc") in ("", None)
+    assert type_into("Learning Rate (Optional)", "0.0003") == "0.0003"
     before = {run["id"] for run in live_server.runs_of(deployment["id"])}
-    assert _field_for(browser, "Adapter").get_attribute("value") == deployment["parameters"]["spec"]["adapter"]
+    assert type_into("Adapter", EDITED_ADAPTER) == EDITED_ADAPTER
 
-    # A bad adapter name is refused inline, at the field, by the schema's pattern: no run is created.
-    type_adapter(BAD_ADAPTER)
-    press_submit()
-    WebDriverWait(browser, 30).until(lambda d: "does not match" in _help_text(d, "Adapter"))
-    browser.execute_script("arguments[0].scrollIntoView({block: 'center'});", _field_for(browser, "Adapter"))
-    browser.save_screenshot(str(screenshots / "form-bad-adapter.png"))
-    assert f"'{BAD_ADAPTER}' does not match" in _help_text(browser, "Adapter")
-    toasts = [toast.text for toast in browser.find_elements(By.CSS_SELECTOR, "[data-sonner-toast]")]
-    print(f"notifications after the refused submit: {toasts}")
+    # Top K 0 is refused under the field (exclusiveMinimum 0), and no run is created.
+    assert type_into("Top K (Optional)", "0") == "0"
+    [submit] = browser.find_elements(By.XPATH, "//button[@type='submit' and normalize-space()='Submit']")
+    _click_clear_of_toasts(browser, submit)
+    WebDriverWait(browser, 30).until(lambda d: "minimum of 0" in _help_text(d, "Top K (Optional)"))
+    browser.execute_script("arguments[0].scrollIntoView({block: 'center'});", _row_input(browser, "Top K (Optional)"))
+    browser.save_screenshot(str(screenshots / "v2-form-top-k-zero.png"))
     time.sleep(2)
-    assert browser.current_url.endswith("/run"), "the form must stay open"
-    assert {run["id"] for run in live_server.runs_of(deployment["id"])} <= before
+    assert browser.current_url.endswith("/run") and _created_runs(live_server, deployment, before) == []
+    assert type_into("Top K (Optional)", "16") == "16"
 
-    type_adapter(EDITED_ADAPTER)
-
-    def created():
-        runs = live_server.runs_of(deployment["id"])
-        return [run for run in runs if run["id"] not in before and not run["auto_scheduled"]]
-
-    # Under load the server's SQLite can answer the UI's create call with 503 (busy); the UI shows an
-    # error toast and keeps the form, and a person presses Submit again. So does this test, at most 3 times.
-    runs = []
-    for attempt in range(3):
-        submits = browser.find_elements(By.XPATH, "//button[@type='submit' and normalize-space()='Submit']")
-        if not submits:
-            break  # the UI already left the form: the run was created
-        _click_clear_of_toasts(browser, submits[0])
-        try:
-            runs = wait_for(created, timeout=40, interval=1, what="the flow run the form submits")
-            break
-        except TimeoutError:
-            browser.save_screenshot(str(screenshots / f"submit-{attempt}.png"))
-    if not runs:
-        try:
-            runs = wait_for(created, timeout=20, interval=1, what="the flow run the form submits")
-        except TimeoutError:
-            raise AssertionError(f"no flow run was created; screenshots in {screenshots}\n{live_server.tails()}") from None
-    run = runs[0]
+    run = _submit_until_created(browser, live_server, deployment, before, screenshots, "v2")
     try:
-        time.sleep(1)  # let the UI navigate back to the deployment page for the screenshot
-        browser.save_screenshot(str(screenshots / "submitted.png"))
+        time.sleep(1)
+        browser.save_screenshot(str(screenshots / "v2-submitted.png"))
         spec = run["parameters"]["spec"]
-        assert spec["adapter"] == EDITED_ADAPTER
+        assert spec["adapter"] == EDITED_ADAPTER and spec["config"]["learning_rate"] == 0.0003
+        assert spec["source"]["kind"] == "prompts" and spec["source"]["prompts"] == "./kiln-data/prompts.jsonl"
         # Everything not edited came through unchanged from the deployment's defaults.
         defaults = deployment["parameters"]["spec"]
         assert (spec["teacher"]["kind"], spec["teacher"]["path"]) == ("local_dir", defaults["teacher"]["path"])
-        assert spec["student"] == defaults["student"]
-        assert spec["source"] == defaults["source"] == {"kind": "examples", "examples": "./kiln-data/demo-examples.jsonl"}
-        assert spec["storage_root"] == defaults["storage_root"]
-        assert spec["config"]["top_k"] == defaults["config"]["top_k"]
-        # The optimizer union opened on the right tab (AdamW), so no Muon fields leaked into it.
-        assert spec["config"]["optimizer"] == defaults["config"]["optimizer"]
+        assert spec["student"] == defaults["student"] and spec["storage_root"] == defaults["storage_root"]
+        assert spec["config"]["optimizer"]["kind"] == "adam_w"
+        # What arrived is an on-policy spec with the yaml's optimizer: the run would train on the prompts.
+        parsed = parse_spec(spec)
+        assert (parsed.config.training_mode, parsed.prompts, parsed.examples) == ("on_policy", "./kiln-data/prompts.jsonl", None)
+        assert parsed.config.optimizer == parse_spec(defaults).config.optimizer and parsed.config.top_k == 16
         assert run["state"]["type"] == "SCHEDULED"
     finally:
-        for submitted in created():  # a retried submit may have created more than one
+        for submitted in _created_runs(live_server, deployment, before):  # a retried submit may have made more
             live_server.api("DELETE", f"/flow_runs/{submitted['id']}")
+
+
+def test_default_ui_form_renders_fields_and_submits_the_prompts_kind(live_server, deployment, paused_pool, browser,
+                                                                     screenshots):
+    """Prefect 3.9's default UI (V1, what the links kiln-flows prints open): the training data and the
+    optimizer are fields, not JSON editors, and the prompts kind submits an on-policy spec."""
+    from kiln_core.contracts.pipeline import parse_spec
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    page = f"{live_server.url}/deployments/deployment/{deployment['id']}/run"
+    _wait_for_form(browser, page, screenshots, "v1-form", _v1_label("Adapter"))
+    time.sleep(1)
+    browser.save_screenshot(str(screenshots / "v1-form-top.png"))
+    labels = {element.text.strip() for element in
+              browser.find_elements(By.CSS_SELECTOR, ".schema-form-property__label")}
+    for expected in ("Teacher (Optional)", "Training data", "Kind (Optional)", "Corpus (Optional)",
+                     "Examples (Optional)", "Prompts (Optional)", "Sampling (prompts only) (Optional)", "Adapter",
+                     "Training config (Kiln OpdConfig) (Optional)", "Learning Rate (Optional)",
+                     "Optimizer (Optional)", "Beta1 (Optional)", "Momentum (Optional)", "Run options (Optional)"):
+        assert expected in labels, f"V1 form label {expected!r} missing; labels: {sorted(labels)}"
+    assert _no_json_editor(browser) == []
+
+    training_data = _v1_property(browser, "Training data")
+    kind = Select(next(select for select in training_data.find_elements(By.TAG_NAME, "select")
+                       if select.find_elements(By.TAG_NAME, "option")))
+    assert [option.text for option in kind.options] == ["corpus", "examples", "prompts"]
+    assert kind.first_selected_option.text == "examples"
+    try:
+        kind.select_by_value("prompts")
+    except Exception:  # prefect-design styles the native select; choose as the keyboard would
+        browser.execute_script("arguments[0].value = 'prompts'; arguments[0].dispatchEvent(new Event('change'));",
+                               kind._el)
+    assert kind.first_selected_option.text == "prompts"
+    _v1_toggle(browser, "Examples (Optional)", "None")
+    _v1_toggle(browser, "Prompts (Optional)", "str")
+    prompts_box = WebDriverWait(browser, 30).until(lambda d: _v1_input(d, "Prompts (Optional)"))
+    prompts_box.send_keys("./kiln-data/prompts.jsonl")
+    browser.execute_script("arguments[0].scrollIntoView({block: 'start'});", training_data)
+    browser.save_screenshot(str(screenshots / "v1-form-prompts-source.png"))
+
+    learning_rate = _v1_input(browser, "Learning Rate (Optional)")
+    assert learning_rate.get_attribute("type") == "number"
+    browser.execute_script("arguments[0].scrollIntoView({block: 'center'});", learning_rate)
+    learning_rate.click()
+    learning_rate.send_keys(Keys.CONTROL, "a")
+    learning_rate.send_keys(Keys.BACKSPACE)
+    learning_rate.send_keys("abc")
+    assert learning_rate.get_attribute("value") == ""  # letters are not taken
+    learning_rate.send_keys("0.0003")
+    assert learning_rate.get_attribute("value") == "0.0003"
+    optimizer = _v1_property(browser, "Optimizer (Optional)")
+    browser.execute_script("arguments[0].scrollIntoView({block: 'start'});", optimizer)
+    browser.save_screenshot(str(screenshots / "v1-form-optimizer.png"))
+
+    before = {run["id"] for run in live_server.runs_of(deployment["id"])}
+    run = _submit_until_created(browser, live_server, deployment, before, screenshots, "v1")
+    try:
+        time.sleep(1)
+        browser.save_screenshot(str(screenshots / "v1-submitted.png"))
+        spec = run["parameters"]["spec"]
+        assert spec["source"]["kind"] == "prompts" and spec["source"]["prompts"] == "./kiln-data/prompts.jsonl"
+        assert spec["config"]["learning_rate"] == 0.0003
+        parsed = parse_spec(spec)
+        assert (parsed.config.training_mode, parsed.prompts, parsed.examples) == ("on_policy", "./kiln-data/prompts.jsonl", None)
+        assert parsed.config.optimizer == parse_spec(deployment["parameters"]["spec"]).config.optimizer
+    finally:
+        for submitted in _created_runs(live_server, deployment, before):
+            live_server.api("DELETE", f"/flow_runs/{submitted['id']}")
+
+
+# V1 (prefect-design) form helpers: each property is a `.p-label.schema-form-property` whose header
+# holds `.schema-form-property__label`; a nullable field has a "str | None" button group.
+
+def _v1_label(text: str) -> str:
+    return f"//span[contains(@class, 'schema-form-property__label') and normalize-space()='{text}']"
+
+
+def _v1_property(driver, label: str, index: int = 0):
+    from selenium.webdriver.common.by import By
+
+    spans = driver.find_elements(By.XPATH, _v1_label(label))
+    return spans[index].find_element(
+        By.XPATH, "./ancestor::div[contains(concat(' ', normalize-space(@class), ' '), ' schema-form-property ')][1]")
+
+
+def _v1_toggle(driver, label: str, choice: str) -> None:
+    from selenium.webdriver.common.by import By
+
+    row = _v1_property(driver, label)
+    button = row.find_element(By.XPATH, f".//button[normalize-space()='{choice}']")
+    driver.execute_script("arguments[0].scrollIntoView({block: 'center'});", button)
+    button.click()
+
+
+def _v1_input(driver, label: str):
+    from selenium.webdriver.common.by import By
+
+    row = _v1_property(driver, label)
+    fields = row.find_elements(By.CSS_SELECTOR, "input:not([type=checkbox]), textarea")
+    return fields[0] if fields else None
+
+
+# V2 form helpers
+
+def _fields_for(driver, label_text: str) -> list:
+    """Every control a form label with this exact text points at, in page order."""
+    from selenium.webdriver.common.by import By
+
+    return [driver.find_element(By.ID, label.get_attribute("for"))
+            for label in driver.find_elements(By.XPATH, f"//label[normalize-space()='{label_text}']")]
+
+
+def _row(driver, label_text: str):
+    """The form row (label, help text, controls) of the first label with this text."""
+    from selenium.webdriver.common.by import By
+
+    label = driver.find_element(By.XPATH, f"//label[normalize-space()='{label_text}']")
+    # each field is a `div.group`: a header (label, help text, menu) and a fieldset (the controls)
+    return label.find_element(By.XPATH, "./ancestor::div[contains(concat(' ', normalize-space(@class), ' '), ' group ')][1]")
+
+
+def _toggle(driver, label_text: str, choice: str) -> None:
+    """Click the ``choice`` tab of a nullable field's "str | None" switch."""
+    from selenium.webdriver.common.by import By
+
+    button = _row(driver, label_text).find_element(By.XPATH, f".//button[@role='tab'][normalize-space()='{choice}']")
+    driver.execute_script("arguments[0].scrollIntoView({block: 'center'});", button)
+    button.click()
+
+
+def _row_input(driver, label_text: str):
+    from selenium.webdriver.common.by import By
+
+    fields = _row(driver, label_text).find_elements(By.CSS_SELECTOR, "input:not([type=checkbox]), textarea")
+    return fields[0] if fields else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -352,18 +521,50 @@ def _table(artifact: dict) -> list[dict]:
     return json.loads(data) if isinstance(data, str) else data
 
 
+def _log_lines(live_server, flow_run_id: str) -> list[str]:
+    body = {"logs": {"flow_run_id": {"any_": [flow_run_id]}}, "limit": 200}
+    return [entry["message"] for entry in live_server.api("POST", "/logs/filter", json=body)]
+
+
 def test_a_rejected_spec_fails_the_run_in_one_line(live_server, deployment, worker, pipeline_inputs, browser,
                                                    screenshots):
-    spec = pipeline_spec(pipeline_inputs, pipeline_inputs["short_corpus"], "itest-ui-rejected")
-    spec["student"] = str(pipeline_inputs["storage_root"] / "no-such-student")
-    run = live_server.create_run(deployment, {"spec": spec}, name="itest-ui-rejected")
-    final = live_server.wait_for_state(run["id"], {"FAILED"}, timeout=300)
-    message = final["state"]["message"]
-    assert final["state"]["type"] == "FAILED" and "\n" not in message, message
-    assert "spec.student: " in message and "is not a directory" in message
+    from tasks.artifacts import artifact_key
 
-    text = _wait_for_text(browser, f"{live_server.url}/v2/runs/flow-run/{run['id']}?tab=Logs",
-                          ("spec.student:", "Finished in state Failed"))
-    browser.save_screenshot(str(screenshots / "run-page-rejected.png"))
-    assert "Traceback" not in text and "TokenizationError" not in text
-    assert final["run_count"] <= 1, "a rejection is never retried"
+    missing = str(pipeline_inputs["storage_root"] / "no-such-corpus.jsonl")
+    cases = {  # what the form sent → the one line the run ends with
+        "itest-ui-rejected": ({"source": {"kind": "corpus", "corpus": missing}},
+                              f"rejected (file_not_found) spec.source.corpus: {missing} does not exist",
+                              "no-such-corpus.jsonl does not exist"),
+        "my adapter/v2!": ({}, "rejected (invalid_adapter_name) spec.adapter: 'my adapter/v2!' must be 1-128 "
+                               "characters of letters, digits", "must be 1-128 characters"),
+    }
+    runs = {}
+    for adapter, (change, _, _) in cases.items():
+        spec = {**pipeline_spec(pipeline_inputs, pipeline_inputs["short_corpus"], adapter), **change}
+        runs[adapter] = live_server.create_run(deployment, {"spec": spec}, name=f"itest-ui-rejected-{len(runs)}")
+    for adapter, (_, expected, needle) in cases.items():
+        run = runs[adapter]
+        final = live_server.wait_for_state(run["id"], {"FAILED", "CRASHED", "COMPLETED"}, timeout=300)
+        message = final["state"]["message"]
+        assert final["state"]["type"] == "FAILED" and "\n" not in message, message
+        assert message.startswith(expected), message
+        assert "(?!" not in message and "SpecError" not in message and "field spec." not in message, message
+        assert f"adapter:{adapter}" in final["tags"], final["tags"]
+        assert final["run_count"] <= 1, "a rejection is never retried"
+        artifact = _artifacts_of(live_server, run["id"]).get(artifact_key("rejected", adapter))
+        assert artifact is not None and artifact["type"] == "markdown", sorted(_artifacts_of(live_server, run["id"]))
+        assert "nothing was trained or published" in artifact["data"]
+        # Told once: the run's final line; no task failure lines repeating it, no engine "crash" line.
+        lines = wait_for(lambda: [line for line in _log_lines(live_server, run["id"]) if "Finished in state" in line],
+                         timeout=60, what="the run's final log line") and _log_lines(live_server, run["id"])
+        telling = [line for line in lines if needle in line]
+        assert len(telling) == 1, lines
+        assert not [line for line in lines if "unexpected exception" in line or "Traceback" in line], lines
+
+    run = runs["itest-ui-rejected"]
+    text = _wait_for_text(browser, f"{live_server.url}/runs/flow-run/{run['id']}", ("Finished in state Failed",))
+    browser.save_screenshot(str(screenshots / "v1-run-page-rejected.png"))
+    assert "spec.source.corpus:" in text and "Traceback" not in text and "unexpected exception" not in text
+    text = _wait_for_text(browser, f"{live_server.url}/v2/runs/flow-run/{run['id']}?tab=Logs", ("Finished in state Failed",))
+    browser.save_screenshot(str(screenshots / "v2-run-page-rejected.png"))
+    assert "spec.source.corpus:" in text and "Traceback" not in text and "unexpected exception" not in text
