@@ -126,7 +126,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"warning: {warning}", file=sys.stderr)
     bar = _ProgressBar(enabled=not (args.quiet or args.json))
     try:
-        result = run_pipeline(prepared.spec, LocalStages(on_progress=bar.update), resume=prepared.resume,
+        stages = LocalStages(on_progress=bar.update, on_train_start=None if args.quiet else
+                             lambda settings: print(f"training {args.adapter}: {settings}", file=sys.stderr, flush=True))
+        result = run_pipeline(prepared.spec, stages, resume=prepared.resume,
                               device=args.device, precision=args.dtype,
                               gradient_checkpointing=args.gradient_checkpointing)
     except ResumeRequired as error:

@@ -84,6 +84,24 @@ def train(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir
                     resumed_from=result.resumed_from)
 
 
+def training_settings(plan: TrainPlan, corpus: CorpusRef) -> str:
+    """The effective settings a run trains with, for the log line when training starts (the CLI's and the
+    flow's): a learning rate left empty is the optimizer's default, a seed left empty the run key's.
+
+    Example:
+        >>> training_settings(plan, corpus_ref)  # doctest: +SKIP
+        'optimizer adam_w, learning rate 0.001, top-K 16, seed 3, publish guard on'
+    """
+    from kiln_core.contracts.opd_config import default_learning_rate
+
+    config = plan.config
+    optimizer = config["optimizer"]["kind"]
+    rate = config["learning_rate"]
+    rate_text = f"{rate:g}" if rate is not None else f"{default_learning_rate(optimizer):g} ({optimizer}'s default)"
+    return (f"optimizer {optimizer}, learning rate {rate_text}, top-K {corpus.effective_top_k}, seed {config['seed']}, "
+            f"publish guard {'on' if config.get('publish_guard', True) else 'off'}")
+
+
 def _train_here(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir: str, resume: str | None,
                 on_progress: Progress | None, should_cancel: Callable[[], bool],
                 on_step_committed: Callable[[int], None] | None):

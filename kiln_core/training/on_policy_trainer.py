@@ -280,7 +280,7 @@ def train_on_policy(
         clock.totals_ms["teacher_scoring"] = counters.scoring_s * 1e3
 
         # ---- 4. publish the PEFT adapter (the receipt follows in finish_run)
-        publish_final_adapter(plan, outcome, student, clock)
+        publish_final_adapter(plan, outcome, student, clock, progress)
     receipt_uri = finish_run(plan, outcome, progress, clock)
     return OnPolicyTrainResult(
         **result_fields(plan, outcome, progress, clock, receipt_uri), consumed_candidates=progress.consumed or 0,

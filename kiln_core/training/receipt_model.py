@@ -287,3 +287,6 @@ class TrainReceipt(_Receipt):
     """Ours: the post-training eval and its gate evidence (``kiln_core.post_eval.post_eval_receipt_block``)."""
     quality_gate: dict[str, Any] | None = Field(default=None, exclude_if=_omit_none)
     """Ours: the distillation-metrics gate (thresholds, base and distilled metrics, outcome)."""
+    publish_guard: dict[str, Any] | None = Field(default=None, exclude_if=_omit_none)
+    """Ours: whether the publish guard ran (``enabled``), its ``verdict`` (``passed``, ``tripped``, ``off``) and
+    each rule's measured values and thresholds (``kiln_core.training.publish_guard``)."""

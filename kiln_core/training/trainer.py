@@ -179,7 +179,7 @@ def train_opd(
         clock.totals_ms["train_loop"] = (time.perf_counter() - loop_started) * 1e3
 
         # ---- 4. publish the PEFT adapter (rank 0 only; the receipt follows in finish_run)
-        publish_final_adapter(plan, outcome, student, clock)
+        publish_final_adapter(plan, outcome, student, clock, progress)
     receipt_uri = finish_run(plan, outcome, progress, clock)
     world.barrier()  # the other ranks return once rank 0's receipt is written
     return TrainResult(**result_fields(plan, outcome, progress, clock, receipt_uri))
