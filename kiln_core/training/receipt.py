@@ -2,10 +2,11 @@
 
 The receipt is written at the end of every run that got past input validation: ``status: success``
 with the adapter's digest, or ``status: failed`` with a ``failure_reason`` from Kiln's enum (a
-cancelled run is ``failed`` + ``cancelled``, as in Kiln). A run the publish guard refused (``training_diverged``) is
-``failed`` + ``training_error``, its ``publish_guard`` block naming the rule and the evidence. A run the held-out watch stopped is
+cancelled run is ``failed`` + ``cancelled``, as in Kiln). A run the held-out watch stopped is
 ``failed`` + ``training_error`` — Kiln's enum has no value for it, and an unknown one would stop
-Kiln's reader — with a ``failure_message`` naming the rule and our ``stop_reason`` field. Pretty JSON, no trailing newline. Every
+Kiln's reader — with a ``failure_message`` naming the rule and our ``stop_reason`` field. A run the
+publish guard refused (``training_diverged``) is ``failed`` + ``training_error`` too, our
+``publish_guard`` block naming the rule with its measured values and thresholds. Pretty JSON, no trailing newline. Every
 digest is ``sha256:``-prefixed except inside ``teacher_identity``, which keeps Kiln's raw hex.
 
 On a resumed run, counters, ``loss_history``, ``token_counts`` and the gradient-norm summaries cover
