@@ -193,6 +193,15 @@ class TokenizationError(Rejection, ValueError):
         return self.message
 
 
+RUN_FAILURE_CODES = (
+    "training_diverged",
+)
+"""Codes of a run that trained but must not be published: exit 3, the receipt ``failed`` (with Kiln's
+``training_error`` as its ``failure_reason`` and our block naming the code), ``latest.json`` untouched,
+the checkpoints kept. ``training_diverged``: the publish guard found non-finite or runaway LoRA weights,
+or a diverged loss (``kiln_core.training.publish_guard``; ``config.publish_guard: false`` turns it off)."""
+
+
 class AdmissionError(Rejection):
     """A corpus rejected by one admission rule.
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from kiln_core.contracts.pipeline import PipelineSpec, TeacherSource
 from kiln_core.engine.refs import CorpusRef, GateRef, InputsRef, ManifestRef, PublishRef, TrainPlan, TrainRef
+from kiln_core.engine.training import training_settings
 
 
 def _log():
@@ -85,6 +86,7 @@ class PrefectStages:
     def train(self, plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir: str) -> TrainRef:
         options = self.spec.options
         _log().info("train: %s in %s (resume: %s)", plan.adapter, plan.run_uri, plan.resume or "fresh")
+        _log().info("train: %s", training_settings(plan, corpus))
         if options.train_deployment:
             trained = self._train_on_pool(plan, corpus, manifest)
         else:

@@ -14,7 +14,8 @@ is resumed with ``--resume-checkpoint`` (the refusal without it prints the exact
 ``--json`` the last stdout line is the run summary (``status``, ``adapter``, ``receipt``, ``run``,
 ``latest``, ``latest_checkpoint``, ``final_loss``, ``gate``, …) or the error object. Exit codes: 0 success
 (published, or kept by the gate), 2 rejected input (request, config, ``post_eval``, admission, resume
-checkpoint), 3 failed or cancelled run, 4 trained but held back by the gate (``post_eval`` or
+checkpoint), 3 failed or cancelled run (``training_diverged``: the publish guard refused a run whose
+weights or loss diverged, docs/publish-guard.md), 4 trained but held back by the gate (``post_eval`` or
 ``quality_gate``: regression, demoted, inconclusive, error — the run did not fail, its adapter and
 receipt with the evidence are kept, ``latest.json`` did not move; ``--json`` says ``"status":
 "success"`` with ``gate.outcome``).
@@ -134,7 +135,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"warning: {warning}", file=sys.stderr)
     bar = _ProgressBar(enabled=not (args.quiet or args.json))
     try:
-        result = run_pipeline(prepared.spec, prepared.stages(on_progress=bar.update), resume=prepared.resume,
+        on_train_start = None if args.quiet else (
+            lambda settings: print(f"training {args.adapter}: {settings}", file=sys.stderr, flush=True))
+        result = run_pipeline(prepared.spec, prepared.stages(on_progress=bar.update, on_train_start=on_train_start),
+                              resume=prepared.resume,
                               device=args.device, precision=args.dtype,
                               gradient_checkpointing=args.gradient_checkpointing)
     except ResumeRequired as error:

@@ -21,6 +21,11 @@ succeeds and validation then says why it cannot run.
 Extension (docs/architecture.md, decision 5): ``sequences_per_step`` (default 1 = Kiln) accumulates gradients over
 that many consecutive candidates per optimizer step. It is part of the effective config, and therefore
 of the checkpoint identity.
+
+Extension: ``publish_guard`` (default on; ``kiln_core.training.publish_guard``) refuses to publish a run
+whose weights or loss diverged. It decides only whether the result is published, so it is left out of
+the effective config and of the run key: the same run, re-run with the guard off, resumes from the
+checkpoint the tripped guard kept and publishes it.
 """
 
 from __future__ import annotations
@@ -188,6 +193,8 @@ class OpdConfig(BaseModel):
     """kiln-flows extension: sequences per optimizer step (gradient accumulation, mean of their losses). Default 1, as Kiln."""
     preset: Literal["quality"] | None = None
     """kiln-flows extension: a named recipe (quality) that fills in the fields this config leaves unset. Default: none."""
+    publish_guard: bool = True
+    """kiln-flows extension: refuse to publish a run whose weights or loss diverged (failed with training_diverged, checkpoints kept); false publishes it anyway. Default: on."""
 
     @classmethod
     def __get_pydantic_json_schema__(cls, core_schema, handler):
@@ -385,6 +392,7 @@ def effective_config(config: OpdConfig, seed: int, top_k: int, prompt_count: int
     """
     data = config.model_dump(mode="json", by_alias=True)
     data.pop("resume_checkpoint", None)
+    data.pop("publish_guard", None)  # decides only whether the result is published, not what trains
     if data.get("preset") is None:  # a config without a preset keeps Kiln's exact effective config
         data.pop("preset", None)
     data["learning_rate"] = resolve_learning_rate(config)

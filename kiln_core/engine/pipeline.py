@@ -26,7 +26,7 @@ from kiln_core.engine.gate import check_gate_inputs, has_gate, run_gate, trainin
 from kiln_core.engine.refs import (CorpusRef, GateRef, InputsRef, ManifestRef, PipelineResult, PublishRef, TrainPlan,
                                    TrainRef)
 from kiln_core.engine.runs import plan_run
-from kiln_core.engine.training import train
+from kiln_core.engine.training import train, training_settings
 
 
 class Stages(Protocol):
@@ -66,13 +66,15 @@ class LocalStages:
         on_step_committed: Called with the step number once a step (and its checkpoint, when due) is
             committed (``train_opd``'s hook: tests and drills stop a run there).
         handle_signals: Ctrl-C/SIGTERM stop training at the next step boundary.
+        on_train_start: Called with the effective settings line (``training_settings``) before training.
     """
 
     def __init__(self, *, on_progress: Callable[[int, int, float], None] | None = None,
                  should_cancel: Callable[[], bool] | None = None,
-                 on_step_committed: Callable[[int], None] | None = None, handle_signals: bool = True) -> None:
+                 on_step_committed: Callable[[int], None] | None = None, handle_signals: bool = True,
+                 on_train_start: Callable[[str], None] | None = None) -> None:
         self.on_progress, self.should_cancel, self.handle_signals = on_progress, should_cancel, handle_signals
-        self.on_step_committed = on_step_committed
+        self.on_step_committed, self.on_train_start = on_step_committed, on_train_start
 
     def manifest(self, teacher: TeacherSource, storage_root: str, max_top_k: int) -> ManifestRef:
         return stages.resolve_manifest(teacher, storage_root, max_top_k=max_top_k)
@@ -95,6 +97,8 @@ class LocalStages:
         return check_prompts(spec.prompts, manifest, spec.config, student_dir)
 
     def train(self, plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir: str) -> TrainRef:
+        if self.on_train_start is not None:
+            self.on_train_start(training_settings(plan, corpus))
         return train(plan, corpus, manifest, student_dir, on_progress=self.on_progress,
                      should_cancel=self.should_cancel, on_step_committed=self.on_step_committed,
                      handle_signals=self.handle_signals)

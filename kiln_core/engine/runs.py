@@ -95,6 +95,7 @@ def plan_run(spec: PipelineSpec, corpus: CorpusRef, manifest: ManifestRef, stude
     # resume point is not part of a run's identity.
     config: OpdConfig = spec.config.model_copy(update={"output_name": spec.adapter, "resume_checkpoint": None})
     decides = config.model_dump(mode="json", by_alias=True)
+    decides.pop("publish_guard")  # it decides whether the result is published, not what trains
     nproc = spec.distributed.nproc if spec.distributed else 1
     if nproc > 1:
         # The world size decides which candidates share a step, so it decides the run (and its checkpoints).

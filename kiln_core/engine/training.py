@@ -83,6 +83,22 @@ def train(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir
                     resumed_from=result.resumed_from)
 
 
+def training_settings(plan: TrainPlan, corpus: CorpusRef) -> str:
+    """The effective settings a run trains with, for the log line when training starts (the CLI's and the
+    flow's): the plan's resolved values (a learning rate left empty is the optimizer's default, a seed left
+    empty the run key's).
+
+    Example:
+        >>> training_settings(plan, corpus_ref)  # doctest: +SKIP
+        'optimizer adam_w, learning rate 0.001, top-K 16, seed 3, publish guard on'
+    """
+    config = plan.config
+    optimizer = config.optimizer.kind
+    rate_text = f"{plan.learning_rate:g}" + ("" if config.learning_rate is not None else f" ({optimizer}'s default)")
+    return (f"optimizer {optimizer}, learning rate {rate_text}, top-K {plan.top_k}, seed {plan.seed}, "
+            f"publish guard {'on' if config.publish_guard else 'off'}")
+
+
 def _train_here(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir: str, resume: str | None,
                 on_progress: Progress | None, should_cancel: Callable[[], bool],
                 on_step_committed: Callable[[int], None] | None):

@@ -14,8 +14,9 @@ from kiln_core.canonical import sha256_prefixed
 from kiln_core.storage import Location, StagedDirectory
 from kiln_core.training.plan import ADAPTER_DIR, RunPlan
 from kiln_core.training.progress import Clock, LoopProgress
+from kiln_core.training.publish_guard import GUARD_CODE, GuardTripped, guard_before_publish
 from kiln_core.training.receipt import RECEIPT_FILE, RunOutcome, build_receipt, write_receipt
-from kiln_core.training.step import lora_delta_norms
+from kiln_core.training.step import StopTraining, lora_delta_norms
 from kiln_core.training.student import Student
 
 __all__ = ["publish_adapter", "record_adapter", "publish_final_adapter", "finish_run"]
@@ -41,9 +42,22 @@ def record_adapter(outcome: RunOutcome, plan: RunPlan, student: Student, files: 
     outcome.lora_delta_norms = lora_delta_norms(student, float(config.lora_alpha) / config.lora_rank)
 
 
-def publish_final_adapter(plan: RunPlan, outcome: RunOutcome, student: Student, clock: Clock) -> None:
-    """After the last step: publish the PEFT adapter (rank 0 only) and note it in the outcome."""
+def publish_final_adapter(plan: RunPlan, outcome: RunOutcome, student: Student, clock: Clock,
+                          progress: LoopProgress) -> None:
+    """After the last step: the publish guard, then the PEFT adapter (rank 0 only), noted in the outcome.
+
+    Raises:
+        StopTraining: ``training_diverged`` — the publish guard refused the run (``kiln_core.training.publish_guard``);
+            nothing was published.
+    """
     with clock.phase("publish"):
+        try:
+            outcome.publish_guard = guard_before_publish(
+                enabled=plan.config.publish_guard, tensors=student.adapter_tensors(), loss_history=progress.loss_history,
+                base_adapter=plan.base_adapter)
+        except GuardTripped as tripped:
+            message, outcome.publish_guard = tripped.args
+            raise StopTraining(GUARD_CODE, message) from None
         files = plan.world.publish_on_main(lambda: publish_adapter(student, plan.run_dir))
     record_adapter(outcome, plan, student, files)
 

@@ -144,7 +144,7 @@ def run_training(plan: RunPlan, source: CandidateSource, *, student_dir: str, cl
             source.close(clock)
 
         # ---- 3. publish the PEFT adapter (rank 0 only; the receipt follows in finish_run)
-        publish_final_adapter(plan, outcome, student, clock)
+        publish_final_adapter(plan, outcome, student, clock, progress)
     receipt_uri = finish_run(plan, outcome, progress, clock)
     plan.world.barrier()  # the other ranks return once rank 0's receipt is written
     return TrainingRun(plan, outcome, progress, clock, receipt_uri)

@@ -4,7 +4,9 @@ The receipt is written at the end of every run that got past input validation: `
 with the adapter's digest, or ``status: failed`` with a ``failure_reason`` from Kiln's enum (a
 cancelled run is ``failed`` + ``cancelled``, as in Kiln). A run the held-out watch stopped is
 ``failed`` + ``training_error`` — Kiln's enum has no value for it, and an unknown one would stop
-Kiln's reader — with a ``failure_message`` naming the rule and our ``stop_reason`` field. Pretty JSON, no trailing newline. Every
+Kiln's reader — with a ``failure_message`` naming the rule and our ``stop_reason`` field. A run the
+publish guard refused (``training_diverged``) is ``failed`` + ``training_error`` too, our
+``publish_guard`` block naming the rule with its measured values and thresholds. Pretty JSON, no trailing newline. Every
 digest is ``sha256:``-prefixed except inside ``teacher_identity``, which keeps Kiln's raw hex.
 
 On a resumed run, counters, ``loss_history``, ``token_counts`` and the gradient-norm summaries cover
@@ -56,6 +58,9 @@ __all__ = ["RECEIPT_FILE", "TRAINING_DATA_SOURCE", "TrainReceipt", "RunFacts", "
 
 TRAINING_DATA_SOURCE = "jsonl_off_policy_opd_teacher"
 LOSS_GRANULARITY = "teacher_top_k"
+# Our failure codes that Kiln's closed ``failure_reason`` enum lacks, written as its ``training_error`` (an
+# unknown value would stop Kiln's reader); the receipt's own block says which (``publish_guard``).
+KILN_FAILURE_REASON = {"training_diverged": "training_error"}
 
 
 class ReceiptError(Rejection):
@@ -133,6 +138,8 @@ class RunOutcome:
     """Ours, on-policy: what sampled the rollouts (``local``: the training process; ``vllm``)."""
     teacher_backend: str | None = None
     """Ours, on-policy: what scored them (``local``; ``vllm``)."""
+    publish_guard: dict[str, Any] | None = None
+    """Ours: the publish guard's block (``kiln_core.training.publish_guard``), once it ran or was turned off."""
 
 
 def _prefixed(raw_hex: str | None) -> str | None:
@@ -146,7 +153,8 @@ def build_receipt(facts: RunFacts, outcome: RunOutcome) -> TrainReceipt:
         >>> build_receipt(facts, outcome).receipt_type  # doctest: +SKIP
         'kiln_train_receipt'
     """
-    if outcome.failure_reason is not None and outcome.failure_reason not in FAILURE_REASONS:
+    failure_reason = KILN_FAILURE_REASON.get(outcome.failure_reason, outcome.failure_reason)
+    if failure_reason is not None and failure_reason not in FAILURE_REASONS:
         raise ValueError(f"unknown failure_reason {outcome.failure_reason!r}")
     config, identity = facts.config, facts.student_identity
     echo = config.get("echo")
@@ -159,7 +167,7 @@ def build_receipt(facts: RunFacts, outcome: RunOutcome) -> TrainReceipt:
         adapter_name=facts.adapter_name,
         produced_at=datetime.now(timezone.utc).isoformat(),
         status=outcome.status,
-        failure_reason=outcome.failure_reason,
+        failure_reason=failure_reason,
         failure_message=outcome.failure_message,
         kiln=KilnSourceReceipt(package_version=facts.library_versions.get("kiln-flows", "unknown")),
         model=ModelReceipt(path=facts.student_dir, config_hash=model_hash, base_weight_shard_manifest=facts.shard_manifest),
@@ -206,6 +214,7 @@ def build_receipt(facts: RunFacts, outcome: RunOutcome) -> TrainReceipt:
         distributed=facts.distributed,
         stop_reason=outcome.stop_reason,
         eval_curve=outcome.eval_curve,
+        publish_guard=outcome.publish_guard,
     )
 
 

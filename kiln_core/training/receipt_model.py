@@ -289,3 +289,6 @@ class TrainReceipt(_Receipt):
     """Ours: the distillation-metrics gate (thresholds, base and distilled metrics, outcome)."""
     ignored_request_keys: list[str] | None = Field(default=None, exclude_if=_omit_none)
     """Ours: unknown keys of the request (dotted paths) that ``--kiln-lenient`` ignored, as Kiln does."""
+    publish_guard: dict[str, Any] | None = Field(default=None, exclude_if=_omit_none)
+    """Ours: whether the publish guard ran (``enabled``), its ``verdict`` (``passed``, ``tripped``, ``off``) and
+    each rule's measured values and thresholds (``kiln_core.training.publish_guard``)."""
