@@ -23,6 +23,11 @@ after training and only a promoted one moves ``latest.json`` (docs/post-eval.md)
 
     $ kiln-flows train --request opd-request.json --adapter demo --student ./student \
           --eval-corpus heldout.jsonl --eval-every 25 --stop-on-divergence
+One run per run key at a time (``kiln_core.engine.run_lock``): while an identical run is in progress, a
+second one exits 3 with ``run_in_progress`` naming the holder (host, pid, since when, UTC), or waits for
+it with ``--wait-for-lock SECONDS`` (and then finds it finished, or is told how to resume it). A holder that died
+(its process is gone; on object stores, its heartbeat older than the lease) is taken over.
+
 Ctrl-C (or SIGTERM) stops the run at the next step boundary after publishing a checkpoint (exit 3);
 a second Ctrl-C stops at once.
 
@@ -84,8 +89,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vllm-sync-dir", metavar="DIR",
                         help="directory the rollout server can read, for the per-step LoRA (default: "
                         "vllm-sync in the run directory)")
+    parser.add_argument("--wait-for-lock", type=_seconds, default=0.0, metavar="SECONDS",
+                        help="when an identical run (same run key) is in progress, wait up to SECONDS for it "
+                        "instead of exiting 3 with run_in_progress (default 0)")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON line on stdout")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _seconds(value: str) -> float:
+    """A number of seconds, 0 or more (argparse type)."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {value!r}") from None
+    if not seconds >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be 0 or more seconds, not {value!r}")
+    return seconds
 
 
 def resume_command(args: argparse.Namespace, checkpoint: str) -> str:
@@ -128,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = run_pipeline(prepared.spec, LocalStages(on_progress=bar.update), resume=prepared.resume,
                               device=args.device, precision=args.dtype,
-                              gradient_checkpointing=args.gradient_checkpointing)
+                              gradient_checkpointing=args.gradient_checkpointing, wait_for_lock=args.wait_for_lock)
     except ResumeRequired as error:
         error.message += f": {resume_command(args, error.newest)}"
         raise
