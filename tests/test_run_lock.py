@@ -330,3 +330,39 @@ def test_s3_heartbeat_keeps_a_short_lease_alive_and_wait_takes_it_after_release(
     stop_holder(holder)
     assert json.loads(waiter.stdout.readline())["pid"] == waiter.pid
     stop_holder(waiter)
+
+
+# ---------------------------------------------------------------------------------------------
+# kiln-flows run: the opd_distill flow takes the same lock
+
+
+def test_pipeline_flow_run_exits_3_run_in_progress_while_the_run_key_is_held(tiny_student, tiny_teacher, tmp_path):
+    import yaml
+
+    from kiln_core.contracts.identity import build_manifest_line
+    from kiln_core.contracts.pipeline import load_spec
+    from kiln_core.engine import prepare
+    from kiln_core.identity.local_teacher import local_teacher_identity
+    from kiln_core.synthetic import synthesize_corpus
+
+    line = build_manifest_line(local_teacher_identity(str(tiny_teacher), max_top_k=32))
+    corpus = synthesize_corpus(tiny_student, tmp_path / "corpus.jsonl", n_examples=2, top_k=16, manifest_line=line)
+    spec = {"teacher": {"kind": "local_dir", "path": str(tiny_teacher)}, "corpus": str(corpus),
+            "student": str(tiny_student), "storage_root": str(tmp_path / "out"), "adapter": "flow-held",
+            "config": {"training_mode": "off_policy", "top_k": 16, "epochs": 1, "seed": 5, "lora_rank": 4,
+                       "lora_alpha": 8.0}}
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    run_uri = prepare(load_spec(str(path))).plan.run_uri
+    holder = start_holder(run_uri)
+    try:
+        env = {key: value for key, value in environment().items() if key != "PREFECT_API_URL"}
+        env.update({"PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "300"})
+        done = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(path), "--json"], capture_output=True,
+                              text=True, env=env, timeout=900)
+    finally:
+        stop_holder(holder)
+    assert done.returncode == 3, (done.stdout, done.stderr[-3000:])
+    refused = last_json(done.stdout)
+    assert refused["code"] == "run_in_progress" and f"pid {holder.pid}" in refused["message"], refused
+    assert not any((tmp_path / "out" / "runs" / "flow-held").glob("*/*.kiln-checkpoint"))

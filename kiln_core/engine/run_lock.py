@@ -328,7 +328,14 @@ class _Store:
         if parent and not self.s3:
             self.fs.makedirs(parent, exist_ok=True)
         if self.s3:  # If-None-Match: * (s3fs >= 2024.12)
-            return _etag(self.fs.pipe_file(self.path, data, mode="create"))
+            try:
+                return _etag(self.fs.pipe_file(self.path, data, mode="create"))
+            except OSError as error:
+                if not _unsupported(error):
+                    raise
+                self.s3 = False  # an S3-compatible store without conditional writes: the generic way
+                log.warning("%s does not support conditional writes; the run lock falls back to "
+                            "write-then-read-back (a small race window)", self.location.uri)
         self.location.refresh()
         self.fs.pipe_file(self.path, data, mode="create")  # exists-then-write: the documented race window
         etag, current = self.read()
@@ -370,6 +377,12 @@ class _Store:
     def delete(self) -> None:
         self.fs.rm_file(self.path)
         self.location.refresh()
+
+
+def _unsupported(error: OSError) -> bool:
+    """A store that refuses the conditional header itself (501 NotImplemented), not the condition."""
+    text = str(error)
+    return "NotImplemented" in text or "not implemented" in text.lower()
 
 
 def _etag(put_result: Any) -> Any:
