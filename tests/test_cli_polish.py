@@ -251,3 +251,32 @@ def test_demo_json_prints_exactly_one_json_object_on_stdout(tmp_path):
     summary = json.loads(done.stdout)  # the whole of stdout: one object, nothing before or after
     assert isinstance(summary, dict) and summary["status"] == "success"
     assert "kiln-flows demo finished" in done.stderr  # the report is still there, on stderr
+
+
+@pytest.mark.integration
+def test_run_prefect_log_lines_do_not_share_the_training_progress_bar_line(tiny_student, tiny_teacher, tmp_path):
+    """``kiln-flows run`` draws a training bar on stderr while Prefect logs each step: every log line
+    is a line of its own on the terminal."""
+    import yaml
+
+    from kiln_core.contracts.identity import build_manifest_line
+    from kiln_core.identity.local_teacher import local_teacher_identity
+    from kiln_core.synthetic import synthesize_corpus
+
+    line = build_manifest_line(local_teacher_identity(str(tiny_teacher), max_top_k=32))
+    corpus = synthesize_corpus(tiny_student, tmp_path / "corpus.jsonl", n_examples=4, top_k=16, manifest_line=line)
+    spec = {"teacher": {"kind": "local_dir", "path": str(tiny_teacher)}, "corpus": str(corpus),
+            "student": str(tiny_student), "storage_root": str(tmp_path / "out"), "adapter": "bar",
+            "config": {"training_mode": "off_policy", "top_k": 16, "epochs": 2, "seed": 5, "lora_rank": 4,
+                       "lora_alpha": 8.0, "checkpoint_interval": 2}}
+    (tmp_path / "pipeline.yaml").write_text(yaml.safe_dump(spec))
+    env = {key: value for key, value in environment().items() if key != "PREFECT_API_URL"}
+    env.update({"PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "300"})
+    done = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(tmp_path / "pipeline.yaml")],
+                          capture_output=True, text=True, env=env, timeout=1200)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = rendered_lines(done.stderr)
+    step_logs = [line for line in lines if "train step" in line]
+    assert step_logs and any("%|" in line for line in lines), lines  # both were drawn
+    glued = [line for line in lines if "%|" in line and ("| INFO" in line or "| WARNING" in line)]
+    assert not glued, glued

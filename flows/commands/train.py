@@ -23,10 +23,12 @@ after training and only a promoted one moves ``latest.json`` (docs/post-eval.md)
 
     $ kiln-flows train --request opd-request.json --adapter demo --student ./student \
           --eval-corpus heldout.jsonl --eval-every 25 --stop-on-divergence
+
 One run per run key at a time (``kiln_core.engine.run_lock``): while an identical run is in progress, a
 second one exits 3 with ``run_in_progress`` naming the holder (host, pid, since when, UTC), or waits for
-it with ``--wait-for-lock SECONDS`` (and then finds it finished, or is told how to resume it). A holder that died
-(its process is gone; on object stores, its heartbeat older than the lease) is taken over.
+it with ``--wait-for-lock SECONDS`` (and then finds it finished, or is told how to resume it). A holder
+that died (its process is gone; on object stores, its heartbeat older than the lease) is taken over
+(docs/concurrent-runs.md).
 
 Ctrl-C (or SIGTERM) stops the run at the next step boundary after publishing a checkpoint (exit 3);
 a second Ctrl-C stops at once.
