@@ -1,8 +1,10 @@
 """The ``kiln-flows`` command line.
 
-Exit codes follow one rule everywhere (``kiln_core.errors``): 0 success, 2 rejected input (a
-``Rejection``: a contract, admission or spec rule), 3 a run that failed, was cancelled, or met an
-environment failure (storage, network). Every command goes through ``main``'s guard: a rejection or
+Exit codes follow one rule everywhere, defined once in ``kiln_core.errors`` (``EXIT_CODES``, listed by
+``kiln-flows --help``): 0 success, 2 rejected input (a ``Rejection``: a contract, admission or spec
+rule), 3 a run that failed, was cancelled, met an environment failure (storage, network) or found an
+identical run in progress, 4 trained but held back by the gate. ``--debug`` goes before or after the
+command. Every command goes through ``main``'s guard: a rejection or
 failure prints one line (``--json``: one JSON object with ``status`` and ``code``), and anything
 unexpected exits 3 with one line too — the traceback only with ``--debug`` or ``KILN_FLOWS_DEBUG=1``.
 
@@ -34,12 +36,10 @@ COMMAND_MODULES = [
     "flows.commands.drill",
 ]
 
-EXIT_OK = 0
-EXIT_REJECTED = 2
-EXIT_FAILED = 3
-
+from kiln_core.errors import EXIT_CODES, EXIT_FAILED, EXIT_OK, EXIT_REJECTED  # noqa: F401 - EXIT_OK re-exported
 
 DEBUG_ENV = "KILN_FLOWS_DEBUG"
+DEBUG_HELP = f"print the traceback of an unexpected error (or set {DEBUG_ENV}=1); before or after COMMAND"
 
 
 def _version() -> str:
@@ -56,10 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kiln-flows",
         description="Kiln-compatible offline distillation pipelines for Prefect 3.",
+        epilog=exit_codes_text(), formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"kiln-flows {_version()}")
-    parser.add_argument("--debug", action="store_true",
-                        help=f"print the traceback of an unexpected error (or set {DEBUG_ENV}=1)")
+    parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module_name in COMMAND_MODULES:
         try:
@@ -70,25 +70,57 @@ def build_parser() -> argparse.ArgumentParser:
             raise
         sub = subparsers.add_parser(module.NAME, help=module.HELP, description=module.HELP)
         module.add_arguments(sub)
+        # Only for this command's --help: main() takes --debug out of argv wherever it stands.
+        sub.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
         sub.set_defaults(_run=module.run)
     return parser
 
 
+def exit_codes_text() -> str:
+    """The epilog of ``kiln-flows --help``: every exit code (``kiln_core.errors.EXIT_CODES``)."""
+    import textwrap
+
+    return "exit codes:\n" + "\n".join(textwrap.fill(meaning, width=96, initial_indent=f"  {code}  ",
+                                                      subsequent_indent="     ") for code, meaning in EXIT_CODES)
+
+
+def split_debug(argv: list[str]) -> tuple[list[str], bool]:
+    """``argv`` without ``--debug``, and whether it was there — before or after the command (and its
+    sub-action), so that every "run with --debug" hint works as written. Arguments after ``--`` are
+    left alone."""
+    end = argv.index("--") if "--" in argv else len(argv)
+    kept = [value for value in argv[:end] if value != "--debug"] + argv[end:]
+    return kept, len(kept) != len(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``kiln-flows`` console script: run one command under the error guard."""
+    from flows.console import quiet_third_party_warnings
+
+    argv, debug_flag = split_debug(list(sys.argv[1:] if argv is None else argv))
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "_run", None):
         parser.print_help()
         return EXIT_REJECTED
-    debug = args.debug or os.environ.get(DEBUG_ENV) == "1"
+    debug = debug_flag or os.environ.get(DEBUG_ENV) == "1"
+    if not debug:
+        quiet_third_party_warnings()
     try:
-        return int(args._run(args) or 0)
+        return int(run_command(args) or 0)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr, flush=True)
         return EXIT_FAILED
     except Exception as error:  # noqa: BLE001 - the one place that turns any error into an exit code
         return report_error(error, as_json=bool(getattr(args, "json", False)), debug=debug)
+
+
+def run_command(args: argparse.Namespace) -> int | None:
+    """The chosen command, with log lines and warnings kept off its progress bars' lines."""
+    from flows.console import lines_above_bars
+
+    with lines_above_bars():
+        return args._run(args)
 
 
 def report_error(error: BaseException, *, as_json: bool, debug: bool = False) -> int:

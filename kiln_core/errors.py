@@ -37,8 +37,21 @@ from __future__ import annotations
 
 from typing import Any
 
+# The exit codes of every ``kiln-flows`` command, defined once (``flows.cli`` lists them in ``--help``).
+EXIT_OK = 0
 EXIT_REJECTED = 2
 EXIT_FAILED = 3
+EXIT_HELD_BACK = 4
+
+EXIT_CODES = (
+    (EXIT_OK, "success"),
+    (EXIT_REJECTED, "rejected input: a request, spec, corpus, model or option broke a rule (nothing was run); "
+                    "also a usage error"),
+    (EXIT_FAILED, "failed: the run failed or was cancelled (Ctrl-C), storage or network failed, another "
+                  "identical run is in progress (run_in_progress), or an unexpected error"),
+    (EXIT_HELD_BACK, "train and run only: trained, but the post_eval/quality_gate held the adapter back "
+                     "(latest.json did not move)"),
+)
 
 
 class KilnFlowsError(Exception):

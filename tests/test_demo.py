@@ -15,8 +15,9 @@ def test_demo_trains_publishes_and_the_loss_falls(prefect_harness, tmp_path, cap
 
     workdir = tmp_path / "kiln-data"
     assert main(["demo", "--workdir", str(workdir), "--json"]) == 0
-    output = capsys.readouterr().out
-    summary = json.loads(output.strip().splitlines()[-1])
+    captured = capsys.readouterr()
+    summary = json.loads(captured.out)  # --json: stdout is one JSON object; the report goes to stderr
+    output = captured.err
 
     assert summary["status"] == "success"
     receipt = json.loads(Path(summary["receipt"]).read_text())

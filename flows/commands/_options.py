@@ -6,6 +6,7 @@
   names that file.
 * ``--registry ROOT_URI`` — a storage root that is only read, for its teacher registry (``manifest``,
   ``score``); ``--root`` is its hidden alias.
+* ``--json`` and ``--quiet`` — one wording in every command's help (``JSON_HELP``, ``QUIET_HELP``).
 * ``--dtype fp32|bf16`` — the dtype of a model the command loads (``--precision`` and the long
   names ``float32``/``bfloat16`` are accepted as hidden aliases).
 """
@@ -15,6 +16,8 @@ from __future__ import annotations
 import argparse
 
 DEFAULT_ROOT = "./kiln-data"
+JSON_HELP = "print JSON on stdout instead of text (an error too: one object with status and code); messages go to stderr"
+QUIET_HELP = "no progress bar, report or info lines; warnings and errors still print"
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 _LONG = {long: short for short, long in DTYPES.items()}
 
@@ -33,6 +36,16 @@ def add_registry_argument(parser, *, default: str = DEFAULT_ROOT) -> None:
     parser.add_argument("--registry", dest="registry", default=default, metavar="ROOT_URI",
                         help=f"storage root of the local teacher registry, for aliases (default {default})")
     parser.add_argument("--root", dest="registry", metavar="ROOT_URI", help=argparse.SUPPRESS)
+
+
+def add_json_argument(parser) -> None:
+    """``--json`` (dest ``json``), worded as in every other command."""
+    parser.add_argument("--json", action="store_true", help=JSON_HELP)
+
+
+def add_quiet_argument(parser) -> None:
+    """``--quiet`` (dest ``quiet``), worded as in every other command."""
+    parser.add_argument("--quiet", action="store_true", help=QUIET_HELP)
 
 
 def dtype_name(value: str) -> str:

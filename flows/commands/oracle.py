@@ -33,6 +33,8 @@ import argparse
 import json
 import sys
 
+from flows.commands._options import add_json_argument
+
 NAME = "oracle"
 HELP = "Check an HF next-token request and record which engine's candidate eager HF prefers."
 MAKE_REQUEST = "make-request"
@@ -61,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--out", metavar="URI", default=None,
         help="run: result root URI (default ./kiln-data); make-request: the request FILE to write",
     )
-    parser.add_argument("--json", action="store_true", help="print one JSON record as the last stdout line")
+    add_json_argument(parser)
     run_group = parser.add_argument_group("run options")
     run_group.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="model dtype (default bf16, as Kiln)")
     run_group.add_argument(

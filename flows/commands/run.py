@@ -20,6 +20,8 @@ Example:
 from __future__ import annotations
 
 import argparse
+
+from flows.commands._options import add_json_argument, add_quiet_argument
 import json
 import os
 import sys
@@ -30,13 +32,14 @@ HELP = "Run the distillation pipeline described by a PipelineSpec YAML file, in 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("pipeline", metavar="PIPELINE.yaml", help="PipelineSpec file (YAML or JSON)")
-    parser.add_argument("--json", action="store_true", help="print the summary as one JSON object on the last stdout line")
-    parser.add_argument("--quiet", action="store_true", help="only warnings from Prefect's run logger; no report")
+    add_json_argument(parser)
+    add_quiet_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     """Validate the spec, run the flow, and map its end state to an exit code."""
     from kiln_core.contracts.pipeline import load_spec
+    from kiln_core.errors import EXIT_FAILED, EXIT_HELD_BACK, EXIT_OK
 
     spec = load_spec(args.pipeline)  # a rejection (exit 2) goes to the CLI's guard, before Prefect loads
 
@@ -56,15 +59,15 @@ def run(args: argparse.Namespace) -> int:
         summary = state.result()
         gate = summary.get("gate") or {}
         held_back = gate.get("outcome") not in (None, "promoted", "kept")
-        return _emit(args, 4 if held_back else 0, summary, _report(spec.adapter, summary), ok=True)
+        return _emit(args, EXIT_HELD_BACK if held_back else EXIT_OK, summary, _report(spec.adapter, summary), ok=True)
     if state.is_cancelled():
         record = {"status": "cancelled", "code": "cancelled", "line": None, "field": None, "message": state.message}
-        return _emit(args, 3, record, f"cancelled: {state.message}")
+        return _emit(args, EXIT_FAILED, record, f"cancelled: {state.message}")
     # The flow's own exception, re-raised from its Failed state: a Rejection exits 2, anything else 3.
     state.result(raise_on_failure=True)
     message = state.message or state.type.value
     record = {"status": "failed", "code": "run_failed", "line": None, "field": None, "message": message}
-    return _emit(args, 3, record, f"failed: {message}")
+    return _emit(args, EXIT_FAILED, record, f"failed: {message}")
 
 
 def _emit(args: argparse.Namespace, code: int, record: dict, human: str, ok: bool = False) -> int:

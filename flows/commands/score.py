@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 
-from flows.commands._options import DTYPES, add_dtype_argument, add_registry_argument
+from flows.commands._options import DTYPES, add_dtype_argument, add_json_argument, add_quiet_argument, add_registry_argument
 
 NAME = "score"
 HELP = "Score unscored examples with a local or vLLM teacher into a teacher-scored JSONL corpus."
@@ -44,8 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     vllm.add_argument("--served-model", metavar="ID", help="the served model name (the identity's served_model_id)")
     vllm.add_argument("--teacher-manifest", metavar="FILE",
                       help="file whose first line is the teacher's pinned manifest (required with --vllm)")
-    parser.add_argument("--json", action="store_true", help="print the result as one JSON object on stdout")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_json_argument(parser)
+    add_quiet_argument(parser)
 
 
 def _teacher_source(args: argparse.Namespace) -> dict:

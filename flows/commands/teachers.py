@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from flows.commands._options import DTYPES, add_out_argument
+from flows.commands._options import DTYPES, add_json_argument, add_out_argument
 from flows.commands.manifest import add_local_teacher_arguments
 
 NAME = "teachers"
@@ -27,10 +27,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     register.add_argument("teacher_dir", metavar="DIR")
     add_out_argument(register, aliases=("--root",))
     add_local_teacher_arguments(register)
-    register.add_argument("--json", action="store_true", help="print the stored entry as JSON")
+    add_json_argument(register)
     listing = sub.add_parser("list", help="list registered teachers")
     add_out_argument(listing, aliases=("--root",))
-    listing.add_argument("--json", action="store_true", help="print the entries as a JSON list")
+    add_json_argument(listing)
 
 
 def _register(args: argparse.Namespace) -> int:

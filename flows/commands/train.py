@@ -26,6 +26,13 @@ after training and only a promoted one moves ``latest.json`` (docs/post-eval.md)
 
     $ kiln-flows train --request opd-request.json --adapter demo --student ./student \
           --eval-corpus heldout.jsonl --eval-every 25 --stop-on-divergence
+
+One run per run key at a time (``kiln_core.engine.run_lock``): while an identical run is in progress, a
+second one exits 3 with ``run_in_progress`` naming the holder (host, pid, since when, UTC), or waits for
+it with ``--wait-for-lock SECONDS`` (and then finds it finished, or is told how to resume it). A holder
+that died (its process is gone; on object stores, its heartbeat older than the lease) is taken over
+(docs/concurrent-runs.md).
+
 Ctrl-C (or SIGTERM) stops the run at the next step boundary after publishing a checkpoint (exit 3);
 a second Ctrl-C stops at once.
 
@@ -52,7 +59,7 @@ from __future__ import annotations
 
 import argparse
 
-from flows.commands._options import add_dtype_argument, add_out_argument
+from flows.commands._options import add_dtype_argument, add_json_argument, add_out_argument, add_quiet_argument
 
 NAME = "train"
 HELP = "Train a LoRA student from a Kiln OPD request file (teacher-scored corpus, or on-policy prompts)."
@@ -90,8 +97,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kiln-lenient", action="store_true",
                         help="ignore unknown request keys as Kiln does (each one is printed and recorded in the "
                         "receipt); without it an unknown key is refused, naming the closest field")
-    parser.add_argument("--json", action="store_true", help="print the result as one JSON line on stdout")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--wait-for-lock", type=_seconds, default=0.0, metavar="SECONDS",
+                        help="when an identical run (same run key) is in progress, wait up to SECONDS for it "
+                        "instead of exiting 3 with run_in_progress (default 0)")
+    add_json_argument(parser)
+    add_quiet_argument(parser)
+
+
+def _seconds(value: str) -> float:
+    """A number of seconds, 0 or more (argparse type)."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {value!r}") from None
+    if not seconds >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be 0 or more seconds, not {value!r}")
+    return seconds
 
 
 def resume_command(args: argparse.Namespace, checkpoint: str) -> str:
@@ -133,14 +154,14 @@ def run(args: argparse.Namespace) -> int:
                                  kiln_lenient=args.kiln_lenient)
     for warning in prepared.warnings:
         print(f"warning: {warning}", file=sys.stderr)
-    bar = _ProgressBar(enabled=not (args.quiet or args.json))
+    bar = _ProgressBar(enabled=not (args.quiet or args.json), config=prepared.spec.config)
     try:
         on_train_start = None if args.quiet else (
             lambda settings: print(f"training {args.adapter}: {settings}", file=sys.stderr, flush=True))
         result = run_pipeline(prepared.spec, prepared.stages(on_progress=bar.update, on_train_start=on_train_start),
                               resume=prepared.resume,
                               device=args.device, precision=args.dtype,
-                              gradient_checkpointing=args.gradient_checkpointing)
+                              gradient_checkpointing=args.gradient_checkpointing, wait_for_lock=args.wait_for_lock)
     except ResumeRequired as error:
         error.message += f": {resume_command(args, error.newest)}"
         raise
@@ -167,9 +188,11 @@ def run(args: argparse.Namespace) -> int:
 
 def exit_code(result) -> int:
     """0 success, 3 failed or cancelled, 4 trained but held back by the gate (not a failure)."""
+    from kiln_core.errors import EXIT_FAILED, EXIT_HELD_BACK, EXIT_OK
+
     if result.status != "success":
-        return 3
-    return 4 if result.held_back else 0
+        return EXIT_FAILED
+    return EXIT_HELD_BACK if result.held_back else EXIT_OK
 
 
 def watch_from_arguments(args: argparse.Namespace) -> dict | None:
@@ -205,10 +228,16 @@ def vllm_from_arguments(args: argparse.Namespace) -> dict | None:
 
 
 class _ProgressBar:
-    """A tqdm bar on stderr, created on the first step (when the total is known)."""
+    """A tqdm bar on stderr, created on the first step (when the total is known).
 
-    def __init__(self, enabled: bool) -> None:
+    An on-policy run first prints its effective candidate count (prompts × samples_per_prompt × epochs,
+    after Kiln's auto-scaling of the default samples_per_prompt) and a first ETA: the time its loop took
+    for the rollouts sampled so far, per candidate, times the candidates left (the bar's own ETA follows).
+    """
+
+    def __init__(self, enabled: bool, config=None) -> None:
         self.enabled = enabled
+        self.config = config
         self.bar = None
 
     def update(self, step: int, total: int, loss: float, rollout=None) -> None:
@@ -220,6 +249,8 @@ class _ProgressBar:
 
             from tqdm import tqdm
 
+            if rollout is not None:
+                print(on_policy_start_line(step, total, rollout, self.config), file=sys.stderr, flush=True)
             unit = "step" if rollout is None else "candidate"
             self.bar = tqdm(total=total, initial=step - 1, desc="train", unit=unit, file=sys.stderr)
         self.bar.update(step - self.bar.n)
@@ -232,3 +263,31 @@ class _ProgressBar:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def on_policy_start_line(consumed: int, total: int, rollout, config=None) -> str:
+    """``on-policy: 128 candidates (2 prompts × 64 samples_per_prompt × 1 epoch); ETA ~5m30s`` at the first step."""
+    work_done = max(rollout.rollouts_sampled + rollout.rollouts_reused, 1)
+    eta = rollout.elapsed_s / work_done * max(total - consumed, 0)
+    return f"on-policy: {total} candidates{_breakdown(total, config)}; ETA ~{_duration(eta)}"
+
+
+def _breakdown(total: int, config) -> str:
+    """`` (P prompts × S samples_per_prompt × E epochs)``, or '' when the config does not explain ``total``."""
+    if config is None:
+        return ""
+    from kiln_core.contracts.opd_config import effective_samples_per_prompt
+
+    epochs = config.epochs
+    for samples in dict.fromkeys((config.samples_per_prompt, 64, 16, 4)):
+        prompts, rest = divmod(total, max(samples * epochs, 1))
+        if not rest and prompts and effective_samples_per_prompt(config, prompts) == samples:
+            scaled = "; Kiln's rule scaled the default samples_per_prompt" if samples != config.samples_per_prompt else ""
+            return (f" ({prompts} prompt{'s' * (prompts != 1)} × {samples} samples_per_prompt × "
+                    f"{epochs} epoch{'s' * (epochs != 1)}{scaled})")
+    return ""
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"

@@ -8,6 +8,10 @@ an adapter it promotes (or an informational eval's) is published to ``latest.jso
 watch (``eval``) and both gates work the same for both sources; their overlap rules compare the
 held-out data with a corpus's examples or with the prompts (``kiln_core.engine.gate.training_data``).
 
+One run per run key at a time: ``run_pipeline`` holds the run lock (``kiln_core.engine.run_lock``) from
+the moment the run directory is known until it returns or raises; a second identical run waits
+(``wait_for_lock``) or fails with ``run_in_progress`` (exit 3) naming the holder.
+
 ``kiln-flows train`` runs it with ``LocalStages`` (plain function calls); the ``opd_distill`` flow runs
 the very same function with stages that are Prefect tasks (``tasks.stages.PrefectStages``: retries,
 caching, artifacts), so the order, the run directory, the resume rule and ``latest.json`` cannot
@@ -25,6 +29,7 @@ from kiln_core.engine.publish import publish
 from kiln_core.engine.gate import check_gate_inputs, has_gate, run_gate, training_data
 from kiln_core.engine.refs import (CorpusRef, GateRef, InputsRef, ManifestRef, PipelineResult, PublishRef, TrainPlan,
                                    TrainRef)
+from kiln_core.engine.run_lock import RunLock
 from kiln_core.engine.runs import plan_run
 from kiln_core.engine.training import train, training_settings
 
@@ -126,9 +131,9 @@ class PreparedRun:
 
 def prepare(spec: PipelineSpec, stages_: Stages | None = None, *, resume: str | None = "latest",
             device: str | None = None, precision: str | None = None,
-            gradient_checkpointing: bool = False) -> PreparedRun:
+            gradient_checkpointing: bool = False, claim: Callable | None = None) -> PreparedRun:
     """Every stage before training: manifest, (score), fingerprint, admit, verify — or, for ``prompts``,
-    the on-policy prompt checks — then plan."""
+    the on-policy prompt checks — then plan (``claim``: called with the run directory, ``plan_run``)."""
     from kiln_core.storage import localize_directory
 
     from kiln_core.engine.base_adapter import plan_base_adapter
@@ -152,13 +157,13 @@ def prepare(spec: PipelineSpec, stages_: Stages | None = None, *, resume: str | 
         HeldOutSlice.admit(spec.eval, student_dir, top_k=spec.config.top_k, teacher_manifest=manifest.manifest_line,
                            **training_data(corpus, spec.config)).record()
     plan = plan_run(spec, corpus, manifest, student_dir, resume=resume, device=device, precision=precision,
-                    gradient_checkpointing=gradient_checkpointing, base_adapter=base_adapter)
+                    gradient_checkpointing=gradient_checkpointing, base_adapter=base_adapter, claim=claim)
     return PreparedRun(spec=spec, manifest=manifest, corpus=corpus, plan=plan, student_dir=student_dir)
 
 
 def run_pipeline(spec: PipelineSpec, stages_: Stages | None = None, *, resume: str | None = "latest",
                  device: str | None = None, precision: str | None = None,
-                 gradient_checkpointing: bool = False) -> PipelineResult:
+                 gradient_checkpointing: bool = False, wait_for_lock: float = 0.0) -> PipelineResult:
     """Validate, admit, plan, train and publish one spec; returns how it ended.
 
     Args:
@@ -169,6 +174,7 @@ def run_pipeline(spec: PipelineSpec, stages_: Stages | None = None, *, resume: s
             with ``resume_required`` when the run already has checkpoints).
         device, precision, gradient_checkpointing: Training options (defaults: CUDA when available,
             bf16 on CUDA and fp32 on CPU, off).
+        wait_for_lock: Seconds to wait when another live run holds this run key (default: fail at once).
 
     Returns:
         ``PipelineResult``: status ``success`` (published, ``latest`` set), ``failed`` or ``cancelled``.
@@ -176,6 +182,7 @@ def run_pipeline(spec: PipelineSpec, stages_: Stages | None = None, *, resume: s
     Raises:
         Rejection: bad input at any stage (spec, teacher, corpus, student, resume checkpoint): exit 2.
         EnvironmentFailure: storage or network failed: exit 3.
+        RunInProgress: another live run holds the run key (``run_in_progress``, exit 3).
 
     Example:
         >>> from kiln_core.contracts.pipeline import load_spec
@@ -184,17 +191,21 @@ def run_pipeline(spec: PipelineSpec, stages_: Stages | None = None, *, resume: s
         ('success', '/abs/kiln-data/runs/demo/latest.json')
     """
     stages_ = stages_ or LocalStages()
-    ready = prepare(spec, stages_, resume=resume, device=device, precision=precision,
-                    gradient_checkpointing=gradient_checkpointing)
-    trained = stages_.train(ready.plan, ready.corpus, ready.manifest, ready.student_dir)
-    gated = stages_.gate(trained, spec, ready) if trained.status == "success" and has_gate(spec) else None
-    if gated is not None:  # a renamed run: its adapter and receipt are where the gate left them
-        trained = trained.model_copy(update={"run_uri": gated.run_uri, "receipt_uri": gated.receipt_uri,
-                                             "adapter_uri": gated.adapter_uri})
-    publishing = trained.status == "success" and (gated is None or gated.publish)
-    published = stages_.publish(trained, spec) if publishing else None
-    if published is None:
-        stages_.ended(trained, spec)
+    lock = RunLock(wait_seconds=wait_for_lock)
+    try:
+        ready = prepare(spec, stages_, resume=resume, device=device, precision=precision,
+                        gradient_checkpointing=gradient_checkpointing, claim=lock.acquire)
+        trained = stages_.train(ready.plan, ready.corpus, ready.manifest, ready.student_dir)
+        gated = stages_.gate(trained, spec, ready) if trained.status == "success" and has_gate(spec) else None
+        if gated is not None:  # a renamed run: its adapter and receipt are where the gate left them
+            trained = trained.model_copy(update={"run_uri": gated.run_uri, "receipt_uri": gated.receipt_uri,
+                                                 "adapter_uri": gated.adapter_uri})
+        publishing = trained.status == "success" and (gated is None or gated.publish)
+        published = stages_.publish(trained, spec) if publishing else None
+        if published is None:
+            stages_.ended(trained, spec)
+    finally:
+        lock.release()
     return PipelineResult(
         status=trained.status, adapter=trained.adapter_uri, receipt=trained.receipt_uri, run=trained.run_uri,
         latest_checkpoint=trained.latest_checkpoint, final_loss=trained.final_loss,

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import Any
+from typing import Any, Callable
 
 from kiln_core.contracts.opd_config import OpdConfig, effective_samples_per_prompt, resolve_learning_rate
 from kiln_core.contracts.pipeline import PipelineSpec
@@ -75,16 +75,20 @@ def run_key(corpus: CorpusRef, manifest: ManifestRef, student_weights_sha256: st
 
 def plan_run(spec: PipelineSpec, corpus: CorpusRef, manifest: ManifestRef, student_dir: str, *,
              resume: str | None = "latest", device: str | None = None, precision: str | None = None,
-             gradient_checkpointing: bool = False, base_adapter: BaseAdapter | None = None) -> TrainPlan:
+             gradient_checkpointing: bool = False, base_adapter: BaseAdapter | None = None,
+             claim: Callable[[Location], None] | None = None) -> TrainPlan:
     """The run directory, the effective config (seed, output name) and the resume point of a spec.
 
     ``base_adapter`` is the spec's resolved ``config.base_adapter`` when the caller already has it
-    (``prepare`` resolves it before admission); otherwise it is resolved here.
+    (``prepare`` resolves it before admission); otherwise it is resolved here. ``claim`` is called with
+    the run directory as soon as it is known, before the resume rule looks inside it (``run_pipeline``
+    takes the run lock there: another live run's checkpoints are not a reason to ask for a resume).
 
     Raises:
         ResumeRequired: ``resume`` is None and the run directory already holds committed checkpoints.
         CheckpointError: ``resume`` is a basename that is not a checkpoint name of this adapter.
         BaseAdapterError: ``base_adapter_missing``/``base_adapter_mismatch`` (``kiln_core.engine.base_adapter``).
+        RunInProgress: raised by ``claim`` (``kiln_core.engine.run_lock``) when another live run holds the run key.
     """
     from kiln_core.identity.hashing import base_model_sha256
 
@@ -109,6 +113,8 @@ def plan_run(spec: PipelineSpec, corpus: CorpusRef, manifest: ManifestRef, stude
         # Kiln draws a seed once per job; deriving it from the run key gives every attempt the same one.
         config = config.model_copy(update={"seed": int(key, 16) % (2**63)})
     run = adapter_root(spec.storage_root, spec.adapter).child(key)
+    if claim is not None:
+        claim(run)
     if resume is None:
         newest = newest_checkpoint(run, spec.adapter)
         if newest is not None and finished_run(run, spec.adapter) is None:
