@@ -33,8 +33,7 @@ from kiln_core.errors import Rejection
 from kiln_core.storage import Location, list_children, resolve
 from kiln_core.training.base_adapter import BaseAdapter
 
-RUNS_DIR = "runs"
-LATEST_FILE = "latest.json"
+RUNS_DIR = "runs"  # <root>/runs/<adapter>/ holds the runs and latest.json (kiln_core.contracts.latest)
 ADAPTER_DIR = "adapter"
 RECEIPT_FILE = "train_receipt.json"
 
