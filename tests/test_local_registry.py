@@ -8,8 +8,8 @@ import shutil
 import pytest
 
 from kiln_core.contracts.identity import parse_manifest_line
+from kiln_core.contracts.teachers import REGISTRY_FILE
 from kiln_core.teachers.local_registry import (
-    REGISTRY_FILE,
     LocalRegistryError,
     get_local_teacher,
     list_local_teachers,
