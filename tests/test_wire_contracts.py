@@ -145,6 +145,7 @@ def _wire_models() -> dict[str, list[type[BaseModel]]]:
     """Each wire file kiln-flows writes → the models its own reader or writer uses (found from the code)."""
     from kiln_core.engine.publish import latest_pointer
     from kiln_core.materialize import Materialization
+    from kiln_core.oracle.request import LoadedRequest, validate_request_object
     from kiln_core.teachers import local_registry
     from kiln_core.training.checkpoint.load import LoadedCheckpoint
     from kiln_core.training.receipt import read_receipt, write_receipt
@@ -162,6 +163,9 @@ def _wire_models() -> dict[str, list[type[BaseModel]]]:
         "admission.json": _models(typing.get_type_hints(Materialization)["record"]),
         "teachers.json": (_models(typing.get_type_hints(local_registry._read_entries)["return"])
                           + [local_registry.LocalTeachersFile]),
+        "oracle request (kiln.hf-next-token-request.v1)": (
+            _models(typing.get_type_hints(validate_request_object)["return"])
+            + _models(typing.get_type_hints(LoadedRequest)["request"])),
     }
 
 
