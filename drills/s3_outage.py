@@ -117,7 +117,8 @@ def verify_store(server: S3Server, root_prefix: str, adapter: str) -> tuple[list
 
 def verify_readers(root: str, adapter: str, dataset_hex: str, student_identity: dict, top_k: int) -> list[str]:
     """The readers ignore uncommitted prefixes (run in this process through s3fs)."""
-    from kiln_core.materialize import COMMIT_FILE, corpus_location, find_materialization, read_materialization
+    from kiln_core.contracts.admission import COMMIT_FILE
+    from kiln_core.materialize import corpus_location, find_materialization, read_materialization
     from kiln_core.storage import list_children, resolve
     from kiln_core.training.checkpoint import (
         CheckpointError,

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from kiln_core.canonical import sha256_prefixed
+from kiln_core.contracts.latest import LatestPointer, encode_latest
 from kiln_core.contracts.opd_config import OpdConfig
 from kiln_core.engine.base_adapter import plan_base_adapter, resolve_base_adapter
 from kiln_core.errors import EnvironmentFailure
@@ -47,8 +48,16 @@ def publish(root: Path, name: str, adapter_dir: Path) -> Path:
     latest = root / "runs" / name / "latest.json"
     latest.parent.mkdir(parents=True, exist_ok=True)
     digest = sha256_prefixed((adapter_dir / "adapter_model.safetensors").read_bytes())
-    latest.write_text(json.dumps({"adapter": str(adapter_dir), "adapter_model_sha256": digest}))
+    latest.write_bytes(encode_latest(pointer_to(adapter_dir, digest)))
     return latest
+
+
+def pointer_to(adapter_dir: Path, digest: str) -> LatestPointer:
+    """A ``latest.json`` document naming ``adapter_dir`` (its run and receipt need not exist here)."""
+    run = adapter_dir.parent
+    return LatestPointer(adapter=str(adapter_dir), receipt=str(run / "train_receipt.json"),
+                         receipt_sha256="sha256:" + "1" * 64, run=str(run), adapter_model_sha256=digest,
+                         dataset_sha256="sha256:" + "2" * 64, produced_at="2026-01-01T00:00:00+00:00")
 
 
 @pytest.fixture(scope="module")
@@ -96,11 +105,26 @@ def test_a_missing_base_adapter_names_what_was_looked_up_where(adapter, tmp_path
     gone = tmp_path / "gone"
     gone.mkdir()
     (tmp_path / "runs" / "ghost").mkdir(parents=True)
-    (tmp_path / "runs" / "ghost" / "latest.json").write_text(json.dumps({"adapter": str(gone),
-                                                                       "adapter_model_sha256": "sha256:00"}))
+    (tmp_path / "runs" / "ghost" / "latest.json").write_bytes(encode_latest(pointer_to(gone, "sha256:00")))
     with pytest.raises(BaseAdapterError) as error:
         resolve_base_adapter("ghost", str(tmp_path))
     assert error.value.code == "base_adapter_missing" and "latest.json" in error.value.message
+
+
+@pytest.mark.parametrize("change, place", [
+    (lambda pointer: {key: value for key, value in pointer.items() if key != "adapter_model_sha256"},
+     "adapter_model_sha256"),
+    (lambda pointer: {**pointer, "adapter_path": "/elsewhere"}, "adapter_path"),
+    (lambda pointer: {**pointer, "adapter": 7}, "adapter"),
+])
+def test_a_latest_json_that_is_not_a_pointer_is_refused_naming_the_field(adapter, tmp_path, change, place):
+    latest = publish(tmp_path, "warm", adapter)
+    latest.write_text(json.dumps(change(json.loads(latest.read_text()))))
+    with pytest.raises(BaseAdapterError) as error:
+        resolve_base_adapter("warm", str(tmp_path))
+    assert (error.value.code, error.value.field, error.value.file) == ("base_adapter_missing", "config.base_adapter",
+                                                                       str(latest))
+    assert f"field `{place}`" in error.value.message
 
 
 def test_bytes_that_are_not_the_published_ones_are_an_environment_failure(adapter, tmp_path):

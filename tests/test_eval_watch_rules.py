@@ -13,7 +13,8 @@ import pytest
 from kiln_core.contracts.eval_watch import EvalWatch, parse_eval_watch
 from kiln_core.contracts.opd_config import ConfigError
 from kiln_core.corpus import CorpusTables, TrainingExample
-from kiln_core.training.eval_curve import EvalCurve, EvalPoint, HeldOutSliceRecord, firing_rules, new_alarms
+from kiln_core.contracts.eval_curve import EvalCurve, EvalPoint, HeldOutSliceRecord
+from kiln_core.training.eval_curve import firing_rules, new_alarms
 from kiln_core.training.watch import select_examples
 
 

@@ -8,8 +8,8 @@ import shutil
 import pytest
 
 from kiln_core.contracts.identity import parse_manifest_line
+from kiln_core.contracts.teachers import REGISTRY_FILE
 from kiln_core.teachers.local_registry import (
-    REGISTRY_FILE,
     LocalRegistryError,
     get_local_teacher,
     list_local_teachers,
@@ -103,6 +103,15 @@ def test_corrupt_registry_detected(tmp_path, tiny_teacher):
     with pytest.raises(LocalRegistryError) as caught:
         get_local_teacher(tmp_path, entry.alias)
     assert caught.value.code == "corrupt_registry"
+
+
+def test_a_registry_with_an_unknown_top_level_key_is_corrupt(tmp_path, tiny_teacher):
+    entry = register_local_teacher(tmp_path, "tiny", tiny_teacher, device_kind="cpu")
+    path = tmp_path / REGISTRY_FILE
+    path.write_text(json.dumps({**json.loads(path.read_text(encoding="utf-8")), "mirrors": []}), encoding="utf-8")
+    with pytest.raises(LocalRegistryError) as caught:
+        get_local_teacher(tmp_path, entry.alias)
+    assert caught.value.code == "corrupt_registry" and "mirrors" in caught.value.message
 
 
 def test_memory_filesystem_root(tiny_teacher):

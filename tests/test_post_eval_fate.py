@@ -209,8 +209,8 @@ def test_receipt_block_uses_kiln_training_job_field_names(tmp_path, write_run):
 def test_latest_pointer_reads_the_run(tmp_path, write_run):
     run = write_run(tmp_path)
     pointer = latest_pointer(str(run))
-    assert pointer["adapter"] == str(run / "adapter") and pointer["run"] == str(run)
-    assert pointer["dataset_sha256"] == json.loads((run / "train_receipt.json").read_text())["training_data"]["sha256"]
+    assert pointer.adapter == str(run / "adapter") and pointer.run == str(run)
+    assert pointer.dataset_sha256 == json.loads((run / "train_receipt.json").read_text())["training_data"]["sha256"]
     shutil.rmtree(run / "adapter")
     with pytest.raises(FileNotFoundError):
         latest_pointer(str(run))

@@ -17,9 +17,11 @@ includes it, so a base adapter re-published under the same name makes a differen
 
 from __future__ import annotations
 
-import json
 import os
 
+from pydantic import ValidationError
+
+from kiln_core.contracts.latest import LATEST_FILE, decode_latest
 from kiln_core.contracts.names import is_valid_name
 from kiln_core.contracts.opd_config import OpdConfig
 from kiln_core.errors import EnvironmentFailure
@@ -28,7 +30,7 @@ from kiln_core.training.base_adapter import BaseAdapter, BaseAdapterError, check
 
 __all__ = ["resolve_base_adapter", "plan_base_adapter"]
 
-RUNS_DIR, LATEST_FILE = "runs", "latest.json"  # kiln_core.engine.runs' layout (it imports this module)
+RUNS_DIR = "runs"  # kiln_core.engine.runs' layout (it imports this module)
 
 
 def resolve_base_adapter(value: str, storage_root: str) -> BaseAdapter:
@@ -52,13 +54,19 @@ def resolve_base_adapter(value: str, storage_root: str) -> BaseAdapter:
         return read_base_adapter(value, value if "://" in value else os.path.abspath(value))
     latest = resolve(storage_root).child(RUNS_DIR, value, LATEST_FILE)
     try:
-        pointer = json.loads(latest.read_text())
-        adapter_uri, expected = pointer["adapter"], pointer["adapter_model_sha256"]
+        pointer = decode_latest(latest.read_bytes())
+        adapter_uri, expected = pointer.adapter, pointer.adapter_model_sha256
     except FileNotFoundError:
         raise BaseAdapterError("base_adapter_missing", f"base adapter {value!r} is not a published adapter: "
                                f"{latest.uri} does not exist (train and publish {value!r} first, or give an adapter "
                                "directory)", field="config.base_adapter", file=latest.uri) from None
-    except (OSError, ValueError, KeyError, TypeError) as error:
+    except ValidationError as error:
+        first = error.errors()[0]
+        place = ".".join(str(part) for part in first["loc"]) or "document"
+        raise BaseAdapterError("base_adapter_missing", f"base adapter {value!r}: {latest.uri} is not a kiln-flows "
+                               f"latest.json: field `{place}`: {first['msg']}", field="config.base_adapter",
+                               file=latest.uri) from None
+    except (OSError, ValueError) as error:
         raise BaseAdapterError("base_adapter_missing", f"base adapter {value!r}: {latest.uri} is not a readable "
                                f"latest.json ({type(error).__name__}: {error})", field="config.base_adapter",
                                file=latest.uri) from None

@@ -29,8 +29,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from kiln_core.errors import EnvironmentFailure
+from kiln_core.contracts.latest import LatestPointer
 from kiln_core.contracts.post_eval.errors import PostEvalRejection
+from kiln_core.errors import EnvironmentFailure
 from kiln_core.post_eval.gate import GATE_OUTCOMES, PostEvalGateEvidence
 from kiln_core.storage import Location, move_aside, resolve
 
@@ -53,7 +54,7 @@ class GateFate:
     renamed_to: str | None = None
 
 
-def latest_pointer(run_dir: str | Location) -> dict[str, Any]:
+def latest_pointer(run_dir: str | Location) -> LatestPointer:
     """The ``latest.json`` document for the adapter in ``run_dir``, exactly as publication writes it
     (``kiln_core.engine.publish.latest_pointer``).
 
@@ -71,7 +72,7 @@ def latest_pointer(run_dir: str | Location) -> dict[str, Any]:
 
 
 def apply_gate_outcome(run_dir: str | Location, adapter: str, outcome: str, evidence: Any = None, *,
-                       verdict: str | None = None, pointer: dict[str, Any] | None = None,
+                       verdict: str | None = None, pointer: LatestPointer | None = None,
                        losing_outcomes: frozenset[str] = LOSING_OUTCOMES, now_ms: int | None = None) -> GateFate:
     """Act on a gate outcome: promote (write ``latest.json``), rename a loser, or leave the adapter.
 

@@ -10,11 +10,12 @@ same whoever writes it.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
+from kiln_core.contracts.latest import LATEST_FILE, LatestPointer, encode_latest
+from kiln_core.contracts.receipt import RECEIPT_FILE
 from kiln_core.engine.refs import PublishRef, TrainRef
-from kiln_core.engine.runs import ADAPTER_DIR, LATEST_FILE, RECEIPT_FILE
+from kiln_core.engine.runs import ADAPTER_DIR
 from kiln_core.errors import EnvironmentFailure
 from kiln_core.storage import Location, resolve
 
@@ -50,7 +51,7 @@ def latest_location(run: Location | str) -> Location:
     return Location(run.fs, parent_path, parent_uri).child(LATEST_FILE)
 
 
-def latest_pointer(run: Location | str) -> dict[str, Any]:
+def latest_pointer(run: Location | str) -> LatestPointer:
     """The ``latest.json`` document for the adapter of a finished run, checked against its receipt.
 
     Raises:
@@ -59,7 +60,7 @@ def latest_pointer(run: Location | str) -> dict[str, Any]:
         FileNotFoundError: the run has no adapter.
 
     Example:
-        >>> latest_pointer("kiln-data/runs/demo/3f2a9c0d1e2b4a5c")["adapter_model_sha256"]  # doctest: +SKIP
+        >>> latest_pointer("kiln-data/runs/demo/3f2a9c0d1e2b4a5c").adapter_model_sha256  # doctest: +SKIP
         'sha256:…'
     """
     from kiln_core.canonical import sha256_hex, sha256_prefixed
@@ -76,18 +77,13 @@ def latest_pointer(run: Location | str) -> dict[str, Any]:
     if actual != expected:
         raise AdapterMismatch("adapter_mismatch", f"{adapter_file.uri} is {actual}, but the receipt records {expected}",
                               file=adapter_file.uri)
-    return {
-        "adapter": adapter.uri,
-        "receipt": receipt_location.uri,
-        "receipt_sha256": "sha256:" + sha256_hex(receipt_bytes),
-        "run": run.uri,
-        "adapter_model_sha256": actual,
-        "dataset_sha256": receipt.training_data.sha256,
-        "produced_at": receipt.produced_at,
-    }
+    return LatestPointer(adapter=adapter.uri, receipt=receipt_location.uri,
+                         receipt_sha256="sha256:" + sha256_hex(receipt_bytes), run=run.uri,
+                         adapter_model_sha256=actual, dataset_sha256=receipt.training_data.sha256,
+                         produced_at=receipt.produced_at)
 
 
-def write_latest(run: Location | str, pointer: dict[str, Any] | None = None) -> Location:
+def write_latest(run: Location | str, pointer: LatestPointer | None = None) -> Location:
     """Atomically (re)write the adapter's ``latest.json`` to point at ``run``; returns its location.
 
     Args:
@@ -99,7 +95,7 @@ def write_latest(run: Location | str, pointer: dict[str, Any] | None = None) -> 
     run = resolve(run) if isinstance(run, str) else run
     document = pointer if pointer is not None else latest_pointer(run)
     latest = latest_location(run)
-    write_bytes_atomic(latest, json.dumps(document, indent=2).encode("utf-8"))
+    write_bytes_atomic(latest, encode_latest(document))
     return latest
 
 
@@ -123,6 +119,6 @@ def publish(train: TrainRef, storage_root: str, adapter: str) -> PublishRef:
     run = resolve(train.run_uri)  # <storage_root>/runs/<adapter>/<run key> (kiln_core.engine.runs)
     pointer = latest_pointer(run)
     latest = write_latest(run, pointer)
-    return PublishRef(adapter_uri=pointer["adapter"], receipt_uri=pointer["receipt"],
-                      receipt_sha256=pointer["receipt_sha256"], latest_uri=latest.uri,
+    return PublishRef(adapter_uri=pointer.adapter, receipt_uri=pointer.receipt,
+                      receipt_sha256=pointer.receipt_sha256, latest_uri=latest.uri,
                       checkpoints=[run.child(name).uri for _, name in committed_checkpoints(run, adapter)])

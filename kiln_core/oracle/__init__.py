@@ -23,11 +23,12 @@ Example:
     >>> outcome = run_oracle("request.json", "./student", dtype="fp32")  # doctest: +SKIP
 """
 
+from kiln_core.contracts.oracle_request import HfNextTokenRequest
 from kiln_core.oracle.errors import ALL_RULES, OracleRejection, OracleRunError
 from kiln_core.oracle.fingerprint import check_model_identity, fingerprint_model, model_identity
 from kiln_core.oracle.make_request import MadeRequest, make_request
 from kiln_core.oracle.receipts import check_source_receipts
-from kiln_core.oracle.request import HfNextTokenRequest, LoadedRequest, load_request, validate_request_object
+from kiln_core.oracle.request import LoadedRequest, load_request, validate_request_object
 from kiln_core.oracle.result import RESULT_SCHEMA, decide_verdict, read_result, validate_result
 from kiln_core.oracle.runner import OracleOutcome, run_oracle, validate_inputs
 

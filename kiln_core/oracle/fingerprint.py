@@ -34,8 +34,9 @@ from pathlib import Path
 from typing import Any
 
 from kiln_core.canonical import SHA256_PREFIX, canonical_sha256, sha256_prefixed
+from kiln_core.contracts.oracle_request import ModelIdentity
 from kiln_core.oracle.errors import OracleRejection
-from kiln_core.oracle.request import ModelIdentity, is_normalized_relative
+from kiln_core.oracle.request import is_normalized_relative
 from kiln_core.strict_json import StrictJsonError, loads_strict
 
 INDEX_FILE = "model.safetensors.index.json"

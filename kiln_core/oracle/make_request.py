@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln_core.canonical import canonical_sha256, self_hash, sha256_prefixed
+from kiln_core.contracts.oracle_request import REQUEST_SCHEMA
 from kiln_core.oracle.errors import OracleRejection
 from kiln_core.oracle.fingerprint import fingerprint_model, model_identity
 from kiln_core.oracle.receipts import DRIVER_VERSION, check_source_receipts
@@ -39,7 +40,7 @@ from kiln_core.oracle.reference import (
     model_vocab_size,
     render_prompt_ids,
 )
-from kiln_core.oracle.request import REQUEST_SCHEMA, MAX_REQUEST_BYTES, validate_request_object
+from kiln_core.oracle.request import MAX_REQUEST_BYTES, validate_request_object
 from kiln_core.oracle.result import write_local_atomic
 
 SYNTHETIC_RECEIPT_SCHEMA = "kiln-flows.synthetic-serving-receipt.v1"

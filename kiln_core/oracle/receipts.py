@@ -27,8 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from kiln_core.canonical import sha256_prefixed
+from kiln_core.contracts.oracle_request import HfNextTokenRequest, ReceiptReference
 from kiln_core.oracle.errors import OracleRejection
-from kiln_core.oracle.request import HfNextTokenRequest, ReceiptReference, read_regular_file
+from kiln_core.oracle.request import read_regular_file
 from kiln_core.strict_json import StrictJsonError, loads_strict
 
 MAX_RECEIPT_BYTES = 16 << 20

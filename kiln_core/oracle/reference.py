@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Literal
 
+from kiln_core.contracts.oracle_request import HfNextTokenRequest
 from kiln_core.oracle.errors import OracleRejection, OracleRunError
-from kiln_core.oracle.request import HfNextTokenRequest
 
 SEED = 20260715
 ATTENTION_IMPLEMENTATION = "eager"

@@ -1,5 +1,6 @@
 """Where teacher manifests come from: a Kiln server's registry, or our local ``teachers.json``."""
 
+from kiln_core.contracts.teachers import LocalTeacherEntry
 from kiln_core.teachers.kiln_client import (
     DEFAULT_KILN_URL,
     TeacherRegistryError,
@@ -9,7 +10,6 @@ from kiln_core.teachers.kiln_client import (
 )
 from kiln_core.teachers.local_registry import (
     LocalRegistryError,
-    LocalTeacherEntry,
     get_local_teacher,
     list_local_teachers,
     register_local_teacher,

@@ -17,16 +17,20 @@ import os
 from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ValidationError
 
 from kiln_core.contracts.identity import ManifestError, build_manifest_line, parse_manifest_line
+from kiln_core.contracts.teachers import (
+    REGISTRY_FILE,
+    REGISTRY_SCHEMA,
+    LocalTeacherEntry,
+    LocalTeachersFile,
+    encode_teachers,
+)
 from kiln_core.errors import Rejection
 from kiln_core.storage import Location, resolve, write_bytes_atomic
 
-REGISTRY_FILE = "teachers.json"
-REGISTRY_SCHEMA = "kiln-flows.local-teachers.v1"
 # A manifest is ≤ ~4.2 KB (4096-byte identity + wrapper); anything longer is not a manifest line.
 _MAX_MANIFEST_LINE_BYTES = 64 * 1024
 
@@ -45,25 +49,6 @@ class LocalRegistryError(Rejection, ValueError):
         return f"{self.code}: {self.message}"
 
 
-class LocalTeacherEntry(BaseModel):
-    """One registered teacher as stored in ``teachers.json`` (our own file: strict, no extras)."""
-
-    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
-
-    alias: str
-    """The immutable name users pass to ``score`` / ``manifest``."""
-    identity: dict[str, Any]
-    """The ``kiln.teacher-identity.v1`` object, keys in canonical order."""
-    identity_revision: str
-    """``sha256:`` + the identity's content revision."""
-    off_policy_manifest: str
-    """The canonical manifest line for this identity (no trailing newline)."""
-    teacher_dir: str
-    """Absolute path of the teacher directory at registration time."""
-    registered_at: str
-    """UTC registration time, ISO 8601."""
-
-
 def _registry_location(root: str | os.PathLike[str]) -> Location:
     return resolve(os.fspath(root)).child(REGISTRY_FILE)
 
@@ -75,7 +60,7 @@ def _read_entries(location: Location) -> list[LocalTeacherEntry]:
         document = json.loads(location.read_bytes())
         if not isinstance(document, dict) or document.get("schema") != REGISTRY_SCHEMA:
             raise ValueError(f"schema is not {REGISTRY_SCHEMA!r}")
-        entries = [LocalTeacherEntry.model_validate(item) for item in document["teachers"]]
+        entries = list(LocalTeachersFile.model_validate(document).teachers)
     except (ValueError, KeyError, TypeError, ValidationError) as error:
         message = f"{location.uri} is not a readable teacher registry: {error}"
         raise LocalRegistryError("corrupt_registry", message) from None
@@ -97,9 +82,7 @@ def _check_entry(entry: LocalTeacherEntry, location: Location) -> None:
 
 
 def _write_entries(location: Location, entries: list[LocalTeacherEntry]) -> None:
-    document = {"schema": REGISTRY_SCHEMA, "teachers": [entry.model_dump(mode="json") for entry in entries]}
-    data = (json.dumps(document, ensure_ascii=False, indent=2) + "\n").encode("utf-8")
-    write_bytes_atomic(location, data)
+    write_bytes_atomic(location, encode_teachers(entries))
 
 
 @contextlib.contextmanager

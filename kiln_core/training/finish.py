@@ -11,11 +11,12 @@ import time
 import torch
 
 from kiln_core.canonical import sha256_prefixed
+from kiln_core.contracts.receipt import RECEIPT_FILE
 from kiln_core.storage import Location, StagedDirectory
 from kiln_core.training.plan import ADAPTER_DIR, RunPlan
 from kiln_core.training.progress import Clock, LoopProgress
 from kiln_core.training.publish_guard import GUARD_CODE, GuardTripped, guard_before_publish
-from kiln_core.training.receipt import RECEIPT_FILE, RunOutcome, build_receipt, write_receipt
+from kiln_core.training.receipt import RunOutcome, build_receipt, write_receipt
 from kiln_core.training.step import StopTraining, lora_delta_norms
 from kiln_core.training.student import Student
 

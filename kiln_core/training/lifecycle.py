@@ -25,10 +25,10 @@ import torch
 from pydantic import BaseModel
 from safetensors.torch import save as save_safetensors
 
+from kiln_core.contracts.checkpoint import KilnFlowsState, RankRngState
+from kiln_core.contracts.eval_curve import EvalCurve
 from kiln_core.training import checkpoint as ckpt
 from kiln_core.training.base_adapter import BaseAdapterError, load_base_adapter
-from kiln_core.training.checkpoint.format import KilnFlowsState, RankRngState
-from kiln_core.training.eval_curve import EvalCurve
 from kiln_core.training.finish import finish_run
 from kiln_core.training.optim import build_optimizer, load_optimizer_state, optimizer_state_tensors
 from kiln_core.training.plan import RunPlan

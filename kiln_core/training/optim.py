@@ -24,8 +24,8 @@ import math
 
 import torch
 
+from kiln_core.contracts.checkpoint import ResumeError
 from kiln_core.contracts.opd_config import AdamWOptimizer, MuonOptimizer, SgdOptimizer
-from kiln_core.training.checkpoint.format import ResumeError
 
 __all__ = ["Muon", "newton_schulz", "build_optimizer", "optimizer_state_tensors", "load_optimizer_state"]
 

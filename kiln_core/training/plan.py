@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 
 from kiln_core.contracts.opd_config import ConfigError, OpdConfig, effective_samples_per_prompt, resolve_learning_rate, resolve_top_k
+from kiln_core.contracts.receipt import DistributedReceipt
 from kiln_core.corpus import CorpusTables
 from kiln_core.storage import Location, move_aside, remove_tree, resolve
 from kiln_core.training import checkpoint as ckpt
@@ -26,7 +27,6 @@ from kiln_core.training.data_identity import fixture_content_revision, teacher_c
 from kiln_core.training.distributed.world import World
 from kiln_core.training.objectives import step_loss
 from kiln_core.training.receipt import TRAINING_DATA_SOURCE, RunFacts, library_versions, receipt_status
-from kiln_core.training.receipt_model import DistributedReceipt
 from kiln_core.training.student import resolve_device, resolve_precision, student_identity
 
 __all__ = ["ADAPTER_DIR", "Schedule", "RunPlan", "DataPlan", "plan_run", "build_plan"]

@@ -10,7 +10,7 @@ import contextlib
 import time
 from dataclasses import dataclass, field
 
-from kiln_core.training.checkpoint.format import DataStats, LoraGradNorms, OpdLoopState, TokenCounts
+from kiln_core.contracts.checkpoint import DataStats, LoraGradNorms, OpdLoopState, TokenCounts
 from kiln_core.training.plan import Schedule
 
 __all__ = ["TOKEN_COUNT_KEYS", "LoopProgress", "Clock"]

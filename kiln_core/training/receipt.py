@@ -28,10 +28,8 @@ from typing import Any, Literal
 from pydantic import ValidationError
 
 from kiln_core.canonical import canonical_sha256
-from kiln_core.errors import Rejection
-from kiln_core.storage import Location, resolve, write_bytes_atomic
-from kiln_core.training.eval_curve import EvalCurve
-from kiln_core.training.receipt_model import (
+from kiln_core.contracts.eval_curve import EvalCurve
+from kiln_core.contracts.receipt import (
     FAILURE_REASONS,
     RECEIPT_FILE,
     AdapterFileReceipt,
@@ -51,10 +49,13 @@ from kiln_core.training.receipt_model import (
     TokenizerReceipt,
     TrainingDataReceipt,
     TrainReceipt,
+    encode_receipt,
 )
+from kiln_core.errors import Rejection
+from kiln_core.storage import Location, resolve, write_bytes_atomic
 
-__all__ = ["RECEIPT_FILE", "TRAINING_DATA_SOURCE", "TrainReceipt", "RunFacts", "RunOutcome", "ReceiptError",
-           "build_receipt", "write_receipt", "read_receipt", "receipt_status", "library_versions"]
+__all__ = ["TRAINING_DATA_SOURCE", "RunFacts", "RunOutcome", "ReceiptError", "build_receipt", "write_receipt",
+           "read_receipt", "receipt_status", "library_versions"]
 
 TRAINING_DATA_SOURCE = "jsonl_off_policy_opd_teacher"
 LOSS_GRANULARITY = "teacher_top_k"
@@ -230,10 +231,13 @@ def _echo_receipt(echo: dict[str, Any] | None, outcome: RunOutcome) -> EchoRecei
 
 
 def write_receipt(run_dir: Location, receipt: TrainReceipt) -> str:
-    """Write ``train_receipt.json`` (pretty, no trailing newline) atomically; return its URI."""
+    """Write ``train_receipt.json`` (``encode_receipt``'s bytes) atomically; return its URI.
+
+    The one writer of the file: training's finish, the gate's evidence and the ignored request keys
+    all rewrite the receipt through it.
+    """
     location = run_dir.child(RECEIPT_FILE)
-    payload = json.dumps(receipt.model_dump(mode="json", by_alias=True), indent=2, allow_nan=False)
-    write_bytes_atomic(location, payload.encode("utf-8"))
+    write_bytes_atomic(location, encode_receipt(receipt))
     return location.uri
 
 

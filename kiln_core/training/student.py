@@ -127,7 +127,7 @@ class Student:
         Raises:
             ResumeError: ``resume_adapter_tensors`` (Kiln: "checkpoint adapter parameter set mismatch").
         """
-        from kiln_core.training.checkpoint.format import ResumeError
+        from kiln_core.contracts.checkpoint import ResumeError
 
         keys = self.checkpoint_keys()
         if set(tensors) != set(keys):

@@ -32,20 +32,12 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from kiln_core.contracts.eval_curve import EvalAlarm, EvalCurve, EvalPoint, HeldOutSliceRecord, StopRule
 from kiln_core.contracts.eval_watch import EvalWatch
 from kiln_core.contracts.opd_config import ConfigError
 from kiln_core.corpus import CorpusTables
 from kiln_core.training.distributed.world import World
-from kiln_core.training.eval_curve import (
-    EvalAlarm,
-    EvalCurve,
-    EvalPoint,
-    HeldOutSliceRecord,
-    StopRule,
-    finite_or_none,
-    firing_rules,
-    new_alarms,
-)
+from kiln_core.training.eval_curve import finite_or_none, firing_rules, new_alarms
 from kiln_core.training.progress import Clock, LoopProgress
 from kiln_core.training.receipt import RunOutcome
 from kiln_core.training.step import StopTraining

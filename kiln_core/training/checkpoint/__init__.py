@@ -10,13 +10,12 @@ the run directory:
   the loss extension), declared in the manifest's ``files`` with role ``rng-state`` so it is covered
   by the same commit and digests.
 
-Modules: ``format`` (the file contracts), ``names`` (naming and listing), ``rules`` (Kiln's manifest
-``validate()``), ``contract`` (what a run binds), ``rng`` (generator states), ``write`` (publish),
-``load`` (load, verify, resume checks).
+The file models are ``kiln_core.contracts.checkpoint``. Modules: ``names`` (naming and listing),
+``rules`` (Kiln's manifest ``validate()``), ``contract`` (what a run binds), ``rng`` (generator
+states), ``write`` (publish), ``load`` (load, verify, resume checks).
 """
 
-from kiln_core.training.checkpoint.contract import RunContract
-from kiln_core.training.checkpoint.format import (
+from kiln_core.contracts.checkpoint import (
     ADAPTER_FILE,
     EXTENSION_FILE,
     LOOP_STATE_FILE,
@@ -33,6 +32,7 @@ from kiln_core.training.checkpoint.format import (
     ResumeError,
     TokenCounts,
 )
+from kiln_core.training.checkpoint.contract import RunContract
 from kiln_core.training.checkpoint.load import LoadedCheckpoint, check_world_size, load_checkpoint, validate_resume
 from kiln_core.training.checkpoint.names import (
     check_resume_basename,

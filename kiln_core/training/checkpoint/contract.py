@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from kiln_core.training.checkpoint.format import (
+from kiln_core.contracts.checkpoint import (
     ADAPTER_FILE,
     LOOP_STATE_FILE,
     LOOP_STATE_TYPE,

@@ -23,9 +23,7 @@ from typing import Any, Callable
 from pydantic import BaseModel, ValidationError
 
 from kiln_core.canonical import kiln_compact_json, sha256_hex, sha256_prefixed
-from kiln_core.storage import INCOMPLETE_SENTINEL, Location, iter_files
-from kiln_core.training.checkpoint.contract import RunContract
-from kiln_core.training.checkpoint.format import (
+from kiln_core.contracts.checkpoint import (
     EXTENSION_FILE,
     EXTENSION_FORMAT,
     LOOP_STATE_FILE,
@@ -39,6 +37,8 @@ from kiln_core.training.checkpoint.format import (
     OpdLoopState,
     ResumeError,
 )
+from kiln_core.storage import INCOMPLETE_SENTINEL, Location, iter_files
+from kiln_core.training.checkpoint.contract import RunContract
 from kiln_core.training.checkpoint.names import at
 from kiln_core.training.checkpoint.rules import manifest_problem
 

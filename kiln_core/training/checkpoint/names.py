@@ -9,8 +9,8 @@ from __future__ import annotations
 import os
 import re
 
+from kiln_core.contracts.checkpoint import MANIFEST_FILE, SUFFIX, CheckpointError
 from kiln_core.storage import Location, list_children, resolve
-from kiln_core.training.checkpoint.format import MANIFEST_FILE, SUFFIX, CheckpointError
 
 __all__ = ["checkpoint_basename", "checkpoint_id", "checkpoint_step", "check_resume_basename",
            "committed_checkpoints", "latest_checkpoint", "previous_checkpoint", "is_committed", "at"]

@@ -15,7 +15,7 @@ import random
 import numpy as np
 
 from kiln_core.canonical import sha256_hex
-from kiln_core.training.checkpoint.format import CheckpointError, GeneratorState, RankRngState
+from kiln_core.contracts.checkpoint import CheckpointError, GeneratorState, RankRngState
 
 __all__ = ["capture_rng_state", "restore_rng_state"]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from datetime import datetime
 
-from kiln_core.training.checkpoint.format import (
+from kiln_core.contracts.checkpoint import (
     MANIFEST_FILE,
     MANIFEST_TYPE,
     MAX_ARTIFACTS,

@@ -15,9 +15,7 @@ from datetime import datetime, timezone
 from pydantic import BaseModel
 
 from kiln_core.canonical import sha256_hex
-from kiln_core.storage import INCOMPLETE_SENTINEL, Location, StagedDirectory
-from kiln_core.training.checkpoint.contract import RunContract
-from kiln_core.training.checkpoint.format import (
+from kiln_core.contracts.checkpoint import (
     ADAPTER_FILE,
     EXTENSION_FILE,
     LOOP_STATE_FILE,
@@ -31,6 +29,8 @@ from kiln_core.training.checkpoint.format import (
     KilnFlowsState,
     OpdLoopState,
 )
+from kiln_core.storage import INCOMPLETE_SENTINEL, Location, StagedDirectory
+from kiln_core.training.checkpoint.contract import RunContract
 from kiln_core.training.checkpoint.names import checkpoint_basename, checkpoint_id, is_committed
 from kiln_core.training.checkpoint.rules import manifest_problem
 

@@ -22,8 +22,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator
 
+from kiln_core.contracts.eval_curve import EvalCurve
 from kiln_core.errors import Rejection
-from kiln_core.training.eval_curve import EvalCurve
 
 MANIFEST_TYPE = "kiln.training-checkpoint.v1"
 LOOP_STATE_TYPE = "kiln.opd-loop-state.v1"

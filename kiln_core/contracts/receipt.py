@@ -8,12 +8,13 @@ when ``None`` are left out here too. kiln-flows' own facts are kept as extra fie
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kiln_core.training.checkpoint.format import TokenCounts
-from kiln_core.training.eval_curve import EvalCurve, StopRule
+from kiln_core.contracts.checkpoint import TokenCounts
+from kiln_core.contracts.eval_curve import EvalCurve, StopRule
 
 RECEIPT_FILE = "train_receipt.json"
 FAILURE_REASONS = ("data_schema_error", "adapter_load_failed", "zero_groups", "zero_action_tokens", "zero_env_tokens",
@@ -292,3 +293,12 @@ class TrainReceipt(_Receipt):
     publish_guard: dict[str, Any] | None = Field(default=None, exclude_if=_omit_none)
     """Ours: whether the publish guard ran (``enabled``), its ``verdict`` (``passed``, ``tripped``, ``off``) and
     each rule's measured values and thresholds (``kiln_core.training.publish_guard``)."""
+
+
+def encode_receipt(receipt: TrainReceipt) -> bytes:
+    """The bytes of ``train_receipt.json``: pretty JSON (two-space indent), no trailing newline, no NaN.
+
+    The one encoder: every writer of the file (``kiln_core.training.receipt.write_receipt``) goes
+    through it, so a receipt rewritten after the gate is laid out exactly as training wrote it.
+    """
+    return json.dumps(receipt.model_dump(mode="json", by_alias=True), indent=2, allow_nan=False).encode("utf-8")
