@@ -115,3 +115,47 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+# ------------------------------------------------------------------------------------------ the fast tier
+# `python -m pytest -m fast` runs the fast tier: every product module (kiln_core, tasks, flows, drills)
+# exercised in a few minutes, for a change-by-change loop. `python -m pytest` (the README's command, and
+# CI) still runs everything. This hook is the one place that decides which tests are fast:
+#
+# * a test marked slow/integration/browser/real is not fast (it trains end to end or starts a server);
+# * a test that trains a model is not fast: modules that train take the `one_torch_thread` fixture for
+#   every test (see the fixture above), so a test there that also needs a model fixture trains one;
+# * FAST_REPRESENTATIVES name the few short training and end-to-end tests that keep the modules only
+#   such tests reach in the tier; NOT_FAST names tests that pass the rules above yet take too long.
+#
+# tests/fast_tier_map.json records, for every product module, fast test files that exercise it (not just
+# import it); tests/test_fast_tier.py checks it against this hook, and tools/fast_tier_map.py rebuilds it.
+NOT_FAST_MARKS = frozenset({"slow", "integration", "browser", "real"})
+MODEL_FIXTURES = frozenset({"tiny_student", "tiny_teacher", "tiny_student_plain"})
+FAST_REPRESENTATIVES = frozenset({
+    "tests/test_trainer.py::test_loss_falls_with_a_high_learning_rate",  # the off-policy loop
+    "tests/test_on_policy_trainer.py::test_progress_reports_rollout_throughput_and_teacher_tokens",  # on-policy
+    "tests/test_train_cli.py::test_train_end_to_end_json",  # kiln-flows train through the engine
+    "tests/test_on_policy_cli.py::test_an_on_policy_request_trains_through_the_engine",
+    "tests/test_eval_watch.py::test_a_watch_the_run_cannot_keep_is_refused_before_anything_is_written",
+    "tests/test_eval_watch_sources.py::test_admit_builds_the_slice_from_the_scored_corpus",
+    "tests/fault_drills/test_drills.py::test_drill_cli_prints_one_json_object_per_drill",
+})
+NOT_FAST: frozenset[str] = frozenset()
+
+
+def is_fast(item: pytest.Item) -> bool:
+    """Whether ``item`` belongs to the fast tier (the rules above; a name without ``[params]`` names all)."""
+    names = {item.nodeid, item.nodeid.split("[", 1)[0]}
+    if names & FAST_REPRESENTATIVES:
+        return True
+    if names & NOT_FAST or any(mark.name in NOT_FAST_MARKS for mark in item.iter_markers()):
+        return False
+    fixtures = set(getattr(item, "fixturenames", ()))
+    return not ("one_torch_thread" in fixtures and fixtures & MODEL_FIXTURES)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if is_fast(item):
+            item.add_marker(pytest.mark.fast)
