@@ -140,8 +140,32 @@ FAST_REPRESENTATIVES = frozenset({
     "tests/test_eval_watch.py::test_a_watch_the_run_cannot_keep_is_refused_before_anything_is_written",
     "tests/test_eval_watch_sources.py::test_admit_builds_the_slice_from_the_scored_corpus",
     "tests/fault_drills/test_drills.py::test_drill_cli_prints_one_json_object_per_drill",
+    "tests/test_pipeline_flow.py::test_rejected_corpus_fails_in_admit_and_writes_nothing",  # opd_distill, tasks
+    "tests/test_on_policy_vllm.py::test_a_server_that_is_down_is_an_environment_failure",  # the vLLM teacher
 })
-NOT_FAST: frozenset[str] = frozenset()
+NOT_FAST = frozenset({  # over 5 CPU-seconds each when measured (they load or train models, or fuzz at length)
+    "tests/test_evaluation.py::test_eval_cli_json_and_table",
+    "tests/test_evaluation.py::test_adapter_of_another_model_is_refused",
+    "tests/test_evaluation.py::test_corpus_overlapping_the_training_corpus_is_refused",
+    "tests/test_evaluation.py::test_corpus_scored_by_another_teacher_is_refused",
+    "tests/test_evaluation.py::test_student_with_another_vocabulary_is_refused",
+    "tests/test_post_eval_runner.py::test_adapter_that_breaks_answers_is_a_regression",
+    "tests/test_post_eval_runner.py::test_previous_adapter_is_the_baseline_unless_it_has_the_candidates_name",
+    "tests/test_post_eval_runner.py::test_seeded_sampling_pairs_both_arms_and_reproduces",
+    "tests/test_post_eval_runner.py::test_adapter_that_gives_the_target_answers_is_promoted_or_kept",
+    "tests/test_post_eval_runner.py::test_include_baseline_reuses_the_gates_base_model_arm",
+    "tests/test_post_eval_runner.py::test_unreachable_targets_demote",
+    "tests/test_post_eval_runner.py::test_ungated_eval_runs_the_candidate_and_optional_base_model",
+    "tests/test_post_eval_runner.py::test_adapter_that_changes_nothing_ties_and_is_inconclusive",
+    "tests/test_on_policy_sampler.py::test_cached_decode_samples_the_same_tokens_as_the_naive_loop",
+    "tests/test_models.py::test_derive_refusals_write_nothing",
+    "tests/test_loss_quality.py::test_the_trainer_trains_each_quality_loss_on_the_right_targets",
+    "tests/test_admission_paths.py::test_parsers_produce_identical_parsed_corpora",
+    "tests/test_admission_paths.py::test_mutated_corpora_end_in_one_verdict",
+    "tests/test_cache_policy.py::test_artifact_key_is_always_a_valid_prefect_key",
+    "tests/test_cache_policy.py::test_key_is_stable_across_processes",
+    "tests/test_admit_cli.py::test_installed_console_script",
+})
 
 
 def is_fast(item: pytest.Item) -> bool:
