@@ -30,6 +30,7 @@ TIERS: list[tuple[str, set[str]]] = [
         "kiln_core.training.checkpoint.contract", "kiln_core.training.checkpoint.rng",
         "kiln_core.training.checkpoint.write", "kiln_core.training.checkpoint.load",
         "kiln_core.training.distributed", "kiln_core.training.distributed.world", "kiln_core.training.base_adapter",
+        "kiln_core.training.interrupt",
     }),
     ("loop pieces", {"kiln_core.training.plan", "kiln_core.training.progress", "kiln_core.training.step",
                      "kiln_core.training.finish", "kiln_core.training.lifecycle", "kiln_core.training.on_policy_plan",
