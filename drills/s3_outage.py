@@ -1,7 +1,7 @@
 """S3 outage drill: the object store stops answering in the middle of a publication.
 
 A moto S3 server runs as a subprocess on loopback. Each trial trains the drill request (the driver of
-``drills.sigkill``) with its storage root on ``s3://`` — the corpus materialization, the
+the SIGKILL drill, ``drills.driver``) with its storage root on ``s3://`` — the corpus materialization, the
 checkpoints, the adapter and the receipt all go to the server — and freezes the server (SIGSTOP) just
 before one write drawn by a seeded RNG: a corpus file or its commit, a checkpoint file, a checkpoint
 manifest (the commit), an adapter file or its commit, or the receipt. The driver runs with short
@@ -34,8 +34,9 @@ from pathlib import Path
 from typing import Any
 
 from drills import DrillReport, fresh_dir, one_torch_thread, prepare_training_inputs, subprocess_env, where
+from drills.driver import Driver
 from drills.s3_server import S3Server, aws_environment
-from drills.sigkill import Driver, adapter_bytes, checkpoint_step_of
+from drills.sigkill import adapter_bytes, checkpoint_step_of
 
 CATEGORIES = ("corpus", "checkpoint-file", "checkpoint-commit", "adapter", "receipt")
 BUCKET = "kiln-drill"

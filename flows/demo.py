@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from prefect import flow
+from prefect.states import Cancelled
 
 from flows.opd_distill import opd_distill
 from flows.spec import PipelineSpec
@@ -89,6 +90,13 @@ def demo_spec(paths: dict[str, str], epochs: int) -> PipelineSpec:
 
 @flow(name="kiln-flows-demo", flow_run_name="demo")
 def demo(workdir: str = "./kiln-data", examples: int = 16, epochs: int = 3) -> dict[str, Any]:
-    """Run the demo pipeline under ``workdir`` and return ``opd_distill``'s summary."""
+    """Run the demo pipeline under ``workdir`` and return ``opd_distill``'s summary.
+
+    A pipeline stopped by Ctrl-C ends the demo ``Cancelled`` with the pipeline's message (not ``Failed``
+    with Prefect's ``CancelledRun`` traceback); a failed pipeline fails the demo with its error.
+    """
     paths = prepare_demo(workdir, examples)
-    return opd_distill(demo_spec(paths, epochs))
+    pipeline = opd_distill(demo_spec(paths, epochs), return_state=True)
+    if pipeline.is_cancelled():
+        return Cancelled(message=pipeline.message)  # a new state: the subflow's own would be counted, not kept
+    return pipeline.result()

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from prefect import flow
+from prefect.states import Cancelled
 
 from flows.opd_distill import opd_distill
 from flows.spec import PipelineSpec
@@ -111,7 +112,11 @@ def demo_real(workdir: str = "./kiln-data", train_examples: int = 96, heldout_ex
             corpora[split] = scored_corpus(examples[split], teacher, student, cache, on_progress=update)
 
     # admit, train, gate (base vs distilled on the held-out corpus), publish if promoted
-    summary = opd_distill(real_spec(root, teacher, student, corpora["train"], epochs, heldout=corpora["heldout"]))
+    pipeline = opd_distill(real_spec(root, teacher, student, corpora["train"], epochs, heldout=corpora["heldout"]),
+                           return_state=True)
+    if pipeline.is_cancelled():  # Ctrl-C: the demo ends Cancelled like its pipeline, not Failed with CancelledRun
+        return Cancelled(message=pipeline.message)
+    summary = pipeline.result()
 
     manifest = corpora["train"].read_text(encoding="utf-8").split("\n", 1)[0]
     heldout = admit_eval_corpus(str(corpora["heldout"]), str(student), top_k=32, teacher_manifest=manifest,

@@ -115,3 +115,71 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+# ------------------------------------------------------------------------------------------ the fast tier
+# `python -m pytest -m fast` runs the fast tier: every product module (kiln_core, tasks, flows, drills)
+# exercised in a few minutes, for a change-by-change loop. `python -m pytest` (the README's command, and
+# CI) still runs everything. This hook is the one place that decides which tests are fast:
+#
+# * a test marked slow/integration/browser/real is not fast (it trains end to end or starts a server);
+# * a test that trains a model is not fast: modules that train take the `one_torch_thread` fixture for
+#   every test (see the fixture above), so a test there that also needs a model fixture trains one;
+# * FAST_REPRESENTATIVES name the few short training and end-to-end tests that keep the modules only
+#   such tests reach in the tier; NOT_FAST names tests that pass the rules above yet take too long.
+#
+# tests/fast_tier_map.json records, for every product module, fast test files that exercise it (not just
+# import it); tests/test_fast_tier.py checks it against this hook, and tools/fast_tier_map.py rebuilds it.
+NOT_FAST_MARKS = frozenset({"slow", "integration", "browser", "real"})
+MODEL_FIXTURES = frozenset({"tiny_student", "tiny_teacher", "tiny_student_plain"})
+FAST_REPRESENTATIVES = frozenset({
+    "tests/test_trainer.py::test_loss_falls_with_a_high_learning_rate",  # the off-policy loop
+    "tests/test_on_policy_trainer.py::test_progress_reports_rollout_throughput_and_teacher_tokens",  # on-policy
+    "tests/test_train_cli.py::test_train_end_to_end_json",  # kiln-flows train through the engine
+    "tests/test_on_policy_cli.py::test_an_on_policy_request_trains_through_the_engine",
+    "tests/test_eval_watch.py::test_a_watch_the_run_cannot_keep_is_refused_before_anything_is_written",
+    "tests/test_eval_watch_sources.py::test_admit_builds_the_slice_from_the_scored_corpus",
+    "tests/fault_drills/test_drills.py::test_drill_cli_prints_one_json_object_per_drill",
+    "tests/test_pipeline_flow.py::test_rejected_corpus_fails_in_admit_and_writes_nothing",  # opd_distill, tasks
+    "tests/test_on_policy_vllm.py::test_a_server_that_is_down_is_an_environment_failure",  # the vLLM teacher
+})
+NOT_FAST = frozenset({  # over 5 CPU-seconds each when measured (they load or train models, or fuzz at length)
+    "tests/test_evaluation.py::test_eval_cli_json_and_table",
+    "tests/test_evaluation.py::test_adapter_of_another_model_is_refused",
+    "tests/test_evaluation.py::test_corpus_overlapping_the_training_corpus_is_refused",
+    "tests/test_evaluation.py::test_corpus_scored_by_another_teacher_is_refused",
+    "tests/test_evaluation.py::test_student_with_another_vocabulary_is_refused",
+    "tests/test_post_eval_runner.py::test_adapter_that_breaks_answers_is_a_regression",
+    "tests/test_post_eval_runner.py::test_previous_adapter_is_the_baseline_unless_it_has_the_candidates_name",
+    "tests/test_post_eval_runner.py::test_seeded_sampling_pairs_both_arms_and_reproduces",
+    "tests/test_post_eval_runner.py::test_adapter_that_gives_the_target_answers_is_promoted_or_kept",
+    "tests/test_post_eval_runner.py::test_include_baseline_reuses_the_gates_base_model_arm",
+    "tests/test_post_eval_runner.py::test_unreachable_targets_demote",
+    "tests/test_post_eval_runner.py::test_ungated_eval_runs_the_candidate_and_optional_base_model",
+    "tests/test_post_eval_runner.py::test_adapter_that_changes_nothing_ties_and_is_inconclusive",
+    "tests/test_on_policy_sampler.py::test_cached_decode_samples_the_same_tokens_as_the_naive_loop",
+    "tests/test_models.py::test_derive_refusals_write_nothing",
+    "tests/test_loss_quality.py::test_the_trainer_trains_each_quality_loss_on_the_right_targets",
+    "tests/test_admission_paths.py::test_parsers_produce_identical_parsed_corpora",
+    "tests/test_admission_paths.py::test_mutated_corpora_end_in_one_verdict",
+    "tests/test_cache_policy.py::test_artifact_key_is_always_a_valid_prefect_key",
+    "tests/test_cache_policy.py::test_key_is_stable_across_processes",
+    "tests/test_admit_cli.py::test_installed_console_script",
+})
+
+
+def is_fast(item: pytest.Item) -> bool:
+    """Whether ``item`` belongs to the fast tier (the rules above; a name without ``[params]`` names all)."""
+    names = {item.nodeid, item.nodeid.split("[", 1)[0]}
+    if names & FAST_REPRESENTATIVES:
+        return True
+    if names & NOT_FAST or any(mark.name in NOT_FAST_MARKS for mark in item.iter_markers()):
+        return False
+    fixtures = set(getattr(item, "fixturenames", ()))
+    return not ("one_torch_thread" in fixtures and fixtures & MODEL_FIXTURES)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if is_fast(item):
+            item.add_marker(pytest.mark.fast)

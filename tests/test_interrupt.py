@@ -78,22 +78,28 @@ def pipeline(tiny_student, tiny_teacher, tmp_path):
                        "learning_rate": 0.01, "lora_rank": 4, "lora_alpha": 8.0, "optimizer": {"kind": "adam_w"}}}
     path = tmp_path / "pipeline.yaml"
     path.write_text(yaml.safe_dump(spec))
+    return {**held_training(tmp_path), "argv": [KILN_FLOWS, "run", str(path), "--json"]}
+
+
+def held_training(tmp_path: Path) -> dict:
+    """The environment of a CLI subprocess whose training the hook holds after step ``HOLD_STEP``."""
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(HOOK)
     env = {key: value for key, value in os.environ.items() if key != "PREFECT_API_URL"}
-    env.update({"PYTHONPATH": str(hook), "KILN_TEST_HOLD_STEP": str(HOLD_STEP), "KILN_TEST_GO_FILE": str(tmp_path / "go"),
+    python_path = os.pathsep.join(filter(None, [str(hook), env.get("PYTHONPATH")]))  # the hook, then the caller's
+    env.update({"PYTHONPATH": python_path, "KILN_TEST_HOLD_STEP": str(HOLD_STEP), "KILN_TEST_GO_FILE": str(tmp_path / "go"),
                 "KILN_TEST_HELD_FILE": str(tmp_path / "held"),
                 "PREFECT_HOME": str(tmp_path / "prefect-home"),  # its own temporary API and database
                 "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "300"})
-    return {"spec": path, "env": env, "go": tmp_path / "go", "held": tmp_path / "held", "out": tmp_path / "out",
+    return {"env": env, "go": tmp_path / "go", "held": tmp_path / "held", "out": tmp_path / "out",
             "log": tmp_path / "run.log"}
 
 
 def start(pipeline) -> tuple[subprocess.Popen, object]:
     assert os.path.exists(KILN_FLOWS), f"no kiln-flows console script beside {sys.executable}: pip install -e ."
     log = open(pipeline["log"], "wb")
-    process = subprocess.Popen([KILN_FLOWS, "run", str(pipeline["spec"]), "--json"], env=pipeline["env"],
+    process = subprocess.Popen(pipeline["argv"], env=pipeline["env"],
                                stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
                                start_new_session=True)  # its own process group: the test plays the terminal
     return process, log
@@ -169,4 +175,33 @@ def test_a_second_ctrl_c_exits_at_once(pipeline):
     assert process.returncode == 3, stderr[-3000:]
     assert elapsed < 30, f"took {elapsed:.0f} s to exit after the second Ctrl-C"
     assert "Ctrl-C again to stop now" in stderr and "interrupted" in stderr
+    assert_gone(started)
+
+
+def test_ctrl_c_in_demo_ends_the_demo_cancelled_in_one_line(tmp_path):
+    """``kiln-flows demo`` wraps the pipeline in a flow of its own: a Ctrl-C that stops training cleanly
+    ends both flows ``Cancelled`` and says so in one line, without Prefect's ``CancelledRun`` traceback
+    or a ``Failed`` outer run."""
+    demo = {**held_training(tmp_path), "argv": [KILN_FLOWS, "demo", "--out", str(tmp_path / "out")]}
+    process, log = start(demo)
+    try:
+        started = wait_until_held(process, demo)
+        ctrl_c(process)
+        time.sleep(0.5)
+        demo["go"].write_text("")
+        out, _ = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        log.close()
+    stderr = demo["log"].read_text()
+    assert process.returncode == 3, stderr[-3000:]
+    assert "Traceback" not in stderr and "CancelledRun" not in stderr, stderr[-3000:]
+    assert "Failed" not in stderr and "FAILED" not in out.decode(), stderr[-3000:]
+    assert out.decode().splitlines() == [f"demo run ended CANCELLED: training cancelled at step {HOLD_STEP}; "
+                                         f"checkpoint demo-checkpoint-step-{HOLD_STEP:08d}.kiln-checkpoint"]
+    assert "Flow run 'demo' - Finished in state Cancelled(" in stderr
+    [run] = [p for p in (demo["out"] / "runs" / "demo").iterdir() if p.is_dir()]
+    receipt = json.loads((run / "train_receipt.json").read_text())
+    assert (receipt["status"], receipt["failure_reason"]) == ("failed", "cancelled")
     assert_gone(started)

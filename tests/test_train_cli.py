@@ -113,6 +113,46 @@ def test_sigterm_cancels_then_cli_resume_matches_an_uninterrupted_run(tiny_stude
     assert adapter(resumed) == adapter(reference)
 
 
+def test_a_second_ctrl_c_stops_at_once_and_the_receipt_says_cancelled(tiny_student, corpus_dir, tmp_path, capsys,
+                                                                         monkeypatch):
+    """Two Ctrl-Cs right after step 3 (a user who does not wait for the step boundary): the run stops
+    inside that step's callback, without the next step or a checkpoint, and its receipt says ``cancelled``
+    like a single Ctrl-C's, not ``training_error``; exit 3."""
+    import os
+    import signal
+
+    import kiln_core.training.trainer as trainer
+
+    original = trainer.train_opd
+
+    def ctrl_c_twice_after_step_3(**kwargs):
+        report = kwargs["on_progress"]
+
+        def progress(step, total, loss):
+            if report is not None:
+                report(step, total, loss)
+            if step == 3:
+                os.kill(os.getpid(), signal.SIGINT)  # the first asks for a stop at the next boundary
+                os.kill(os.getpid(), signal.SIGINT)  # the second stops now, here
+
+        return original(**{**kwargs, "on_progress": progress})
+
+    monkeypatch.setattr(trainer, "train_opd", ctrl_c_twice_after_step_3)
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    root = tmp_path / "out"
+    code, _ = train(capsys, "--request", write_request(corpus_dir), "--adapter", "impatient", "--student",
+                    str(tiny_student), "--out", str(root), "--json")
+    assert code == 3
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers  # restored
+    [run_dir] = [path for path in (root / "runs" / "impatient").iterdir() if path.is_dir()]
+    receipt = json.loads((run_dir / "train_receipt.json").read_text())
+    assert (receipt["status"], receipt["failure_reason"]) == ("failed", "cancelled"), receipt["failure_message"]
+    assert "second Ctrl-C" in receipt["failure_message"]
+    assert not (run_dir / "adapter").exists()
+    checkpoints = sorted(path.name for path in run_dir.glob("*.kiln-checkpoint"))
+    assert checkpoints == ["impatient-checkpoint-step-00000002.kiln-checkpoint"]  # none published on the way out
+
+
 def test_rejections_exit_2_with_a_code(tiny_student, corpus_dir, tmp_path, capsys):
     student = str(tiny_student)
     base = ["--student", student, "--out", str(tmp_path), "--json", "--adapter", "rejected"]

@@ -9,7 +9,7 @@
    ``kiln_core.engine.prompts.train_prompts``, always here, with the same watch); above 1
    the job is launched under ``torchrun`` (``kiln_core.training.distributed.launcher.launch``): the
    ranks read the committed materialization and write into the same run directory, rank 0 publishes;
-4. Ctrl-C / SIGTERM (``kiln_core.engine.interrupt``) and ``should_cancel`` stop the run at the next
+4. Ctrl-C / SIGTERM (``kiln_core.training.interrupt``) and ``should_cancel`` stop the run at the next
    step boundary after a checkpoint; the result then says ``cancelled``.
 
 Rejections (a checkpoint that does not match the run, a world size other than the checkpoint's) are
@@ -20,10 +20,10 @@ from __future__ import annotations
 
 from typing import Callable
 
-from kiln_core.engine.interrupt import stop_requests
 from kiln_core.engine.refs import CorpusRef, ManifestRef, TrainPlan, TrainRef
 from kiln_core.engine.runs import finished_run, newest_checkpoint
 from kiln_core.storage import resolve
+from kiln_core.training.interrupt import stop_requests
 
 Progress = Callable[[int, int, float], None]
 

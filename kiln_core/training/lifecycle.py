@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import random
-import signal
-import threading
 from typing import Any, Callable, Literal
 
 import numpy as np
@@ -30,6 +28,7 @@ from kiln_core.contracts.eval_curve import EvalCurve
 from kiln_core.training import checkpoint as ckpt
 from kiln_core.training.base_adapter import BaseAdapterError, load_base_adapter
 from kiln_core.training.finish import finish_run
+from kiln_core.training.interrupt import stop_requests
 from kiln_core.training.optim import build_optimizer, load_optimizer_state, optimizer_state_tensors
 from kiln_core.training.plan import RunPlan
 from kiln_core.training.progress import Clock, LoopProgress
@@ -123,6 +122,8 @@ def _failure_reason(error: BaseException) -> str:
         return "oom"
     if isinstance(error, BaseAdapterError):
         return "base_adapter_missing" if error.code == "base_adapter_missing" else "shape_mismatch"
+    if isinstance(error, KeyboardInterrupt):  # a second Ctrl-C (kiln_core.training.interrupt): the user stopped it
+        return "cancelled"
     return "training_error"
 
 
@@ -223,14 +224,7 @@ def deterministic(device: torch.device):
 
 @contextlib.contextmanager
 def stop_signals(enabled: bool):
-    """SIGTERM/SIGINT → a flag the loop polls at step boundaries (only from the main thread)."""
-    flag = threading.Event()
-    if not enabled or threading.current_thread() is not threading.main_thread():
-        yield flag
-        return
-    previous = {sig: signal.signal(sig, lambda *_: flag.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield flag
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    """SIGTERM/SIGINT → a flag the loop polls at step boundaries (only from the main thread); a second
+    Ctrl-C stops at once. The same handler as the engine's (``kiln_core.training.interrupt``)."""
+    with stop_requests(enabled) as stop:
+        yield stop

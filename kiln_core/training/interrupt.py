@@ -2,9 +2,12 @@
 
 The first SIGINT or SIGTERM sets a flag that training polls at each step boundary: the run publishes
 a checkpoint, writes a ``cancelled`` receipt and returns (the CLI exits 3). A second SIGINT raises
-``KeyboardInterrupt`` at once, wherever the main thread is. Prefect's cancellation of a flow run is a
-SIGTERM, so it takes the cooperative path too.
+``KeyboardInterrupt`` at once, wherever the main thread is; the loop records that as ``cancelled``
+too (``lifecycle.outcome_recorded``). Prefect's cancellation of a flow run is a SIGTERM, so it takes
+the cooperative path too.
 
+This is the one SIGINT/SIGTERM handler: the engine's training stage installs it around a run, and
+the trainers' ``handle_signals`` (``lifecycle.stop_signals``, e.g. a ``torchrun`` rank) use the same.
 Handlers can only be installed from the main thread; elsewhere ``stop_requests`` yields a flag that
 only ``request_stop`` sets.
 """
