@@ -91,7 +91,7 @@ def run_training(plan: RunPlan, source: CandidateSource, *, student_dir: str, cl
     """Train the planned run over ``source`` and publish the adapter and receipt.
 
     Args:
-        plan: The resolved run (``plan.plan_run`` / ``on_policy_plan.plan_on_policy_run``): every
+        plan: The resolved run (``plan.plan_off_policy_run`` / ``on_policy_plan.plan_on_policy_run``): every
             refusal already made.
         source: The run's candidates.
         student_dir: Local student model directory.

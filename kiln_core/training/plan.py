@@ -1,6 +1,6 @@
 """Planning a training run: everything decided, and every refusal made, before the model loads.
 
-``plan_run`` settles what an admitted corpus decides (``DataPlan``: schedule, top-K, the data
+``plan_off_policy_run`` settles what an admitted corpus decides (``DataPlan``: schedule, top-K, the data
 binding, the teacher's revision); ``build_plan`` — shared with the on-policy planner
 (``on_policy_plan``) — resolves the device and precision, the learning rate and the seed, computes
 the identities a checkpoint binds (``run_identity``, ``data_identity``), loads and checks the
@@ -29,7 +29,7 @@ from kiln_core.training.objectives import step_loss
 from kiln_core.training.receipt import TRAINING_DATA_SOURCE, RunFacts, library_versions, receipt_status
 from kiln_core.training.student import resolve_device, resolve_precision, student_identity
 
-__all__ = ["ADAPTER_DIR", "Schedule", "RunPlan", "DataPlan", "plan_run", "build_plan"]
+__all__ = ["ADAPTER_DIR", "Schedule", "RunPlan", "DataPlan", "plan_off_policy_run", "build_plan"]
 
 ADAPTER_DIR = "adapter"
 
@@ -127,10 +127,11 @@ class DataPlan:
     on_policy: bool = False
 
 
-def plan_run(*, tables: CorpusTables, dataset_sha256: str, dataset_path: str, student_dir: str, adapter_name: str,
-             config: OpdConfig, run_root: str, teacher_identity: Any | None, teacher_alias: str,
-             resume_checkpoint: str | None, device: str | None, precision: str | None, gradient_checkpointing: bool,
-             world: World, base_adapter: BaseAdapter | None = None) -> RunPlan:
+def plan_off_policy_run(*, tables: CorpusTables, dataset_sha256: str, dataset_path: str, student_dir: str,
+                        adapter_name: str, config: OpdConfig, run_root: str, teacher_identity: Any | None,
+                        teacher_alias: str, resume_checkpoint: str | None, device: str | None,
+                        precision: str | None, gradient_checkpointing: bool, world: World,
+                        base_adapter: BaseAdapter | None = None) -> RunPlan:
     """Resolve an off-policy run and apply every refusal before any model loads (cheapest checks first).
 
     Raises:

@@ -1,7 +1,7 @@
 """Off-policy OPD training: an admitted corpus, one candidate sequence per optimizer step, top-K
 reverse KL, exact resume.
 
-``train_opd`` plans the run (``plan.plan_run``: the schedule, the seed, the identities a checkpoint
+``train_opd`` plans the run (``plan.plan_off_policy_run``: the schedule, the seed, the identities a checkpoint
 binds, and every refusal — a bad resume basename, a checkpoint that does not match, an adapter
 already published — before any model loads), then runs the one training loop
 (``loop.run_training``) over the corpus (``CorpusCandidates``): the seeded student, restored exactly
@@ -28,7 +28,7 @@ from kiln_core.training.base_adapter import BaseAdapter
 from kiln_core.training.distributed.world import World
 from kiln_core.training.lifecycle import CANCEL_MESSAGE, TrainResult, result_fields
 from kiln_core.training.loop import StepGroup, run_training
-from kiln_core.training.plan import RunPlan, Schedule, plan_run
+from kiln_core.training.plan import RunPlan, Schedule, plan_off_policy_run
 from kiln_core.training.progress import Clock, LoopProgress
 from kiln_core.training.step import corpus_examples
 from kiln_core.training.watch import EvalReport, HeldOutSlice, check_watch
@@ -113,11 +113,11 @@ def train_opd(
     world = world if world is not None else World.current()
     check_watch(eval_watch, world)
     # ---- 1. plan: every refusal (bad resume name, mismatching checkpoint, published adapter) happens here
-    plan = plan_run(tables=tables, dataset_sha256=dataset_sha256, dataset_path=dataset_path, student_dir=student_dir,
-                    adapter_name=adapter_name, config=config, run_root=run_root, teacher_identity=teacher_identity,
-                    teacher_alias=teacher_alias, resume_checkpoint=resume_checkpoint, device=device,
-                    precision=precision, gradient_checkpointing=gradient_checkpointing, world=world,
-                    base_adapter=base_adapter)
+    plan = plan_off_policy_run(
+        tables=tables, dataset_sha256=dataset_sha256, dataset_path=dataset_path, student_dir=student_dir,
+        adapter_name=adapter_name, config=config, run_root=run_root, teacher_identity=teacher_identity,
+        teacher_alias=teacher_alias, resume_checkpoint=resume_checkpoint, device=device, precision=precision,
+        gradient_checkpointing=gradient_checkpointing, world=world, base_adapter=base_adapter)
     total = plan.schedule.total_steps
     # ---- 2.–4. setup, the loop over the corpus, the adapter and the receipt (``loop.run_training``)
     run = run_training(plan, CorpusCandidates(tables, plan), student_dir=student_dir, clock=clock,
