@@ -213,7 +213,7 @@ def test_validate_spec_accepts_a_good_spec_as_dict_or_model(local_inputs):
 
 
 @pytest.mark.parametrize("change, expected", [
-    ({"adapter": "my adapter/v2!"}, r"^spec\.adapter: must be 1-128 characters"),
+    ({"adapter": "my adapter/v2!"}, r"^spec\.adapter: 'my adapter/v2!' must be 1-128 characters of letters"),
     ({"examples": "x.jsonl"}, r"^spec: give exactly one of `corpus`"),
     ({"config": {"training_mode": "off_policy", "top_k": 8}}, r"^spec\.config\.top_k: OPD top_k 8 is not executable"),
     ({"config": {"training_mode": "off_policy", "lora_rnak": 8}}, r"^spec\.config\.lora_rnak: unknown key"),
@@ -229,8 +229,9 @@ def test_validate_spec_rejects_in_one_line_naming_the_field(local_inputs, change
         validate_spec.fn({**local_inputs, **change})
     assert isinstance(caught.value, Rejection)
     assert "\n" not in str(caught.value)
-    assert re.search(expected, str(caught.value)), str(caught.value)
-    assert caught.value.field is None or caught.value.field.startswith("spec")
+    told = f"{caught.value.field}: {caught.value}"  # the field once, then the rule (never the field twice)
+    assert re.search(expected, told), told
+    assert caught.value.field.startswith("spec") and not str(caught.value).startswith(caught.value.field)
 
 
 def test_remote_inputs_are_left_to_the_stages(local_inputs):
