@@ -230,7 +230,7 @@ def build_plan(*, data: DataPlan, run_dir: Location, basename: str | None, stude
     facts = RunFacts(
         adapter_name=adapter_name, student_dir=str(student_dir), student_identity=identity, shard_manifest=shards,
         execution_provenance=provenance, precision_policy=precision_record, dataset_path=path,
-        dataset_sha256=sha256, training_data_source=source, config=config.model_dump(mode="json", by_alias=True),
+        dataset_sha256=sha256, training_data_source=source, config=config,
         effective_config=contract.effective_config, seed=contract.init_seed, learning_rate=lr, top_k=top_k,
         samples_per_prompt=samples, sequences_per_step=config.sequences_per_step, teacher_alias=teacher_alias,
         teacher_identity=teacher, teacher_identity_revision=teacher_identity.identity_revision() if teacher_identity else None,

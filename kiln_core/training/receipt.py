@@ -29,6 +29,7 @@ from pydantic import ValidationError
 
 from kiln_core.canonical import canonical_sha256
 from kiln_core.contracts.eval_curve import EvalCurve
+from kiln_core.contracts.opd_config import EchoConfig, OpdConfig
 from kiln_core.contracts.receipt import (
     FAILURE_REASONS,
     RECEIPT_FILE,
@@ -82,8 +83,8 @@ class RunFacts:
     """The corpus path as given; None for inline on-policy prompts."""
     dataset_sha256: str
     """``sha256:`` of the corpus bytes, or of the prompt list (on-policy)."""
-    config: dict[str, Any]
-    """The request's ``OpdConfig`` as JSON (our extensions included)."""
+    config: OpdConfig
+    """The request's ``OpdConfig`` (our extensions included); the receipt's ``config`` is its JSON."""
     effective_config: dict[str, Any]
     """The checkpoint ``effective_config`` (Kiln's keys only)."""
     seed: int
@@ -158,7 +159,7 @@ def build_receipt(facts: RunFacts, outcome: RunOutcome) -> TrainReceipt:
     if failure_reason is not None and failure_reason not in FAILURE_REASONS:
         raise ValueError(f"unknown failure_reason {outcome.failure_reason!r}")
     config, identity = facts.config, facts.student_identity
-    echo = config.get("echo")
+    echo = config.echo
     fired = outcome.final_env_ce is not None
     timings = outcome.phase_timings_ms
     model_hash = _prefixed(identity.get("model_config_sha256"))
@@ -179,16 +180,16 @@ def build_receipt(facts: RunFacts, outcome: RunOutcome) -> TrainReceipt:
         training_data=TrainingDataReceipt(source=facts.training_data_source, path=facts.dataset_path,
                                           sha256=facts.dataset_sha256),
         hyperparameters=HyperparameterReceipt(
-            rank=config["lora_rank"], alpha=float(config["lora_alpha"]), alpha_over_rank=config["lora_alpha"] / config["lora_rank"],
-            learning_rate=facts.learning_rate, epochs=config["epochs"], seed=facts.seed,
-            optimizer=config["optimizer"]["kind"], sequences_per_step=facts.sequences_per_step),
+            rank=config.lora_rank, alpha=float(config.lora_alpha), alpha_over_rank=config.lora_alpha / config.lora_rank,
+            learning_rate=facts.learning_rate, epochs=config.epochs, seed=facts.seed,
+            optimizer=config.optimizer.kind, sequences_per_step=facts.sequences_per_step),
         opd=OpdReceipt(
-            training_mode=config["training_mode"], objective=config["objective"], loss_granularity=LOSS_GRANULARITY,
+            training_mode=config.training_mode, objective=config.objective, loss_granularity=LOSS_GRANULARITY,
             teacher_id=facts.teacher_alias, teacher_content_revision=facts.teacher_content_revision,
             teacher_identity=facts.teacher_identity, top_k=facts.top_k, samples_per_prompt=facts.samples_per_prompt,
             action_tokens=outcome.token_counts.get("action_tokens", 0), env_tokens=outcome.token_counts.get("env_tokens", 0),
-            echo_combined=fired, echo_lambda=echo["lambda"] if echo else None,
-            final_opd_loss=outcome.loss_history[-1] if outcome.loss_history else None, loss=config["loss"],
+            echo_combined=fired, echo_lambda=echo.lambda_ if echo else None,
+            final_opd_loss=outcome.loss_history[-1] if outcome.loss_history else None, loss=config.loss,
             teacher_identity_revision=facts.teacher_identity_revision, rollout_backend=outcome.rollout_backend,
             teacher_backend=outcome.teacher_backend),
         echo=_echo_receipt(echo, outcome),
@@ -208,7 +209,8 @@ def build_receipt(facts: RunFacts, outcome: RunOutcome) -> TrainReceipt:
                                           chat_template_hash=template_hash, effective_config=canonical_sha256(facts.effective_config)),
         lora_delta_norms=[LoraDeltaNormSummary(**row) for row in outcome.lora_delta_norms],
         lora_grad_norms=[LoraGradNormSummary(**row) for row in outcome.lora_grad_norms],
-        config=dict(config, top_k=facts.top_k, samples_per_prompt=facts.samples_per_prompt, seed=facts.seed),
+        config=dict(config.model_dump(mode="json", by_alias=True), top_k=facts.top_k,
+                    samples_per_prompt=facts.samples_per_prompt, seed=facts.seed),
         loss_history=list(outcome.loss_history),
         phase_timings_ms={key: round(value, 3) for key, value in timings.items()},
         library_versions=dict(facts.library_versions),
@@ -219,15 +221,15 @@ def build_receipt(facts: RunFacts, outcome: RunOutcome) -> TrainReceipt:
     )
 
 
-def _echo_receipt(echo: dict[str, Any] | None, outcome: RunOutcome) -> EchoReceipt:
+def _echo_receipt(echo: EchoConfig | None, outcome: RunOutcome) -> EchoReceipt:
     if echo is None:
         return EchoReceipt(enabled=False)
     fired = outcome.final_env_ce is not None
     dropped = None
     if not fired and outcome.global_step > 0:
-        dropped = "echo.lambda is 0" if echo["lambda"] == 0 else "no observation (env) tokens in the trained candidates"
-    return EchoReceipt(enabled=fired, configured=True, lambda_=echo["lambda"], env_mask_mode=echo["env_mask_mode"],
-                       warning_filter=echo["warning_filter"], final_env_ce=outcome.final_env_ce, dropped_reason=dropped)
+        dropped = "echo.lambda is 0" if echo.lambda_ == 0 else "no observation (env) tokens in the trained candidates"
+    return EchoReceipt(enabled=fired, configured=True, lambda_=echo.lambda_, env_mask_mode=echo.env_mask_mode,
+                       warning_filter=echo.warning_filter, final_env_ce=outcome.final_env_ce, dropped_reason=dropped)
 
 
 def write_receipt(run_dir: Location, receipt: TrainReceipt) -> str:
