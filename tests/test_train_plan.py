@@ -88,3 +88,15 @@ def test_a_torchrun_job_carries_the_typed_config_and_base_adapter():
                          teacher_alias="t", base_adapter=plan.base_adapter)
     again = DistributedJob.model_validate_json(job.model_dump_json())
     assert again.config == plan.config and again.base_adapter == plan.base_adapter
+
+
+def test_a_manifest_ref_parses_its_teacher_once_and_serializes_only_the_line(tiny_student):
+    from kiln_core.contracts.identity import build_manifest_line, parse_manifest_line
+    from kiln_core.engine.refs import ManifestRef
+    from kiln_core.synthetic import synthetic_identity
+
+    line = build_manifest_line(synthetic_identity(tiny_student))
+    ref = ManifestRef(manifest_line=line, identity_revision="r", teacher="t", source="manifest_file")
+    assert ref.teacher_identity == parse_manifest_line(line).teacher_identity
+    assert ref.teacher_identity is ref.teacher_identity  # parsed once
+    assert "teacher_identity" not in ref.model_dump() and ManifestRef.model_validate_json(ref.model_dump_json()) == ref

@@ -40,10 +40,9 @@ PROMPTS_DIR = "prompts"
 
 def _binding(manifest: ManifestRef):
     """The pinned teacher as the submit checks see it: local when it has a model directory, else remote."""
-    from kiln_core.contracts.identity import parse_manifest_line
     from kiln_core.on_policy.submit import TeacherBinding
 
-    identity = parse_manifest_line(manifest.manifest_line).teacher_identity
+    identity = manifest.teacher_identity
     kind = "local" if manifest.teacher_dir else "remote"
     return TeacherBinding(manifest.teacher, kind, identity, manifest.teacher_dir)
 
@@ -120,7 +119,6 @@ def train_prompts(plan: TrainPlan, prompts: CorpusRef, manifest: ManifestRef, st
         Rejection: ``remote_teacher_on_policy`` (no local model directory); the trainer's refusals.
         EnvironmentFailure: ``corpus_changed`` when the prompt file no longer holds the planned prompts.
     """
-    from kiln_core.contracts.identity import parse_manifest_line
     from kiln_core.on_policy.prompt_file import read_prompt_file
     from kiln_core.on_policy.teacher import TeacherSource
     from kiln_core.training.on_policy_trainer import train_on_policy
@@ -132,7 +130,7 @@ def train_prompts(plan: TrainPlan, prompts: CorpusRef, manifest: ManifestRef, st
     if not manifest.teacher_dir:
         raise Rejection("remote_teacher_on_policy", f"teacher {manifest.teacher!r} has no local model to score "
                         "rollouts with", field="teacher")
-    identity = parse_manifest_line(manifest.manifest_line).teacher_identity
+    identity = manifest.teacher_identity
     teacher = TeacherSource.local(manifest.teacher, identity, manifest.teacher_dir, device=plan.device)
     rollout_backend = None
     if plan.vllm is not None:

@@ -6,11 +6,13 @@ what a training deployment receives as parameters, so every field is JSON-able.
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
 from kiln_core.contracts.eval_watch import EvalWatch
+from kiln_core.contracts.identity import TeacherIdentity, parse_manifest_line
 from kiln_core.contracts.opd_config import OpdConfig
 from kiln_core.contracts.spec_blocks import VllmBackends
 from kiln_core.training.base_adapter import BaseAdapter
@@ -28,6 +30,12 @@ class ManifestRef(_Ref):
     teacher: str
     source: str
     teacher_dir: str | None = None
+
+    @cached_property
+    def teacher_identity(self) -> TeacherIdentity:
+        """The pinned ``TeacherIdentity``, parsed from ``manifest_line`` once per ref (not a field: the line
+        is the one source of truth, and a task result or parameter carries only the line)."""
+        return parse_manifest_line(self.manifest_line).teacher_identity
 
 
 class InputsRef(_Ref):

@@ -102,7 +102,6 @@ def training_settings(plan: TrainPlan, corpus: CorpusRef) -> str:
 def _train_here(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir: str, resume: str | None,
                 on_progress: Progress | None, should_cancel: Callable[[], bool],
                 on_step_committed: Callable[[int], None] | None):
-    from kiln_core.contracts.identity import parse_manifest_line
     from kiln_core.materialize import read_materialization
     from kiln_core.training import trainer
 
@@ -111,7 +110,7 @@ def _train_here(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, stude
     return trainer.train_opd(
         tables=materialization.tables, dataset_sha256=corpus.dataset_sha256, dataset_path=corpus.source_uri,
         student_dir=student_dir, adapter_name=plan.adapter, config=plan.config,
-        run_root=plan.run_uri, teacher_identity=parse_manifest_line(manifest.manifest_line).teacher_identity,
+        run_root=plan.run_uri, teacher_identity=manifest.teacher_identity,
         teacher_alias=manifest.teacher, resume_checkpoint=resume, should_cancel=should_cancel,
         on_progress=on_progress, on_step_committed=on_step_committed, device=plan.device, precision=plan.precision,
         gradient_checkpointing=plan.gradient_checkpointing, handle_signals=False, eval_watch=held_out,
