@@ -20,9 +20,11 @@ def test_real_demo_distills_smollm2_and_evaluates_held_out(prefect_harness, tmp_
 
     workdir = tmp_path / "kiln-data"
     code = main(["demo", "--real", "--workdir", str(workdir), "--examples", "16", "--heldout", "4", "--epochs", "2", "--json"])
-    output = capsys.readouterr().out
-    assert code == 0, output
-    summary = json.loads(output.strip().splitlines()[-1])
+    captured = capsys.readouterr()
+    output, report = captured.out, captured.err  # with --json, stdout is the one JSON object; the report is on stderr
+    assert code == 0, output + report
+    [line] = output.strip().splitlines()
+    summary = json.loads(line)
     assert summary["status"] == "success" and len(summary["loss_history"]) == 32
     receipt = json.loads(Path(summary["receipt"]).read_text())
     from kiln_core.contracts.opd_config import PRESETS
@@ -45,5 +47,5 @@ def test_real_demo_distills_smollm2_and_evaluates_held_out(prefect_harness, tmp_
     assert receipt["gate_outcome"] == "promoted" and receipt["quality_gate"]["failures"] == []
     for word in ("top-1 agree", "base student", "distilled student", "kiln-flows eval --student", "gate: promoted",
                  "PASSED quality gate"):
-        assert word in output
+        assert word in report
 
