@@ -15,10 +15,13 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import sys
 import warnings
 from typing import Iterator
 
+# tqdm moving between nested bars' lines: newlines then cursor-up codes (``tqdm.std.moveto``).
+_BAR_MOVES = re.compile(r"\n*(?:\x1b\[A)*")
 # Modules whose own deprecation notices are silenced; matched against the module that warns.
 QUIET_MODULES = r"(transformers|peft|huggingface_hub|torch|accelerate)(\.|$)"
 
@@ -36,12 +39,15 @@ class _LinesAboveBars:
     def __init__(self, stream) -> None:
         self._stream = stream
         self._pending = ""
+        self._redrawing = False
 
     def write(self, text: str) -> int:
         if not text:
             return 0
-        if text.startswith("\r") or (text == "\n" and not self._pending):
-            return self._stream.write(text)  # a bar drawing itself, or a closing bar's newline
+        if self._redrawing or text.startswith("\r") or (not self._pending and _BAR_MOVES.fullmatch(text)):
+            # a bar drawing itself (or moving between nested bars' lines), a closing bar's newline, or the
+            # bars redrawn below a line: straight through, never another clear-and-redraw
+            return self._stream.write(text)
         self._pending += text
         if "\n" not in self._pending:
             return len(text)
@@ -55,9 +61,13 @@ class _LinesAboveBars:
         if not getattr(tqdm, "_instances", None):
             self._stream.write(lines)
             return
-        with tqdm.external_write_mode(file=self):
-            self._stream.write(lines)
-            self._stream.flush()
+        self._redrawing = True
+        try:
+            with tqdm.external_write_mode(file=self):
+                self._stream.write(lines)
+                self._stream.flush()
+        finally:
+            self._redrawing = False
 
     def flush(self) -> None:
         self._stream.flush()  # a partial line waits for its newline (or the end of the block)
@@ -70,7 +80,10 @@ class _LinesAboveBars:
         self._stream.flush()
 
     def __getattr__(self, name: str):
-        return getattr(self._stream, name)
+        stream = self.__dict__.get("_stream")  # not yet set (a copy being built): no recursion
+        if stream is None:
+            raise AttributeError(name)
+        return getattr(stream, name)
 
 
 @contextlib.contextmanager

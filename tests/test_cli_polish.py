@@ -280,3 +280,26 @@ def test_run_prefect_log_lines_do_not_share_the_training_progress_bar_line(tiny_
     assert step_logs and any("%|" in line for line in lines), lines  # both were drawn
     glued = [line for line in lines if "%|" in line and ("| INFO" in line or "| WARNING" in line)]
     assert not glued, glued
+
+
+def test_nested_bars_draw_through_the_line_keeper_without_recursion():
+    """tqdm moves between nested bars' lines with bare newlines and cursor-up codes (a GGUF import's bar
+    inside a stage's bar in ``demo --real``); those pass straight through, and a line written meanwhile
+    still lands whole, above the bars."""
+    import io
+
+    from tqdm import tqdm
+
+    from flows.console import _LinesAboveBars
+
+    sink = io.StringIO()
+    stream = _LinesAboveBars(sink)
+    with tqdm(total=3, file=stream, position=0) as outer, tqdm(total=4, file=stream, position=1, leave=False) as inner:
+        for _ in range(4):
+            inner.update()
+            stream.write("a log line\n")
+        outer.update(3)
+    stream.write("tail")
+    stream.write("\n")
+    text = sink.getvalue()
+    assert text.count("a log line\n") == 4 and "tail\n" in text  # whole lines, none lost
