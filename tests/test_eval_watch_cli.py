@@ -61,7 +61,11 @@ def test_stop_on_divergence_stops_with_the_rule_named(tiny_student, request_file
     receipt = json.loads(open(result["receipt"]).read())
     assert (receipt["stop_reason"], receipt["failure_reason"]) == ("stalled", "training_error")
     assert "rule stalled, eval.stop_on_divergence" in receipt["failure_message"]
-    assert result["steps"] == 18 < 24 and result["latest_checkpoint"].endswith("-step-00000018.kiln-checkpoint")
+    # where it stalls depends on the floating-point path of the installed libraries; what a user relies on
+    # is that it stopped before the end, at the step the rule fired, with that step's state checkpointed
+    steps = result["steps"]
+    assert patience_evaluations_without_improvement(receipt, steps) and 3 < steps < 24
+    assert result["latest_checkpoint"].endswith(f"-step-{steps:08d}.kiln-checkpoint")
 
 
 @pytest.mark.parametrize("flags, field", [
@@ -93,3 +97,12 @@ def test_eval_with_several_processes_is_refused(tiny_student, request_file, tmp_
     code, result = train(capsys, request_file, tiny_student, tmp_path, "--eval-corpus", "h.jsonl", "--eval-every", "2",
                          "--nproc", "2")
     assert code == 2 and result["field"] == "eval", result
+
+
+def patience_evaluations_without_improvement(receipt, stopped_at, patience=3, min_improvement=0.01):
+    """The stall rule, recomputed naively from the receipt's curve: the held-out KL of the last ``patience``
+    evaluations up to the stop is never ``min_improvement`` (relative) below the best before them."""
+    points = [p for p in receipt["eval_curve"]["points"] if p["step"] <= stopped_at]
+    kls = [p["reverse_kl"] for p in points]
+    best_before = min(kls[:-patience])
+    return all(kl > best_before * (1 - min_improvement) for kl in kls[-patience:])
