@@ -124,7 +124,26 @@ def _click_clear_of_toasts(driver, button) -> None:
     except TimeoutError:
         for close in driver.find_elements(By.CSS_SELECTOR, "[data-sonner-toast] button[aria-label='Close toast']"):
             close.click()
-    button.click()
+    _click_uncovered(driver, button)
+
+
+def _click_uncovered(driver, button, attempts: int = 3) -> None:
+    """Click ``button``; when something still lies over it (an open dropdown's list, a field's popover),
+    close it as a person would (Escape, or a click on the page's empty margin), re-centre and try again."""
+    from selenium.common.exceptions import ElementClickInterceptedException
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    for attempt in range(attempts):
+        try:
+            button.click()
+            return
+        except ElementClickInterceptedException:
+            if attempt == attempts - 1:
+                raise
+            driver.find_element(By.TAG_NAME, "body").send_keys(Keys.ESCAPE)
+            time.sleep(0.5)
+            driver.execute_script("arguments[0].scrollIntoView({block: 'center'});", button)
 
 
 def _wait_for_form(driver, page: str, screenshots: Path, name: str, label_xpath: str) -> None:
