@@ -86,7 +86,7 @@ class PrefectStages:
     def train(self, plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir: str) -> TrainRef:
         options = self.spec.options
         _log().info("train: %s in %s (resume: %s)", plan.adapter, plan.run_uri, plan.resume or "fresh")
-        _log().info("train: %s", training_settings(plan, corpus))
+        _log().info("train: %s", training_settings(plan))
         if options.train_deployment:
             trained = self._train_on_pool(plan, corpus, manifest)
         else:

@@ -103,7 +103,7 @@ class LocalStages:
 
     def train(self, plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir: str) -> TrainRef:
         if self.on_train_start is not None:
-            self.on_train_start(training_settings(plan, corpus))
+            self.on_train_start(training_settings(plan))
         return train(plan, corpus, manifest, student_dir, on_progress=self.on_progress,
                      should_cancel=self.should_cancel, on_step_committed=self.on_step_committed,
                      handle_signals=self.handle_signals)

@@ -83,13 +83,13 @@ def train(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir
                     resumed_from=result.resumed_from)
 
 
-def training_settings(plan: TrainPlan, corpus: CorpusRef) -> str:
+def training_settings(plan: TrainPlan) -> str:
     """The effective settings a run trains with, for the log line when training starts (the CLI's and the
     flow's): the plan's resolved values (a learning rate left empty is the optimizer's default, a seed left
     empty the run key's).
 
     Example:
-        >>> training_settings(plan, corpus_ref)  # doctest: +SKIP
+        >>> training_settings(plan)  # doctest: +SKIP
         'optimizer adam_w, learning rate 0.001, top-K 16, seed 3, publish guard on'
     """
     config = plan.config
