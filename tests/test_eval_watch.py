@@ -51,6 +51,12 @@ def checkpoint_files(root, basename) -> dict[str, bytes]:
             ("adapter.safetensors", "optimizer.safetensors", "opd_loop_state.json", "kiln_flows_state.json")}
 
 
+def without_process_wide_generators(state: dict) -> dict:
+    kept = {k: v for k, v in state.items() if k != "eval_curve"}
+    kept["rank_rng"] = [{"torch_cpu": rank["torch_cpu"], "torch_cuda": rank["torch_cuda"]} for rank in state["rank_rng"]]
+    return kept
+
+
 def kl_curve(result) -> list[tuple[int, float]]:
     return [(p.step, p.reverse_kl) for p in result.eval_curve.points]
 
@@ -123,7 +129,10 @@ def test_watching_leaves_training_untouched_and_an_unwatched_run_writes_no_trace
                {k: v for k, v in b.items() if k != "kiln_flows_state.json"}
         plain_state, watched_state = json.loads(a["kiln_flows_state.json"]), json.loads(b["kiln_flows_state.json"])
         assert "eval_curve" not in plain_state  # the unwatched extension file is what it was before the watch
-        assert {k: v for k, v in watched_state.items() if k != "eval_curve"} == plain_state  # RNG states included
+        # Every field matches, the torch generators (the ones training draws from) included. Python's and NumPy's
+        # generators are process-wide: Prefect's background services left by earlier flow tests in this process
+        # draw jitter from Python's (prefect.utilities.math.clamped_poisson_interval), so they are left out here.
+        assert without_process_wide_generators(watched_state) == without_process_wide_generators(plain_state)
     plain_receipt = receipt(tmp_path / "plain")
     assert "eval_curve" not in plain_receipt and "stop_reason" not in plain_receipt and plain.eval_curve is None
 
