@@ -18,9 +18,9 @@ from tasks.cache import DigestCachePolicy
 from tasks.names import run_name
 
 ADMIT_CACHE = DigestCachePolicy(
-    # v3: results are engine refs (kiln_core.engine.refs) pointing at admission format v2 (Kiln's
-    # masks); a v2 result of either older line is a ref of another module or a v1 materialization.
-    version="kiln-flows-admit-v3",
+    # v4: results live beside the cache records under the storage root (``cache_options``); a v3 record
+    # names a result in some Prefect home. v3: results are engine refs pointing at admission format v2.
+    version="kiln-flows-admit-v4",
     inputs=("dataset_sha256", "student_digest", "effective_top_k", "pinned_revision", "storage_root"),
 )
 
@@ -63,11 +63,20 @@ def admit_task(
 
 
 def cache_options(storage_root: str, refresh: bool) -> dict[str, Any]:
-    """Task options that store cache records apart from results, under a local storage root."""
+    """Task options that keep the admit task's cache records and their results together under a local
+    storage root.
+
+    A cache record names its result by absolute path. Kept under the storage root, both outlive a change
+    of ``PREFECT_HOME`` (another user, a fresh container, a test harness): with the result left in
+    Prefect's home, a new home would find the record yet refuse its result as "outside of the base path".
+    """
+    from pathlib import Path
+
     from kiln_core.storage import resolve
 
     options: dict[str, Any] = {"refresh_cache": refresh}
     location = resolve(storage_root)
     if location.is_local:
         options["cache_policy"] = ADMIT_CACHE.configure(key_storage=f"{location.path}/prefect/cache-keys")
+        options["result_storage"] = Path(location.path) / "prefect" / "results"  # a local file system there
     return options

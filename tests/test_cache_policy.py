@@ -55,7 +55,7 @@ def key_of(policy, inputs, task_ctx=None, flow_parameters=None):
 def test_key_is_versioned_sha256():
     key = key_of(ADMIT_CACHE, admit_inputs())
     version, _, digest = key.rpartition("-")
-    assert version == ADMIT_CACHE.version == "kiln-flows-admit-v3"
+    assert version == ADMIT_CACHE.version == "kiln-flows-admit-v4"
     assert re.fullmatch(r"[0-9a-f]{64}", digest)
     assert key == key_of(ADMIT_CACHE, admit_inputs())
 

@@ -224,6 +224,20 @@ def test_pipeline_end_to_end(world, reference, tiny_student):
 # 2. an unchanged corpus is admitted once
 
 
+def test_the_admit_cache_outlives_a_change_of_prefect_home(reference, tmp_path):
+    # Prefect's own result storage moves with PREFECT_HOME; the admit task's cache records and their results
+    # live under the storage root, so a new home still finds them (it used to refuse the result as
+    # "outside of the base path").
+    from prefect.settings import PREFECT_LOCAL_STORAGE_PATH, temporary_settings
+
+    assert listing(reference.root / "prefect" / "results")  # the reference run's admit result is there
+    with temporary_settings(updates={PREFECT_LOCAL_STORAGE_PATH: tmp_path / "another-prefect-home" / "storage"}):
+        state, summary = run_pipeline(reference.spec)
+    runs = task_runs(state.state_details.flow_run_id, ("admit", "train"))
+    assert runs["admit"].state.name == "Cached", runs["admit"].state
+    assert summary["status"] == "success" and summary["adapter"] == reference.summary["adapter"]
+
+
 def test_unchanged_corpus_is_never_admitted_twice(world, reference, monkeypatch):
     import kiln_core.admission
     import kiln_core.admission.admit as admit_module
