@@ -183,3 +183,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if is_fast(item):
             item.add_marker(pytest.mark.fast)
+
+
+# ------------------------------------------------------------------------------------------ parallel workers
+MAX_WORKERS = 4  # each worker holds torch, Prefect and a tiny model or two; more rarely pays on one machine
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto`` (pyproject's addopts): one worker per core this process may use, at most ``MAX_WORKERS``."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cores, MAX_WORKERS))

@@ -26,7 +26,7 @@ REBUILD = "rebuild it: python tools/fast_tier_map.py (needs coverage)"
 
 def fast_tests() -> set[str]:
     """The node ids ``-m fast`` selects, from pytest's own collection (the documented command)."""
-    listed = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "fast", "-p", "no:cacheprovider"],
+    listed = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "fast", "-p", "no:cacheprovider", "-n", "0"],
                             cwd=REPO, capture_output=True, text=True, timeout=600)
     assert listed.returncode == 0, listed.stdout[-3000:] + listed.stderr[-3000:]
     return {line for line in listed.stdout.splitlines() if "::" in line}
@@ -64,6 +64,6 @@ def test_every_file_in_the_map_holds_fast_tests_and_every_representative_exists(
     bases = fast | {node.split("[", 1)[0] for node in fast}
     assert sorted(FAST_REPRESENTATIVES - bases) == [], "conftest.FAST_REPRESENTATIVES names tests that do not exist"
     if NOT_FAST:  # names of tests kept out of the tier must name tests that exist
-        listed = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+        listed = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-n", "0",
                                  *sorted(NOT_FAST)], cwd=REPO, capture_output=True, text=True, timeout=600)
         assert listed.returncode == 0, f"conftest.NOT_FAST names tests that do not exist:\n{listed.stdout[-3000:]}"

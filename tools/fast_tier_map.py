@@ -79,7 +79,7 @@ def run_fast_tier_under_coverage(data_file: Path) -> None:
     rcfile = data_file.with_suffix(".rc")
     rcfile.write_text("[run]\nsource_pkgs = " + ", ".join(PACKAGES) + "\ndynamic_context = test_function\n"
                       f"data_file = {data_file}\n")
-    subprocess.run([sys.executable, "-m", "coverage", "run", f"--rcfile={rcfile}", "-m", "pytest", "-m", "fast", "-q",
+    subprocess.run([sys.executable, "-m", "coverage", "run", f"--rcfile={rcfile}", "-m", "pytest", "-n", "0", "-m", "fast", "-q",
                     "-p", "no:cacheprovider"], cwd=REPO, check=False)
 
 
