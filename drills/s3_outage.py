@@ -63,8 +63,8 @@ def verify_store(server: S3Server, root_prefix: str, adapter: str) -> tuple[list
         parts = rel.split("/")
         if parts[0] == "corpora" and len(parts) >= 3:
             prefixes.setdefault("/".join(parts[:2]), set()).add("/".join(parts[2:]))
-        elif parts[0] == "runs" and len(parts) >= 4:
-            prefixes.setdefault("/".join(parts[:3]), set()).add("/".join(parts[3:]))
+        elif parts[0] == "runs" and len(parts) >= 5:  # runs/<adapter>/<run key>/<checkpoint or adapter>/<file>
+            prefixes.setdefault("/".join(parts[:4]), set()).add("/".join(parts[4:]))
     for prefix, files in sorted(prefixes.items()):
         base = f"{root_prefix}/{prefix}/"
         if prefix.endswith(".kiln-checkpoint"):

@@ -12,16 +12,23 @@ import json
 from importlib import resources
 from typing import Any
 
-__all__ = ["load_prompts"]
+__all__ = ["SPLITS", "load_prompts"]
+
+SPLITS = ("train", "heldout")
 
 
 def load_prompts(split: str | None = None) -> list[dict[str, Any]]:
     """The shipped prompts (``{"id", "split", "prompt"}``), all or one split, in file order.
 
+    Raises:
+        ValueError: ``split`` is not one of ``SPLITS`` (a misspelt split would otherwise select nothing).
+
     Example:
         >>> len(load_prompts("heldout")), len(load_prompts("train"))
         (56, 226)
     """
+    if split is not None and split not in SPLITS:
+        raise ValueError(f"unknown prompt split {split!r}: the shipped prompts have the splits {', '.join(SPLITS)}")
     text = resources.files(__name__).joinpath("prompts.jsonl").read_text(encoding="utf-8")
     rows = [json.loads(line) for line in text.splitlines() if line.strip()]
     return [row for row in rows if split is None or row["split"] == split]
