@@ -1,7 +1,9 @@
 """Prefect flows of kiln-flows.
 
-Flows are imported lazily (``from flows import opd_distill``) so that ``flows.cli`` and
-``kiln-flows <command> --help`` never pay for importing Prefect or torch.
+Flows are imported lazily so that ``flows.cli`` and ``kiln-flows <command> --help`` never pay for
+importing Prefect or torch. Import a flow from its module (``from flows.opd_distill import opd_distill``,
+the form deployments use): ``from flows import opd_distill`` gives the flow only until the module of the
+same name is imported, after which Python binds that name to the module.
 
 Flow modules avoid ``from __future__ import annotations``: Prefect builds each flow's parameter
 schema from the real annotations, also in the child processes that ``serve`` and workers start.
