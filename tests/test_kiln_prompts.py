@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from kiln_core.admission import admit_corpus, columnar
 from kiln_core.admission.records import parse_corpus
 from kiln_core.kiln_prompts import KilnPromptDigest, kiln_prompts_sha256
+from kiln_core.serde_json import serde_json_text
 from kiln_core.synthetic import synthesize_corpus
 
 MANIFEST_SCHEMA = "kiln.off-policy-distillation-manifest.v1"
@@ -113,6 +114,14 @@ def ryu_f64(value: float) -> str:
 def test_reference_writes_numbers_as_serde_json(value, written):
     """The reference's own number layout, pinned to what serde_json writes for these values."""
     assert serde_value_bytes(value) == written.encode()
+
+
+def test_the_writer_escapes_every_character_as_serde_json():
+    """The one serde_json writer the digest goes through, against the reference, for every code point."""
+    for start in range(0, 0x110000, 0x1000):
+        text = "".join(chr(c) for c in range(start, start + 0x1000) if not 0xD800 <= c < 0xE000)
+        assert serde_json_text(text).encode("utf-8") == serde_string(text), hex(start)
+    assert serde_json_text({"k": "\x00\x1f\"\\\x7f"}) == '{"k":"\\u0000\\u001f\\"\\\\\x7f"}'
 
 
 # --- corpora ---------------------------------------------------------------------------------------
