@@ -20,10 +20,10 @@ Byte parity with a Rust build is reasoned from those sources, not measured (no R
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import struct
 from decimal import Decimal
+from json.encoder import encode_basestring
 from typing import Any
 
 __all__ = ["F32", "to_f32", "format_float", "rust_display_float", "encode", "json_value", "serde_json_text",
@@ -111,9 +111,10 @@ def _encode_str(text: str) -> str:
 
     Python's ``json`` without ``ensure_ascii`` escapes exactly that set the same way (``\\b \\t \\n
     \\f \\r`` short, other controls as lowercase ``\\u00xx``, as serde_json's ``ESCAPE`` table does),
-    in C: admission writes every prompt of a corpus through here.
+    in C (``json.encoder.encode_basestring`` is what ``json.dumps(text, ensure_ascii=False)`` calls):
+    admission writes every prompt of a corpus through here.
     """
-    return json.dumps(text, ensure_ascii=False)
+    return encode_basestring(text)
 
 
 def _encode(value: Any, out: list[str]) -> None:
