@@ -272,3 +272,17 @@ def test_random_corpora_digest_like_kiln_on_both_parsers(records):
     data = corpus_of(*records)
     fast, exact = both_parsers(data)
     assert fast.kiln_prompts_sha256 == exact.kiln_prompts_sha256 == reference_digest(data)
+
+
+def test_null_tool_calls_stay_on_the_fast_path_and_real_ones_leave_it():
+    """The parse itself decides about ``tool_calls`` (no separate search of the bytes): null reads like
+    missing on both parsers, any other value sends the corpus to the exact parser."""
+    messages = [{"role": "user", "content": 'say "tool_calls"', "tool_calls": None}, {"role": "assistant", "content": "no"}]
+    data = corpus_of(record(messages), record(messages[1:], tool_calls=[{"id": 1}]))
+    fast, exact = both_parsers(data)
+    assert fast.parser == "fast"
+    assert fast.conversations == exact.conversations
+    assert fast.kiln_prompts_sha256 == exact.kiln_prompts_sha256 == reference_digest(data)
+    calling = corpus_of(record([{"role": "assistant", "content": None, "tool_calls": []}]))
+    assert parse_corpus(calling).parser == "exact"
+    assert parse_corpus(calling).kiln_prompts_sha256 == reference_digest(calling)

@@ -34,8 +34,16 @@ def _fast_schema():
             ("top_logprobs", pa.list_(candidate)),
         ]
     )
+    # `tool_calls` is arbitrary JSON the chat template reads, which Arrow cannot carry through: typed
+    # null, the parse itself refuses any other value (and the exact parser decides).
     message = pa.struct(
-        [("role", pa.string()), ("content", pa.string()), ("name", pa.string()), ("tool_call_id", pa.string())]
+        [
+            ("role", pa.string()),
+            ("content", pa.string()),
+            ("name", pa.string()),
+            ("tool_call_id", pa.string()),
+            ("tool_calls", pa.null()),
+        ]
     )
     segment = pa.struct(
         [
@@ -68,8 +76,6 @@ def parse_columnar(data: bytes, lines: LineIndex) -> ParsedCorpus | None:
     record_lines = np.flatnonzero(~blank) + 1
     if record_lines.size == 0:
         return None
-    if b'"tool_calls"' in data:
-        return None  # arbitrary JSON the chat template reads: Arrow cannot carry it through
     if text_nesting_depth(data) >= SERDE_JSON_RECURSION_LIMIT:
         return None  # pyarrow reads any depth; serde_json refuses the line, the exact parser names it
     try:
