@@ -1,5 +1,11 @@
-"""The corpus's UTF-8 rule is checked over the bytes in place (no decoded copy of the corpus), with
-exactly the verdict of a strict UTF-8 decoder (Kiln reads the file as a Rust ``String``)."""
+"""The byte scans admission makes besides its one parse, each with exactly the verdict of its slow,
+obvious form:
+
+* the corpus's UTF-8 rule is checked over the bytes in place (no decoded copy of the corpus), as a
+  strict UTF-8 decoder decides (Kiln reads the file as a Rust ``String``);
+* serde_json's nesting limit is measured on the raw text, strings and escaped quotes skipped, as a
+  character-by-character scanner measures it.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ from hypothesis import strategies as st
 from kiln_core.admission import admit_corpus
 from kiln_core.admission.source import is_utf8, read_corpus
 from kiln_core.errors import AdmissionError
+from kiln_core.strict_json import text_nesting_depth
 from kiln_core.synthetic import synthesize_corpus
 
 
@@ -53,3 +60,40 @@ def test_a_non_ascii_corpus_is_admitted_and_a_bad_byte_is_named_by_line(tiny_stu
     with pytest.raises(AdmissionError) as caught:
         read_corpus(str(path))
     assert (caught.value.code, caught.value.line) == ("invalid_utf8", 4)
+
+
+def scanned_depth(text: str) -> int:
+    """Character by character: a backslash escapes a following backslash or quote; an unescaped quote
+    opens or closes a string; brackets outside strings nest. The deepest level after any bracket (text
+    that closes more than it opened goes below zero), or 0 without brackets."""
+    depth, levels = 0, [0]
+    inside = False
+    i = 0
+    while i < len(text):
+        char = text[i]
+        if char == "\\" and i + 1 < len(text) and text[i + 1] in '\\"':
+            i += 2
+            continue
+        if char == '"':
+            inside = not inside
+        elif not inside and char in "[{]}":
+            depth += 1 if char in "[{" else -1
+            levels.append(depth)
+        i += 1
+    return max(levels[1:] or levels)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ['["\\\\"]', '["\\""]', '["a\\\\\\"[[", [[]]]', '{"k\\"[":["\\\\",["\\\\\\\\"]]]}', "\\", '"\\', '["\\\\\\',
+     '[\\[', '\\"[', '\\\\"[', '\\\\\\"[', '["\\n", ["\\t\\"\\\\"]]'],
+)
+def test_nesting_depth_skips_escaped_quotes_like_a_scanner(text):
+    assert text_nesting_depth(text) == scanned_depth(text)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.text(alphabet='\\"[]{}a', max_size=40))
+def test_nesting_depth_of_any_text_matches_a_scanner(text):
+    """Also text that is not JSON: the exact parser measures the prefix before a syntax error."""
+    assert text_nesting_depth(text) == scanned_depth(text)
