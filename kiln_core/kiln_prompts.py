@@ -8,9 +8,11 @@ plus an ``assistant`` turn holding ``teacher_response`` when it has no trajector
 ``messages`` and ``trajectory``. The prompt list is converted to a ``serde_json::Value`` (object keys
 sorted, no ``preserve_order``) and written compactly.
 
-Computed at admission (where the corpus bytes are) and carried on ``CorpusTables``; a checkpoint
-binds it and a resume compares it, so it must be byte-for-byte Kiln's. The published behaviour is
-the prompt digest; Kiln's newest docs mention binding the JSONL file hash instead
+Computed at admission from the one parse of the corpus: whichever parser reads the lines (the
+columnar or the exact one) feeds each example to a ``KilnPromptDigest``, so the corpus bytes are not
+parsed again for it. ``kiln_prompts_sha256`` is the same digest for a caller that only holds the bytes.
+A checkpoint binds it and a resume compares it, so it must be byte-for-byte Kiln's. The published
+behaviour is the prompt digest; Kiln's newest docs mention binding the JSONL file hash instead
 (Kiln's docs/OPD_TEACHER_JSONL.md against crates/kiln-train/src/opd.rs). We follow the code.
 """
 
@@ -18,11 +20,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from kiln_core.serde_json import serde_json_text
 
-__all__ = ["kiln_prompts_sha256"]
+__all__ = ["KilnPromptDigest", "kiln_prompts_sha256"]
 
 MANIFEST_SCHEMA = "kiln.off-policy-distillation-manifest.v1"
 # Rust's char::is_whitespace: what Kiln's `line.trim()` removes before parsing a JSONL line.
@@ -45,15 +47,48 @@ def kiln_prompts_sha256(corpus: bytes) -> str:
         ...     b'[{"messages":[{"content":"hi","role":"user"},{"content":"ok","role":"assistant"}]}]').hexdigest()
         True
     """
-    digest = hashlib.sha256(b"[")
-    first = True
+    digest = KilnPromptDigest()
     for record in _example_records(corpus):
-        if not first:
-            digest.update(b",")
-        first = False
-        digest.update(serde_json_text(_opd_prompt(record)).encode("utf-8"))
-    digest.update(b"]")
+        digest.add(record.get("messages"), record.get("teacher_response"), record.get("trajectory"))
     return digest.hexdigest()
+
+
+class KilnPromptDigest:
+    """``kiln_prompts_sha256`` fed one example at a time, by the parser that reads the corpus.
+
+    Each example is given as parsed, missing fields as None (Kiln's serde treats a missing and a null
+    optional field alike, and so does the prompt it builds), so a parser that cannot tell the two
+    apart (Arrow) feeds the same prompt as one that can.
+
+    Example:
+        >>> digest = KilnPromptDigest()
+        >>> digest.add([{"role": "user", "content": "hi"}], "ok", None)
+        >>> digest.hexdigest() == kiln_prompts_sha256(
+        ...     b'{"messages":[{"role":"user","content":"hi"}],"teacher_response":"ok"}')
+        True
+    """
+
+    def __init__(self) -> None:
+        self._sha256 = hashlib.sha256(b"[")
+        self._examples = 0
+
+    def add(
+        self,
+        messages: Sequence[dict[str, Any]] | None,
+        teacher_response: str | None,
+        trajectory: Sequence[dict[str, Any]] | None,
+    ) -> None:
+        """Append one example's prompt (its ``messages``, ``teacher_response`` and ``trajectory``)."""
+        if self._examples:
+            self._sha256.update(b",")
+        self._examples += 1
+        self._sha256.update(serde_json_text(_opd_prompt(messages, teacher_response, trajectory)).encode("utf-8"))
+
+    def hexdigest(self) -> str:
+        """Raw hex SHA-256 of the prompt list so far (more examples may still be added)."""
+        finished = self._sha256.copy()
+        finished.update(b"]")
+        return finished.hexdigest()
 
 
 def _example_records(corpus: bytes) -> Iterable[dict[str, Any]]:
@@ -87,9 +122,12 @@ def _turn_segment(segment: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _opd_prompt(record: dict[str, Any]) -> dict[str, Any]:
-    messages = [_chat_message(m) for m in record.get("messages") or []]
-    trajectory = record.get("trajectory") or []
+def _opd_prompt(
+    messages: Sequence[dict[str, Any]] | None,
+    teacher_response: str | None,
+    trajectory: Sequence[dict[str, Any]] | None,
+) -> dict[str, Any]:
+    chat = [_chat_message(m) for m in messages or []]
     if trajectory:
-        return {"messages": messages, "trajectory": [_turn_segment(s) for s in trajectory]}
-    return {"messages": messages + [{"role": "assistant", "content": record.get("teacher_response")}]}
+        return {"messages": chat, "trajectory": [_turn_segment(s) for s in trajectory]}
+    return {"messages": chat + [{"role": "assistant", "content": teacher_response}]}

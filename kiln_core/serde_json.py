@@ -23,6 +23,7 @@ import hashlib
 import math
 import struct
 from decimal import Decimal
+from json.encoder import encode_basestring
 from typing import Any
 
 __all__ = ["F32", "to_f32", "format_float", "rust_display_float", "encode", "json_value", "serde_json_text",
@@ -106,20 +107,14 @@ def rust_display_float(value: float, *, single: bool = False) -> str:
 
 
 def _encode_str(text: str) -> str:
-    """serde_json's string escaping: ``"``, ``\\`` and C0 controls only; everything else raw UTF-8."""
-    out = ['"']
-    for char in text:
-        code = ord(char)
-        if char == '"':
-            out.append('\\"')
-        elif char == "\\":
-            out.append("\\\\")
-        elif code < 0x20:
-            out.append({8: "\\b", 9: "\\t", 10: "\\n", 12: "\\f", 13: "\\r"}.get(code, f"\\u{code:04x}"))
-        else:
-            out.append(char)
-    out.append('"')
-    return "".join(out)
+    """serde_json's string escaping: ``"``, ``\\`` and C0 controls only; everything else raw UTF-8.
+
+    Python's ``json`` without ``ensure_ascii`` escapes exactly that set the same way (``\\b \\t \\n
+    \\f \\r`` short, other controls as lowercase ``\\u00xx``, as serde_json's ``ESCAPE`` table does),
+    in C (``json.encoder.encode_basestring`` is what ``json.dumps(text, ensure_ascii=False)`` calls):
+    admission writes every prompt of a corpus through here.
+    """
+    return encode_basestring(text)
 
 
 def _encode(value: Any, out: list[str]) -> None:

@@ -208,10 +208,10 @@ def text_nesting_depth(data: bytes | str) -> int:
     """How deep JSON text nests arrays and objects, brackets inside strings not counted.
 
     Works on a whole buffer of JSON lines (each balanced) or on the prefix of one line, in a few
-    C-speed passes: escapes are dropped first (a backslash pair, then an escaped quote), then
-    everything but quotes and brackets; adjacent quotes are dropped next (removing a pair keeps every
-    other quote's parity), and only when quotes remain — strings holding brackets — does a parity scan
-    skip string contents.
+    C-speed passes: escaped quotes (those after an odd run of backslashes) are blanked first, then
+    everything but quotes and brackets is dropped; adjacent quotes are dropped next (removing a pair
+    keeps every other quote's parity), and only when quotes remain — strings holding brackets — does
+    a parity scan skip string contents.
 
     Example:
         >>> text_nesting_depth('{"a": [1, "]]"], "b": {}}')
@@ -220,7 +220,7 @@ def text_nesting_depth(data: bytes | str) -> int:
     if isinstance(data, str):
         data = data.encode("utf-8")
     if b"\\" in data:
-        data = data.replace(b"\\\\", b"").replace(b'\\"', b"")
+        data = _escaped_quotes_blanked(data)
     structural = data.translate(None, _NOT_STRUCTURAL).replace(b'""', b"")
     codes = np.frombuffer(structural, dtype=np.uint8)
     if b'"' in structural:
@@ -231,6 +231,22 @@ def text_nesting_depth(data: bytes | str) -> int:
         return 0
     opens = (codes == ord("[")) | (codes == ord("{"))
     return int(np.cumsum(opens.astype(np.int32) * 2 - 1).max())
+
+
+def _escaped_quotes_blanked(data: bytes) -> bytearray:
+    """A copy of ``data`` with every escaped quote — one right after an odd run of backslashes — made
+    a space. Found with numpy over the backslash positions: replacing escape pairs in the bytes took
+    two more copies of the whole corpus, the slowest part of the scan when text holds escapes."""
+    codes = np.frombuffer(data, dtype=np.uint8)
+    backslashes = np.flatnonzero(codes == ord("\\"))
+    breaks = np.flatnonzero(np.diff(backslashes) != 1)  # a run of backslashes ends after each break
+    run_starts = backslashes[np.concatenate([[0], breaks + 1])]
+    run_ends = backslashes[np.concatenate([breaks, [backslashes.size - 1]])] + 1  # one past the run
+    after_odd_run = run_ends[((run_ends - run_starts) % 2 == 1) & (run_ends < codes.size)]
+    escaped_quotes = after_odd_run[codes[after_odd_run] == ord('"')]
+    blanked = bytearray(data)
+    np.frombuffer(blanked, dtype=np.uint8)[escaped_quotes] = ord(" ")
+    return blanked
 
 
 def check_text_nesting(text: bytes | str, *, limit: int = SERDE_JSON_RECURSION_LIMIT, where: str = "the document",

@@ -25,7 +25,6 @@ from kiln_core.contracts.opd_config import ConfigError, resolve_top_k
 from kiln_core.contracts.identity import ManifestError, TeacherIdentity, check_protocol, parse_manifest_line
 from kiln_core.corpus import AdmissionResult
 from kiln_core.errors import AdmissionError
-from kiln_core.kiln_prompts import kiln_prompts_sha256
 from kiln_core.tokenization import (
     EncodedConversation,
     StudentTokenizer,
@@ -110,7 +109,7 @@ def admit_corpus(
     tables = check_examples(
         parsed, encoded, tokenization_errors, top_k=effective_top_k, vocab_size=student.vocab_size
     )
-    tables = dataclasses.replace(tables, kiln_prompts_sha256=kiln_prompts_sha256(corpus.data))
+    tables = dataclasses.replace(tables, kiln_prompts_sha256=parsed.kiln_prompts_sha256)
     manifest_line = parsed.manifest_records[0][1] if manifest else None
     result = AdmissionResult(
         dataset_sha256=corpus.dataset_sha256,

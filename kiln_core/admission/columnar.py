@@ -15,6 +15,7 @@ from kiln_core.admission.parsed import SEGMENT_KINDS, U32_MAX, ParsedCorpus, dec
 from kiln_core.admission.source import LineIndex, json_blank_lines
 from kiln_core.chat_template import Conversation, Segment
 from kiln_core.contracts.identity import MANIFEST_SCHEMA
+from kiln_core.kiln_prompts import KilnPromptDigest
 from kiln_core.strict_json import SERDE_JSON_RECURSION_LIMIT, NestingTooDeep, text_nesting_depth
 
 
@@ -33,8 +34,16 @@ def _fast_schema():
             ("top_logprobs", pa.list_(candidate)),
         ]
     )
+    # `tool_calls` is arbitrary JSON the chat template reads, which Arrow cannot carry through: typed
+    # null, the parse itself refuses any other value (and the exact parser decides).
     message = pa.struct(
-        [("role", pa.string()), ("content", pa.string()), ("name", pa.string()), ("tool_call_id", pa.string())]
+        [
+            ("role", pa.string()),
+            ("content", pa.string()),
+            ("name", pa.string()),
+            ("tool_call_id", pa.string()),
+            ("tool_calls", pa.null()),
+        ]
     )
     segment = pa.struct(
         [
@@ -67,8 +76,6 @@ def parse_columnar(data: bytes, lines: LineIndex) -> ParsedCorpus | None:
     record_lines = np.flatnonzero(~blank) + 1
     if record_lines.size == 0:
         return None
-    if b'"tool_calls"' in data:
-        return None  # arbitrary JSON the chat template reads: Arrow cannot carry it through
     if text_nesting_depth(data) >= SERDE_JSON_RECURSION_LIMIT:
         return None  # pyarrow reads any depth; serde_json refuses the line, the exact parser names it
     try:
@@ -110,10 +117,12 @@ def parse_columnar(data: bytes, lines: LineIndex) -> ParsedCorpus | None:
     if trajectories.null_count and data.count(b'"trajectory"') != len(trajectories) - trajectories.null_count:
         return None  # a `"trajectory": null` (refused) may hide among the rows without one (allowed)
 
-    conversations = _fast_conversations(examples)
+    prompts = KilnPromptDigest()
+    conversations = _fast_conversations(examples, prompts)
     if conversations is None:
         return None
     parsed.conversations = conversations
+    parsed.kiln_prompts_sha256 = prompts.hexdigest()
     parsed.messages_count = pc.list_value_length(examples.column("messages")).to_numpy().astype(np.int64)
     parsed.response_empty = (
         pc.equal(pc.utf8_length(examples.column("teacher_response")), 0).to_numpy(zero_copy_only=False).astype(bool)
@@ -153,8 +162,12 @@ def _block_size(lines: LineIndex) -> int:
     return max(8 << 20, 1 << int(longest + 2).bit_length())
 
 
-def _fast_conversations(examples) -> list[Conversation] | None:
-    """Build conversations from the (small) text columns; ``None`` if any needs the exact parser."""
+def _fast_conversations(examples, prompts: KilnPromptDigest) -> list[Conversation] | None:
+    """Build conversations from the (small) text columns and feed each example's prompt to Kiln's
+    prompt digest; ``None`` if any needs the exact parser.
+
+    Arrow reads a missing and a null field alike as None; the prompt digest treats them alike too.
+    """
     messages_column = examples.column("messages").to_pylist()
     responses = examples.column("teacher_response").to_pylist()
     trajectories = examples.column("trajectory").to_pylist()
@@ -179,4 +192,5 @@ def _fast_conversations(examples) -> list[Conversation] | None:
                     return None
                 segments.append(Segment(segment["role"], segment["content"], kind, segment["tool_call_id"], prefix))
         conversations.append(Conversation(messages=normalized, teacher_response=response, trajectory=segments))
+        prompts.add(messages, response, trajectory)
     return conversations

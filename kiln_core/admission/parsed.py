@@ -14,6 +14,7 @@ import numpy as np
 
 from kiln_core.chat_template import Conversation
 from kiln_core.contracts.identity import OffPolicyManifest
+from kiln_core.kiln_prompts import KilnPromptDigest
 from kiln_core.strict_json import loads_nesting_limited
 
 U32_MAX = 2**32 - 1
@@ -41,6 +42,8 @@ class ParsedCorpus:
         candidate_ids: ``int64 [C]``.
         candidate_logprobs: ``float64 [C]`` (f32 rounding happens in the rules).
         numeric_logits: Whether any teacher token carries a ``logprob`` or a non-empty ``top_logprobs``.
+        kiln_prompts_sha256: Kiln's prompt-list digest (``kiln_core.kiln_prompts``), taken from this
+            parse so the bytes are read once.
         parser: ``"fast"`` or ``"exact"`` (for benchmarks and logs).
     """
 
@@ -57,6 +60,7 @@ class ParsedCorpus:
     candidate_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     candidate_logprobs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
     numeric_logits: bool = False
+    kiln_prompts_sha256: str = KilnPromptDigest().hexdigest()
     parser: str = "exact"
 
     @property

@@ -40,6 +40,7 @@ from kiln_core.admission.source import LineIndex, index_lines
 from kiln_core.chat_template import Conversation, Segment, TokenizationError, normalize_content
 from kiln_core.contracts.identity import MANIFEST_SCHEMA
 from kiln_core.errors import AdmissionError, Rejection
+from kiln_core.kiln_prompts import KilnPromptDigest
 from kiln_core.strict_json import NestingTooDeep
 
 RECORD_FIELDS = ("id", "messages", "teacher_response", "teacher_tokens", "trajectory", "metadata")
@@ -132,6 +133,7 @@ class _ColumnBuilder:
         self.ids: list[int] = []
         self.logprobs: list[float] = []
         self.numeric = False
+        self.prompts = KilnPromptDigest()
 
     def add(self, line: int, record: dict[str, Any]) -> None:
         check_known_fields(record, RECORD_FIELDS, "")
@@ -149,6 +151,7 @@ class _ColumnBuilder:
         self.messages_count.append(len(messages))
         self.response_empty.append(response == "")
         self.tokens_per_example.append(len(tokens))
+        self.prompts.add(messages, response, record.get("trajectory"))
 
     def _add_token(self, token: Any, where: str) -> None:
         if not isinstance(token, dict):
@@ -183,6 +186,7 @@ class _ColumnBuilder:
         parsed.candidate_ids = np.asarray(self.ids, dtype=np.int64)
         parsed.candidate_logprobs = np.asarray(self.logprobs, dtype=np.float64)
         parsed.numeric_logits = self.numeric
+        parsed.kiln_prompts_sha256 = self.prompts.hexdigest()
 
 
 # --- field rules (also used by kiln_core.scoring for unscored examples) ---------------------------
