@@ -174,7 +174,10 @@ def json_value(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [json_value(item) for item in value]
     if isinstance(value, int) and not isinstance(value, bool) and not _I64_MIN <= value <= _U64_MAX:
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # beyond a double: ±infinity, as a literal too long for int() or 1e400 parses
+            return math.inf if value > 0 else -math.inf
     return value
 
 

@@ -211,6 +211,19 @@ def test_nested_tool_calls_and_big_numbers_digest_like_kiln():
     assert exact.kiln_prompts_sha256 == reference_digest(data) == kiln_prompts_sha256(data)
 
 
+@pytest.mark.parametrize("digits", [310, 400, 5000])
+def test_an_integer_beyond_a_double_digests_as_an_overflowing_float_does(digits):
+    """An integer too big for an f64 is infinite as serde_json reads it, like ``1e400``: no crash, one digest."""
+    def corpus(number: str) -> bytes:
+        return corpus_of(record([{"role": "assistant", "content": None, "tool_calls": [{"n": 0}]}])).replace(
+            b'"n":0', b'"n":' + number.encode())
+
+    huge, overflowing = corpus("9" * digits), corpus("1e400")
+    fast, exact = both_parsers(huge)
+    assert fast.kiln_prompts_sha256 == exact.kiln_prompts_sha256 == reference_digest(overflowing)
+    assert parse_corpus(corpus("-" + "9" * digits)).kiln_prompts_sha256 == reference_digest(corpus("-1e400"))
+
+
 @pytest.mark.parametrize(("newline", "around"), [("\r\n", ""), ("\n\n", " \t"), ("\n", "\u3000"), ("\n", "\x0c")])
 def test_layout_does_not_change_the_digest(newline, around):
     records = [record([{"role": "user", "content": text}]) for text in ("a", "b", "c")]
