@@ -165,6 +165,14 @@ NOT_FAST = frozenset({  # over 5 CPU-seconds each when measured (they load or tr
     "tests/test_cache_policy.py::test_artifact_key_is_always_a_valid_prefect_key",
     "tests/test_cache_policy.py::test_key_is_stable_across_processes",
     "tests/test_admit_cli.py::test_installed_console_script",
+    # two real training processes each (the local lock stays in the tier through its quicker tests)
+    "tests/test_run_lock.py::test_two_train_processes_second_exits_3_naming_the_first_and_wait_finds_it_finished",
+    "tests/test_run_lock.py::test_pipeline_flow_run_exits_3_run_in_progress_while_the_run_key_is_held",
+    "tests/test_run_lock.py::test_train_takes_over_the_lock_of_a_dead_run",
+    "tests/test_run_lock.py::test_s3_dead_pid_and_expired_lease_are_taken_over_a_live_lease_is_not",
+    "tests/test_run_lock.py::test_s3_second_process_in_progress_then_released",
+    "tests/test_run_lock.py::test_s3_heartbeat_keeps_a_short_lease_alive_and_wait_takes_it_after_release",
+    "tests/test_error_model.py::test_a_frozen_s3_endpoint_fails_a_write_in_bounded_time",  # waits out real timeouts
 })
 
 
