@@ -13,12 +13,12 @@ from typing import Any
 
 from prefect import task
 
-from kiln_core.engine.refs import CorpusRef, InputsRef, ManifestRef
+from kiln_core.contracts.stage_refs import CorpusRef, InputsRef, ManifestRef
 from tasks.cache import DigestCachePolicy
 from tasks.names import run_name
 
 ADMIT_CACHE = DigestCachePolicy(
-    # v3: results are engine refs (kiln_core.engine.refs) pointing at admission format v2 (Kiln's
+    # v3: results are engine refs (kiln_core.contracts.stage_refs) pointing at admission format v2 (Kiln's
     # masks); a v2 result of either older line is a ref of another module or a v1 materialization.
     version="kiln-flows-admit-v3",
     inputs=("dataset_sha256", "student_digest", "effective_top_k", "pinned_revision", "storage_root"),

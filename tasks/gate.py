@@ -19,7 +19,7 @@ from typing import Any
 from prefect import task
 
 from kiln_core.contracts.pipeline import PipelineSpec
-from kiln_core.engine.refs import CorpusRef, GateRef, TrainRef
+from kiln_core.contracts.stage_refs import CorpusRef, GateRef, TrainRef
 from tasks.artifacts import artifact_key
 from tasks.retry import retry_unless_rejected
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from prefect import task
 
-from kiln_core.engine.refs import CorpusRef
+from kiln_core.contracts.stage_refs import CorpusRef
 from tasks.cache import DigestCachePolicy
 from tasks.names import run_name
 

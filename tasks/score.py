@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from prefect import task
 
-from kiln_core.engine.refs import ScoredRef
+from kiln_core.contracts.stage_refs import ScoredRef
 from tasks.cache import DigestCachePolicy
 from tasks.names import run_name
 from tasks.retry import retry_unless_rejected

@@ -8,7 +8,7 @@ training deployment (``options.train_deployment``, e.g. a GPU work pool).
 from __future__ import annotations
 
 from kiln_core.contracts.pipeline import PipelineSpec, TeacherSource
-from kiln_core.engine.refs import CorpusRef, GateRef, InputsRef, ManifestRef, PublishRef, TrainPlan, TrainRef
+from kiln_core.contracts.stage_refs import CorpusRef, GateRef, InputsRef, ManifestRef, PublishRef, TrainPlan, TrainRef
 from kiln_core.engine.training import training_settings
 
 

@@ -273,7 +273,7 @@ def test_admission_reads_s3_materializes_to_s3_reuses_and_verifies_digests(s3, p
     with pytest.raises(ValueError, match="does not match admission.json"):
         read_materialization(first.materialized).tables
     from kiln_core.engine.stages import verify
-    from kiln_core.engine.refs import CorpusRef
+    from kiln_core.contracts.stage_refs import CorpusRef
 
     ref = CorpusRef(uri=first.materialized, dataset_sha256=first.dataset_sha256, source_uri=s3_corpus, examples=6,
                     action_tokens=first.action_tokens, env_tokens=first.env_tokens, effective_top_k=16,

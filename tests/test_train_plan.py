@@ -14,8 +14,8 @@ from pydantic import BaseModel, ValidationError
 from kiln_core.contracts.eval_watch import EvalWatch
 from kiln_core.contracts.opd_config import parse_opd_config
 from kiln_core.contracts.spec_blocks import VllmBackends
-from kiln_core.engine.refs import TrainPlan
-from kiln_core.training.base_adapter import BaseAdapter
+from kiln_core.contracts.stage_refs import TrainPlan
+from kiln_core.contracts.base_adapter import BaseAdapter
 from kiln_core.training.distributed.launcher import DistributedJob
 
 EVERY_BLOCK = {
@@ -92,7 +92,7 @@ def test_a_torchrun_job_carries_the_typed_config_and_base_adapter():
 
 def test_a_manifest_ref_parses_its_teacher_once_and_serializes_only_the_line(tiny_student):
     from kiln_core.contracts.identity import build_manifest_line, parse_manifest_line
-    from kiln_core.engine.refs import ManifestRef
+    from kiln_core.contracts.stage_refs import ManifestRef
     from kiln_core.synthetic import synthetic_identity
 
     line = build_manifest_line(synthetic_identity(tiny_student))

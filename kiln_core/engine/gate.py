@@ -36,7 +36,7 @@ from typing import Any, Iterator
 
 from kiln_core.contracts.opd_config import OpdConfig
 from kiln_core.contracts.pipeline import PipelineSpec
-from kiln_core.engine.refs import CorpusRef, GateRef, ManifestRef, TrainRef
+from kiln_core.contracts.stage_refs import CorpusRef, GateRef, ManifestRef, TrainRef
 from kiln_core.errors import EnvironmentFailure
 from kiln_core.storage import localize_directory, resolve
 

@@ -24,11 +24,11 @@ from dataclasses import dataclass
 from typing import Callable, Protocol
 
 from kiln_core.contracts.pipeline import PipelineSpec, TeacherSource
+from kiln_core.contracts.stage_refs import (CorpusRef, GateRef, InputsRef, ManifestRef, PipelineResult, PublishRef,
+                                            TrainPlan, TrainRef)
 import kiln_core.engine.stages as stages
 from kiln_core.engine.publish import publish
 from kiln_core.engine.gate import check_gate_inputs, has_gate, run_gate, training_data
-from kiln_core.engine.refs import (CorpusRef, GateRef, InputsRef, ManifestRef, PipelineResult, PublishRef, TrainPlan,
-                                   TrainRef)
 from kiln_core.engine.run_lock import RunLock
 from kiln_core.engine.runs import plan_run
 from kiln_core.engine.training import train, training_settings

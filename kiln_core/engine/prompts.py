@@ -29,7 +29,7 @@ from kiln_core.contracts.opd_config import OpdConfig
 from kiln_core.serde_json import serde_json_text
 from kiln_core.contracts.opd_prompt import OpdPrompt, kiln_prompt_value, prompts_content_sha256
 from kiln_core.contracts.spec_blocks import VllmBackends
-from kiln_core.engine.refs import CorpusRef, ManifestRef, TrainPlan
+from kiln_core.contracts.stage_refs import CorpusRef, ManifestRef, TrainPlan
 from kiln_core.errors import EnvironmentFailure, Rejection
 
 __all__ = ["PROMPTS_DIR", "check_prompts", "train_prompts", "write_inline_prompts"]

@@ -29,10 +29,10 @@ from kiln_core.contracts.opd_config import OpdConfig, effective_samples_per_prom
 from kiln_core.contracts.pipeline import PipelineSpec
 from kiln_core.contracts.receipt import RECEIPT_FILE
 from kiln_core.engine.base_adapter import plan_base_adapter
-from kiln_core.engine.refs import CorpusRef, ManifestRef, TrainPlan, TrainRef
+from kiln_core.contracts.stage_refs import CorpusRef, ManifestRef, TrainPlan, TrainRef
 from kiln_core.errors import Rejection
 from kiln_core.storage import Location, list_children, resolve
-from kiln_core.training.base_adapter import BaseAdapter
+from kiln_core.contracts.base_adapter import BaseAdapter
 
 RUNS_DIR = "runs"  # <root>/runs/<adapter>/ holds the runs and latest.json (kiln_core.contracts.latest)
 ADAPTER_DIR = "adapter"

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from kiln_core.engine.refs import CorpusRef, ManifestRef, TrainPlan, TrainRef
+from kiln_core.contracts.stage_refs import CorpusRef, ManifestRef, TrainPlan, TrainRef
 from kiln_core.engine.runs import finished_run, newest_checkpoint
 from kiln_core.storage import resolve
 from kiln_core.training.interrupt import stop_requests

@@ -37,7 +37,7 @@ from kiln_core.on_policy.submit import teacher_top_k_cap
 from kiln_core.on_policy.teacher import TeacherSource
 from kiln_core.storage import resolve
 from kiln_core.training import checkpoint as ckpt
-from kiln_core.training.base_adapter import BaseAdapter
+from kiln_core.contracts.base_adapter import BaseAdapter
 from kiln_core.training.data_identity import teacher_capabilities
 from kiln_core.training.distributed.world import World
 from kiln_core.training.plan import DataPlan, RunPlan, Schedule, build_plan

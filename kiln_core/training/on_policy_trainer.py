@@ -44,7 +44,7 @@ from kiln_core.on_policy.collect import RolloutCollector, RolloutCounters
 from kiln_core.on_policy.sampler import RolloutBackend, SamplingParams, sample_rollout
 from kiln_core.on_policy.schedule import candidate_seed, iter_candidates
 from kiln_core.on_policy.teacher import TeacherSource
-from kiln_core.training.base_adapter import BaseAdapter
+from kiln_core.contracts.base_adapter import BaseAdapter
 from kiln_core.training.distributed.world import World
 from kiln_core.training.lifecycle import TrainResult, result_fields
 from kiln_core.training.loop import StepGroup, run_training

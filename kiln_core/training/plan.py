@@ -22,7 +22,8 @@ from kiln_core.corpus import CorpusTables
 from kiln_core.storage import Location, move_aside, remove_tree, resolve
 from kiln_core.training import checkpoint as ckpt
 from kiln_core.training import run_identity
-from kiln_core.training.base_adapter import BaseAdapter, settle_base_adapter
+from kiln_core.contracts.base_adapter import BaseAdapter
+from kiln_core.training.base_adapter import settle_base_adapter
 from kiln_core.training.data_identity import fixture_content_revision, teacher_capabilities
 from kiln_core.training.distributed.world import World
 from kiln_core.training.objectives import step_loss

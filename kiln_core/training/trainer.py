@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator
 
 from kiln_core.contracts.opd_config import OpdConfig
 from kiln_core.corpus import CorpusTables
-from kiln_core.training.base_adapter import BaseAdapter
+from kiln_core.contracts.base_adapter import BaseAdapter
 from kiln_core.training.distributed.world import World
 from kiln_core.training.lifecycle import CANCEL_MESSAGE, TrainResult, result_fields
 from kiln_core.training.loop import StepGroup, run_training

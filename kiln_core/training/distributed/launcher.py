@@ -22,7 +22,7 @@ from typing import Any, Callable, Literal, Sequence
 from pydantic import BaseModel, ConfigDict
 
 from kiln_core.contracts.opd_config import OpdConfig
-from kiln_core.training.base_adapter import BaseAdapter
+from kiln_core.contracts.base_adapter import BaseAdapter
 from kiln_core.training.distributed.world import check_shared_storage
 from kiln_core.training.trainer import TrainResult
 

@@ -11,11 +11,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from kiln_core.contracts.base_adapter import BaseAdapter
 from kiln_core.contracts.eval_watch import EvalWatch
 from kiln_core.contracts.identity import TeacherIdentity, parse_manifest_line
 from kiln_core.contracts.opd_config import OpdConfig
 from kiln_core.contracts.spec_blocks import VllmBackends
-from kiln_core.training.base_adapter import BaseAdapter
 
 
 class _Ref(BaseModel):
