@@ -122,7 +122,7 @@ class PrefectStages:
         from tasks.gate import gate_task
 
         return gate_task(trained, spec, ready.manifest, ready.student_dir, ready.plan.seed,
-                         ready.corpus, ready.plan.device)
+                         ready.corpus, ready.plan.device, ready.gate_corpus)
 
     def publish(self, trained: TrainRef, spec: PipelineSpec) -> PublishRef:
         from tasks.publish import publish_task

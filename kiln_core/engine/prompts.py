@@ -106,7 +106,7 @@ def write_inline_prompts(prompts: Sequence[OpdPrompt], storage_root: str) -> str
     return location.uri
 
 
-def train_prompts(plan: TrainPlan, prompts: CorpusRef, manifest: ManifestRef, student_dir: str, resume: str | None, *,
+def train_prompts(plan: TrainPlan, prompts: CorpusRef, manifest: ManifestRef, student_dir: str, *,
                   on_progress: Callable[..., None] | None, should_cancel: Callable[[], bool],
                   on_step_committed: Callable[[int], None] | None, eval_watch=None):
     """Train the planned on-policy run here (``train_on_policy``); returns its ``OnPolicyTrainResult``.
@@ -140,12 +140,9 @@ def train_prompts(plan: TrainPlan, prompts: CorpusRef, manifest: ManifestRef, st
         if on_progress is not None:
             on_progress(progress.consumed_candidates, progress.total_candidates, progress.loss, rollout=progress)
 
-    return train_on_policy(
-        prompts=loaded, student_dir=student_dir, teacher=teacher, adapter_name=plan.adapter,
-        config=plan.config, run_root=plan.run_uri, resume_checkpoint=resume,
-        should_cancel=should_cancel, on_progress=report, on_step_committed=on_step_committed, device=plan.device,
-        precision=plan.precision, gradient_checkpointing=plan.gradient_checkpointing, handle_signals=False,
-        eval_watch=eval_watch, base_adapter=plan.base_adapter, rollout_backend=rollout_backend)
+    return train_on_policy(plan, loaded, student_dir=student_dir, teacher=teacher, should_cancel=should_cancel,
+                           on_progress=report, on_step_committed=on_step_committed, handle_signals=False,
+                           eval_watch=eval_watch, rollout_backend=rollout_backend)
 
 
 def vllm_backends(options: VllmBackends, teacher, run_uri: str, adapter: str):

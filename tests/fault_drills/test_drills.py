@@ -124,7 +124,7 @@ def test_the_pipeline_train_task_refuses_a_corrupted_latest_checkpoint(tmp_path,
 
     real_train_opd = trainer.train_opd
     monkeypatch.setattr(trainer, "train_opd",
-                        lambda **kwargs: real_train_opd(**{**kwargs, "on_step_committed": crash_after(5)}))
+                        lambda *args, **kwargs: real_train_opd(*args, **{**kwargs, "on_step_committed": crash_after(5)}))
     with pytest.raises(Crash):
         train_task.fn(*arguments)
     monkeypatch.setattr(trainer, "train_opd", real_train_opd)
