@@ -109,7 +109,8 @@ def write_inline_prompts(prompts: Sequence[OpdPrompt], storage_root: str) -> str
 def train_prompts(plan: TrainPlan, prompts: CorpusRef, manifest: ManifestRef, student_dir: str, *,
                   on_progress: Callable[..., None] | None, should_cancel: Callable[[], bool],
                   on_step_committed: Callable[[int], None] | None, eval_watch=None):
-    """Train the planned on-policy run here (``train_on_policy``); returns its ``OnPolicyTrainResult``.
+    """Train the planned on-policy run here (``train_on_policy``, which takes ``plan`` whole: its ``resume`` a
+    checkpoint basename or None); returns its ``OnPolicyTrainResult``.
 
     ``on_progress`` is called as ``(consumed candidates, total candidates, loss, rollout=OnPolicyProgress)``
     after each committed step: Kiln's progress fraction, plus rollouts/s and teacher tokens scored.
