@@ -161,6 +161,7 @@ def train_and_track(setup: dict[str, Any], cache: Path, overrides: dict[str, Any
                     budget_s: float | None = None, max_steps: int | None = None) -> dict[str, Any]:
     """Train one recipe with a checkpoint every ``eval_every`` steps, then evaluate every checkpoint."""
     from kiln_core.contracts.opd_config import OpdConfig
+    from kiln_core.contracts.stage_refs import TrainPlan
     from kiln_core.training.trainer import train_opd
 
     config = OpdConfig.model_validate({**BASE_CONFIG, **overrides, "checkpoint_interval": eval_every})
@@ -184,10 +185,10 @@ def train_and_track(setup: dict[str, Any], cache: Path, overrides: dict[str, Any
 
     log(f"training {config.loss} lr={config.learning_rate:g} for {config.epochs} epoch(s)"
         + (f", at most {budget_s / 60:.1f} min" if budget_s else ""))
-    result = train_opd(tables=setup["train_tables"], dataset_sha256=setup["train_sha256"],
-                       dataset_path=str(setup["train_corpus"]), student_dir=str(setup["student"]), adapter_name="bench",
-                       config=config, run_root=str(run_root), teacher_identity=setup["teacher_identity"],
-                       teacher_alias="smollm2-135m", on_progress=progress, should_cancel=out_of_time)
+    result = train_opd(TrainPlan.for_config(config, str(run_root), "bench"), setup["train_tables"],
+                       dataset_sha256=setup["train_sha256"], dataset_path=str(setup["train_corpus"]),
+                       student_dir=str(setup["student"]), teacher_alias="smollm2-135m",
+                       teacher_identity=setup["teacher_identity"], on_progress=progress, should_cancel=out_of_time)
     train_seconds = time.perf_counter() - started
     load_after = os.getloadavg()
     curve = evaluate_checkpoints(setup, run_root, config, step_seconds)

@@ -179,6 +179,7 @@ def train_off_policy(setup: dict[str, Any], config: Any, run_root: Path, budget:
                      should_cancel: Callable[[], bool] | None = None):
     import numpy as np
 
+    from kiln_core.contracts.stage_refs import TrainPlan
     from kiln_core.training.trainer import train_opd
 
     tables = setup["train_tables"]
@@ -189,16 +190,19 @@ def train_off_policy(setup: dict[str, Any], config: Any, run_root: Path, budget:
         total[0] += int(per_example[(step - 1) % tables.num_examples])
         budget.record(step, total[0], loss=loss)
 
-    return train_opd(tables=tables, dataset_sha256=setup["train_sha256"], dataset_path=str(setup["train_corpus"]),
-                     student_dir=str(setup["student"]), adapter_name=ADAPTER, config=config, run_root=str(run_root),
-                     teacher_identity=setup["teacher_identity"], teacher_alias=TEACHER_ALIAS, on_progress=progress,
+    return train_opd(TrainPlan.for_config(config, str(run_root), ADAPTER), tables,
+                     dataset_sha256=setup["train_sha256"], dataset_path=str(setup["train_corpus"]),
+                     student_dir=str(setup["student"]), teacher_alias=TEACHER_ALIAS,
+                     teacher_identity=setup["teacher_identity"], on_progress=progress,
                      should_cancel=should_cancel or budget.spent)
 
 
 def train_on_policy(setup: dict[str, Any], config: Any, run_root: Path, budget: Budget):
-    from kiln_core.contracts.opd_config import OpdConfig
+    from kiln_core.contracts.opd_config import OpdConfig, effective_samples_per_prompt, resolve_top_k
     from kiln_core.contracts.opd_prompt import OpdPrompt
+    from kiln_core.contracts.stage_refs import TrainPlan
     from kiln_core.data import load_prompts
+    from kiln_core.on_policy.submit import teacher_top_k_cap
     from kiln_core.on_policy.teacher import TeacherSource
     from kiln_core.training.on_policy_trainer import train_on_policy as train
 
@@ -212,9 +216,11 @@ def train_on_policy(setup: dict[str, Any], config: Any, run_root: Path, budget: 
     def progress(p) -> None:
         budget.record(p.step, p.teacher_tokens_scored, loss=p.loss, rollouts_per_second=p.rollouts_per_second)
 
-    return train(prompts=prompts, student_dir=str(setup["student"]), teacher=teacher, adapter_name=ADAPTER,
-                 config=on_policy, run_root=str(run_root), on_progress=progress, should_cancel=budget.spent,
-                 device="cpu")
+    plan = TrainPlan.for_config(on_policy, str(run_root), ADAPTER, device="cpu",
+                                top_k=resolve_top_k(on_policy.top_k, source_cap=teacher_top_k_cap(teacher.identity)),
+                                samples_per_prompt=effective_samples_per_prompt(on_policy, len(prompts)))
+    return train(plan, prompts, student_dir=str(setup["student"]), teacher=teacher, on_progress=progress,
+                 should_cancel=budget.spent)
 
 
 def tracked(name: str, trainer: Callable, setup: dict[str, Any], cache: Path, config: dict[str, Any],

@@ -31,6 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 from kiln_core.contracts.opd_config import OpdConfig  # noqa: E402
+from kiln_core.contracts.stage_refs import TrainPlan  # noqa: E402
 from kiln_core.corpus import CorpusTables, TrainingExample  # noqa: E402
 from kiln_core.tiny_models import build_tiny_model  # noqa: E402
 from kiln_core.training.trainer import train_opd  # noqa: E402
@@ -93,9 +94,9 @@ def main() -> None:
     config = OpdConfig.model_validate({
         "training_mode": "off_policy", "top_k": args.top_k, "lora_rank": args.rank, "lora_alpha": 2.0 * args.rank,
         "seed": 0, "checkpoint_interval": args.interval, "optimizer": {"kind": args.optimizer}})
-    result = train_opd(tables=tables, dataset_sha256="sha256:" + "0" * 64, dataset_path="synthetic.jsonl",
-                       student_dir=str(student), adapter_name="bench", config=config, run_root=str(work / "runs" / "bench"),
-                       teacher_identity=None, teacher_alias="synthetic", device=args.device, precision=args.dtype)
+    plan = TrainPlan.for_config(config, str(work / "runs" / "bench"), "bench", device=args.device, precision=args.dtype)
+    result = train_opd(plan, tables, dataset_sha256="sha256:" + "0" * 64, dataset_path="synthetic.jsonl",
+                       student_dir=str(student), teacher_alias="synthetic")
     if result.status != "success":
         raise SystemExit(f"training {result.status}: {result.failure_message}")
 

@@ -9,7 +9,7 @@ shared with the flow that dispatched it.
 
 from prefect import flow
 
-from kiln_core.engine.refs import CorpusRef, ManifestRef, TrainPlan, TrainRef
+from kiln_core.contracts.stage_refs import CorpusRef, ManifestRef, TrainPlan, TrainRef
 from tasks.dispatch import dispatch_training, published_run  # noqa: F401 - the dispatching side, re-exported
 from tasks.train import train_task
 

@@ -13,13 +13,13 @@ from typing import Any
 
 from prefect import task
 
-from kiln_core.engine.refs import CorpusRef, InputsRef, ManifestRef
+from kiln_core.contracts.stage_refs import CorpusRef, InputsRef, ManifestRef
 from tasks.cache import DigestCachePolicy
 from tasks.names import run_name
 
 ADMIT_CACHE = DigestCachePolicy(
     # v4: results live beside the cache records under the storage root (``cache_options``); a v3 record
-    # names a result in some Prefect home. v3: results are engine refs pointing at admission format v2.
+    # names a result in some Prefect home (and a ref class of kiln_core.engine.refs, now contracts.stage_refs).
     version="kiln-flows-admit-v4",
     inputs=("dataset_sha256", "student_digest", "effective_top_k", "pinned_revision", "storage_root"),
 )

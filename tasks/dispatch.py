@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from kiln_core.engine.refs import TrainRef
+from kiln_core.contracts.stage_refs import TrainRef
 from kiln_core.errors import EnvironmentFailure
 
 

@@ -19,7 +19,7 @@ from typing import Any
 from prefect import task
 
 from kiln_core.contracts.pipeline import PipelineSpec
-from kiln_core.engine.refs import CorpusRef, GateRef, TrainRef
+from kiln_core.contracts.stage_refs import CorpusRef, GateRef, HeldOutRef, TrainRef
 from tasks.artifacts import artifact_key
 from tasks.retry import retry_unless_rejected
 
@@ -74,7 +74,7 @@ def before_after_artifact(gate: GateRef, adapter: str) -> None:
 @task(name="gate", task_run_name="gate-{spec.adapter}", retries=2, retry_delay_seconds=[2, 10],
       retry_condition_fn=retry_unless_rejected)
 def gate_task(trained: TrainRef, spec: PipelineSpec, manifest: Any, student_dir: str, seed: int | None,
-              training: CorpusRef, device: str | None = None) -> GateRef:
+              training: CorpusRef, device: str | None = None, gate_corpus: HeldOutRef | None = None) -> GateRef:
     """Evaluate the trained adapter (``post_eval``, ``quality_gate``), emit the decision, show the table.
 
     Example:
@@ -88,7 +88,8 @@ def gate_task(trained: TrainRef, spec: PipelineSpec, manifest: Any, student_dir:
 
     from kiln_core.engine.gate import run_gate
 
-    gate = run_gate(trained, spec, manifest, student_dir, seed=seed, training=training, device=device)
+    gate = run_gate(trained, spec, manifest, student_dir, seed=seed, training=training, device=device,
+                    gate_corpus=gate_corpus)
     get_run_logger().info("gate %s: %s", gate.outcome or "informational", gate.verdict or "")
     event = gate_event(gate, spec.adapter)
     if event is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prefect import task
 
 from kiln_core.contracts.pipeline import TeacherSource
-from kiln_core.engine.refs import ManifestRef
+from kiln_core.contracts.stage_refs import ManifestRef
 from tasks.retry import retry_unless_rejected
 
 

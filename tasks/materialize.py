@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from prefect import task
 
-from kiln_core.engine.refs import CorpusRef
+from kiln_core.contracts.stage_refs import CorpusRef
 from tasks.cache import DigestCachePolicy
 from tasks.names import run_name
 
@@ -18,8 +18,8 @@ from tasks.names import run_name
 @task(
     name="materialize",
     task_run_name=run_name("materialize", "corpus", "dataset_sha256"),
-    # v3: see ADMIT_CACHE (engine refs, admission format v2)
-    cache_policy=DigestCachePolicy(version="kiln-flows-materialize-v3", inputs=("corpus",)),
+    # v4: results are refs of kiln_core.contracts.stage_refs (they were kiln_core.engine.refs); see ADMIT_CACHE
+    cache_policy=DigestCachePolicy(version="kiln-flows-materialize-v4", inputs=("corpus",)),
     persist_result=True,
     result_serializer="json",
 )

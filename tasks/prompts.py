@@ -11,7 +11,7 @@ from __future__ import annotations
 from prefect import task
 
 from kiln_core.contracts.opd_config import OpdConfig
-from kiln_core.engine.refs import CorpusRef, ManifestRef
+from kiln_core.contracts.stage_refs import CorpusRef, ManifestRef
 from tasks.retry import retry_unless_rejected
 
 

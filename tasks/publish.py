@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prefect import task
 
-from kiln_core.engine.refs import PublishRef, TrainRef
+from kiln_core.contracts.stage_refs import PublishRef, TrainRef
 from tasks.artifacts import artifact_key, loss_curve_markdown, outputs_markdown, receipt_rows
 from tasks.retry import retry_unless_rejected
 

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 from prefect import task
 
-from kiln_core.engine.refs import ScoredRef
+from kiln_core.contracts.stage_refs import ScoredRef
 from tasks.cache import DigestCachePolicy
 from tasks.names import run_name
 from tasks.retry import retry_unless_rejected
 
 
 @task(name="score", task_run_name=run_name("score", "examples_uri"),
-      cache_policy=DigestCachePolicy(version="kiln-flows-score-v2", inputs=("out_uri",)),
+      # v3: results are kiln_core.contracts.stage_refs.ScoredRef (it was kiln_core.engine.refs)
+      cache_policy=DigestCachePolicy(version="kiln-flows-score-v3", inputs=("out_uri",)),
       persist_result=True, result_serializer="json", retries=1, retry_delay_seconds=5,
       retry_condition_fn=retry_unless_rejected)
 def score_task(examples_uri: str, out_uri: str, teacher_dir: str | None, teacher_alias: str | None,

@@ -8,7 +8,7 @@ training deployment (``options.train_deployment``, e.g. a GPU work pool).
 from __future__ import annotations
 
 from kiln_core.contracts.pipeline import PipelineSpec, TeacherSource
-from kiln_core.engine.refs import CorpusRef, GateRef, InputsRef, ManifestRef, PublishRef, TrainPlan, TrainRef
+from kiln_core.contracts.stage_refs import CorpusRef, GateRef, InputsRef, ManifestRef, PublishRef, TrainPlan, TrainRef
 from kiln_core.engine.training import training_settings
 
 
@@ -122,7 +122,7 @@ class PrefectStages:
         from tasks.gate import gate_task
 
         return gate_task(trained, spec, ready.manifest, ready.student_dir, ready.plan.seed,
-                         ready.corpus, ready.plan.device)
+                         ready.corpus, ready.plan.device, ready.gate_corpus)
 
     def publish(self, trained: TrainRef, spec: PipelineSpec) -> PublishRef:
         from tasks.publish import publish_task

@@ -16,7 +16,7 @@ from typing import Callable
 
 from prefect import task
 
-from kiln_core.engine.refs import CorpusRef, ManifestRef, TrainPlan, TrainRef
+from kiln_core.contracts.stage_refs import CorpusRef, ManifestRef, TrainPlan, TrainRef
 from tasks.artifacts import ProgressReporter, artifact_key
 from tasks.retry import retry_unless_rejected
 

@@ -42,7 +42,7 @@ def sigterm_after_step(module: Any, trainer: str, step: int, *, hook: str) -> It
     """
     original = getattr(module, trainer)
 
-    def terminating(**kwargs: Any) -> Any:
+    def terminating(*args: Any, **kwargs: Any) -> Any:
         chained = kwargs.get(hook)
 
         def reported(done: int, *rest: Any) -> None:
@@ -51,7 +51,7 @@ def sigterm_after_step(module: Any, trainer: str, step: int, *, hook: str) -> It
             if done == step:
                 os.kill(os.getpid(), signal.SIGTERM)
 
-        return original(**{**kwargs, hook: reported})
+        return original(*args, **{**kwargs, hook: reported})
 
     setattr(module, trainer, terminating)
     try:

@@ -214,9 +214,10 @@ def test_a_distributed_job_carries_the_resolved_base_adapter(tiny_student, root)
     run = spec_from_request(off_policy_request(root, "nproc.json", base_adapter="base"), adapter="warm-ddp",
                             student_dir=str(tiny_student), out_root=str(root), nproc=2)
     ready = prepare(run.spec, resume=run.resume, device="cpu")
-    job = distributed_job(ready.plan, ready.corpus, ready.manifest, ready.student_dir, None)
-    assert job.base_adapter.uri == latest(root, "base")["adapter"]
-    assert job.base_adapter.adapter_model_sha256 == latest(root, "base")["adapter_model_sha256"]
+    job = distributed_job(ready.plan.model_copy(update={"resume": None}), ready.corpus, ready.manifest,
+                          ready.student_dir)
+    assert job.plan.base_adapter.uri == latest(root, "base")["adapter"]
+    assert job.plan.base_adapter.adapter_model_sha256 == latest(root, "base")["adapter_model_sha256"]
 
 
 def test_an_adapter_can_warm_start_from_its_own_published_self(tiny_student, root, capsys):

@@ -46,10 +46,10 @@ def test_a_warm_started_flow_run_retries_to_the_same_adapter(world, root, monkey
 
     real_train_opd, calls = trainer.train_opd, []
 
-    def first_attempt_crashes(**kwargs):  # the train task's first attempt dies right after step 3
-        calls.append(kwargs.get("resume_checkpoint"))
-        assert kwargs["base_adapter"].adapter_model_sha256 == latest["adapter_model_sha256"]
-        return real_train_opd(**{**kwargs, "on_step_committed": crash_after(3) if len(calls) == 1 else None})
+    def first_attempt_crashes(plan, *args, **kwargs):  # the train task's first attempt dies right after step 3
+        calls.append(plan.resume)
+        assert plan.base_adapter.adapter_model_sha256 == latest["adapter_model_sha256"]
+        return real_train_opd(plan, *args, **{**kwargs, "on_step_committed": crash_after(3) if len(calls) == 1 else None})
 
     monkeypatch.setattr(trainer, "train_opd", first_attempt_crashes)
     state, retried = run_pipeline(warm_spec(world, root, "flow-warm-retried", train_retries=1))

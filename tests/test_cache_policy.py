@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from tasks.admit import ADMIT_CACHE
 from tasks.artifacts import artifact_key
 from tasks.cache import DigestCachePolicy
-from kiln_core.engine.refs import CorpusRef, InputsRef
+from kiln_core.contracts.stage_refs import CorpusRef, InputsRef
 
 DIGEST_A = "sha256:" + "a" * 64
 DIGEST_B = "sha256:" + "b" * 64
@@ -148,7 +148,7 @@ def test_policy_pickles_round_trip(tmp_path):
 _CHILD = """
 import json, sys
 from tasks.admit import ADMIT_CACHE
-from kiln_core.engine.refs import InputsRef
+from kiln_core.contracts.stage_refs import InputsRef
 inputs = json.loads(sys.argv[1])
 inputs["inputs"] = InputsRef.model_validate(inputs["inputs"])
 print(ADMIT_CACHE.compute_key(None, inputs, {}))

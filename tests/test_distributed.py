@@ -27,6 +27,7 @@ from safetensors.torch import load_file
 from kiln_core.storage import resolve
 from kiln_core.training.checkpoint import ResumeError, latest_checkpoint
 from kiln_core.training.trainer import train_opd
+from plan_support import train_plan
 from test_trainer import ADAPTER, DATASET_SHA, Crash, crash_after, make_config, synthetic_tables, table_arrays
 
 LAUNCH_TIMEOUT = 300
@@ -44,7 +45,7 @@ DRIVER = """
 import json, sys
 import numpy as np, torch
 torch.set_num_threads(1)
-from kiln_core.contracts.opd_config import OpdConfig
+from kiln_core.contracts.stage_refs import TrainPlan
 from kiln_core.corpus import CorpusTables
 from kiln_core.training.checkpoint import ResumeError
 from kiln_core.training.distributed.world import init_world, shutdown_world
@@ -62,10 +63,9 @@ world = init_world("gloo", "cpu")
 data = np.load(args["tables"])
 try:
     result = train_opd(
-        tables=CorpusTables(**{k: data[k] for k in data.files}), dataset_sha256=args["sha"], dataset_path="corpus.jsonl",
-        student_dir=args["student"], adapter_name=args["adapter"], config=OpdConfig.model_validate_json(args["config"]),
-        run_root=args["root"], teacher_identity=None, teacher_alias="tiny-teacher", resume_checkpoint=args.get("resume"),
-        on_step_committed=crash, world=world)
+        TrainPlan.model_validate_json(args["plan"]), CorpusTables(**{k: data[k] for k in data.files}),
+        dataset_sha256=args["sha"], dataset_path="corpus.jsonl", student_dir=args["student"],
+        teacher_alias="tiny-teacher", on_step_committed=crash, world=world)
 except ResumeError as error:
     print("REJECTED", json.dumps(error.to_json()), flush=True)
     sys.exit(2)
@@ -89,10 +89,12 @@ def workdir(tmp_path_factory) -> Path:
     return directory
 
 
-def torchrun(workdir: Path, student: Path, root: Path, nproc: int = 2, **extra) -> tuple[int, dict | None, str]:
+def torchrun(workdir: Path, student: Path, root: Path, nproc: int = 2, resume: str | None = None,
+             **extra) -> tuple[int, dict | None, str]:
     """Launch the driver on ``nproc`` gloo ranks; returns (exit status, rank 0's RESULT/REJECTED JSON, stderr)."""
-    args = {"tables": str(workdir / "tables.npz"), "sha": DATASET_SHA, "student": str(student), "adapter": ADAPTER,
-            "config": CONFIG.model_dump_json(), "root": str(root), **extra}
+    plan = train_plan(CONFIG, str(root), ADAPTER, resume_checkpoint=resume, nproc=nproc)
+    args = {"tables": str(workdir / "tables.npz"), "sha": DATASET_SHA, "student": str(student),
+            "plan": plan.model_dump_json(), **extra}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
                "--nproc-per-node", str(nproc), str(workdir / "driver.py"), json.dumps(args)]
     proc = subprocess.run(command, cwd=Path(__file__).parents[1], env={**os.environ, "OMP_NUM_THREADS": "1"},
@@ -128,10 +130,9 @@ def test_two_ranks_match_one_process_with_two_sequences_per_step(two_rank_run, t
     root, result = two_rank_run
     assert result["status"] == "success" and result["world_size"] == 2
     assert result["steps"] == result["total_steps"] == 8  # 15 candidates, 2 per optimizer step
-    single = train_opd(tables=tables(), dataset_sha256=DATASET_SHA, dataset_path="corpus.jsonl",
-                       student_dir=str(tiny_student), adapter_name=ADAPTER,
-                       config=CONFIG.model_copy(update={"sequences_per_step": 2}), run_root=str(tmp_path),
-                       teacher_identity=None, teacher_alias="tiny-teacher")
+    single = train_opd(train_plan(CONFIG.model_copy(update={"sequences_per_step": 2}), str(tmp_path), ADAPTER),
+                       tables(), dataset_sha256=DATASET_SHA, dataset_path="corpus.jsonl",
+                       student_dir=str(tiny_student), teacher_alias="tiny-teacher")
     assert single.total_steps == 8
     np.testing.assert_allclose(result["loss_history"], single.loss_history, rtol=1e-5, atol=0)
     distributed, reference = load_file(root / "adapter" / "adapter_model.safetensors"), load_file(tmp_path / "adapter" / "adapter_model.safetensors")
@@ -179,10 +180,10 @@ def test_a_different_world_size_is_refused_before_training(two_rank_run, workdir
     root, _ = two_rank_run
     before = sorted(os.listdir(root)), receipt(root)
     with pytest.raises(ResumeError) as caught:
-        train_opd(tables=tables(), dataset_sha256=DATASET_SHA, dataset_path="corpus.jsonl",
-                  student_dir=str(tiny_student), adapter_name=ADAPTER, config=CONFIG, run_root=str(root),
-                  teacher_identity=None, teacher_alias="tiny-teacher",
-                  resume_checkpoint=f"{ADAPTER}-checkpoint-step-00000004.kiln-checkpoint")
+        train_opd(train_plan(CONFIG, str(root), ADAPTER,
+                             resume_checkpoint=f"{ADAPTER}-checkpoint-step-00000004.kiln-checkpoint"),
+                  tables(), dataset_sha256=DATASET_SHA, dataset_path="corpus.jsonl",
+                  student_dir=str(tiny_student), teacher_alias="tiny-teacher")
     assert caught.value.code == "resume_world_size"
     assert "world size 2" in caught.value.message and "world size 1" in caught.value.message
     assert (sorted(os.listdir(root)), receipt(root)) == before  # nothing trained, nothing written
@@ -190,9 +191,9 @@ def test_a_different_world_size_is_refused_before_training(two_rank_run, workdir
     # a one-process checkpoint resumed by 2 ranks: every rank refuses in planning, before the model loads
     single = tmp_path / "single"
     with pytest.raises(Crash):
-        train_opd(tables=tables(), dataset_sha256=DATASET_SHA, dataset_path="corpus.jsonl",
-                  student_dir=str(tiny_student), adapter_name=ADAPTER, config=CONFIG.model_copy(update={"sequences_per_step": 2}),
-                  run_root=str(single), teacher_identity=None, teacher_alias="tiny-teacher", on_step_committed=crash_after(3))
+        train_opd(train_plan(CONFIG.model_copy(update={"sequences_per_step": 2}), str(single), ADAPTER),
+                  tables(), dataset_sha256=DATASET_SHA, dataset_path="corpus.jsonl", student_dir=str(tiny_student),
+                  teacher_alias="tiny-teacher", on_step_committed=crash_after(3))
     listing = sorted(os.listdir(single))
     code, rejected, stderr = torchrun(workdir, tiny_student, single, resume=f"{ADAPTER}-checkpoint-step-00000002.kiln-checkpoint")
     assert code != 0 and rejected is not None, stderr[-4000:]

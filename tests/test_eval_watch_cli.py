@@ -41,6 +41,60 @@ def test_eval_flags_watch_the_run(tiny_student, request_file, tmp_path, capsys):
     assert curve["held_out"]["tokens"] > 0 and receipt["phase_timings_ms"]["eval"] > 0
 
 
+def test_the_held_out_corpus_is_admitted_once_per_run_and_training_reads_its_materialization(
+        tiny_student, request_file, tmp_path, capsys, monkeypatch):
+    """Admitted when the run is prepared (refused there), materialized under the storage root, and read back
+    by training — never admitted a second time, also not by a run of the same inputs that finds it committed."""
+    import hashlib
+
+    from kiln_core.evaluation import corpus as eval_corpus
+
+    real, admitted = eval_corpus.admit_eval_corpus, []
+
+    def counting(corpus_uri, *args, **kwargs):
+        result = real(corpus_uri, *args, **kwargs)
+        admitted.append((corpus_uri, result.reused))
+        return result
+
+    monkeypatch.setattr(eval_corpus, "admit_eval_corpus", counting)
+    heldout = request_file.parent / "heldout.jsonl"
+    code, result = train(capsys, request_file, tiny_student, tmp_path, "--eval-corpus", str(heldout),
+                         "--eval-every", "4")
+    assert code == 0, result
+    assert admitted == [(str(heldout), False)]
+    digest = hashlib.sha256(heldout.read_bytes()).hexdigest()
+    assert (tmp_path / "corpora" / digest / "admission.json").exists()
+    curve = json.loads(open(result["receipt"]).read())["eval_curve"]
+    assert curve["held_out"]["corpus_sha256"] == "sha256:" + digest and len(curve["points"]) > 1
+
+    # the same command under another adapter name: prepared again, the committed held-out tables reused
+    code, again = train(capsys, request_file, tiny_student, tmp_path, "--eval-corpus", str(heldout), "--eval-every",
+                        "4", "--adapter", "watched-again")
+    assert code == 0, again
+    assert admitted == [(str(heldout), False), (str(heldout), True)]
+    assert json.loads(open(again["receipt"]).read())["eval_curve"] == curve
+
+
+def test_a_held_out_materialization_that_is_not_the_admitted_corpus_is_not_trained_on(tiny_student, request_file,
+                                                                                      tmp_path):
+    from kiln_core.contracts.eval_watch import EvalWatch
+    from kiln_core.contracts.stage_refs import HeldOutRef
+    from kiln_core.errors import EnvironmentFailure
+    from kiln_core.training.watch import HeldOutSlice
+
+    watch = EvalWatch(corpus=str(request_file.parent / "heldout.jsonl"), every_steps=2)
+    admitted = HeldOutSlice.admit(watch, str(tiny_student), top_k=16, out_root=str(tmp_path))
+    ref = admitted.ref()
+    assert (ref.examples, ref.uri) == (3, admitted.materialized) and ref.uri.startswith(str(tmp_path / "corpora"))
+    loaded = HeldOutSlice.load(watch, ref)
+    assert loaded.record() == admitted.record()  # the same slice, from the committed tables
+    with pytest.raises(EnvironmentFailure) as caught:
+        HeldOutSlice.load(watch, ref.model_copy(update={"corpus_sha256": "sha256:" + "0" * 64}))
+    assert caught.value.code == "corpus_changed" and caught.value.file == ref.uri
+    with pytest.raises(FileNotFoundError):
+        HeldOutSlice.load(watch, ref.model_copy(update={"uri": str(tmp_path / "corpora" / "nothing-here")}))
+
+
 def test_no_flags_no_watch(tiny_student, request_file, tmp_path, capsys):
     code, result = train(capsys, request_file, tiny_student, tmp_path)
     assert code == 0

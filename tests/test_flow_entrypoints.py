@@ -128,7 +128,7 @@ def test_score_corpus_wants_exactly_one_teacher(teachers, tmp_path):
 def _train_stage_parameters(tmp_path: Path) -> dict:
     """What ``dispatch_training`` sends the ``kiln-train`` deployment: plain JSON."""
     from kiln_core.contracts.opd_config import parse_opd_config
-    from kiln_core.engine.refs import CorpusRef, ManifestRef, TrainPlan
+    from kiln_core.contracts.stage_refs import CorpusRef, ManifestRef, TrainPlan
 
     config = parse_opd_config({"training_mode": "off_policy", "top_k": 16, "output_name": "pool"})
     plan = TrainPlan(run_uri=str(tmp_path / "runs" / "pool" / "key"), inputs_key="key", adapter="pool", config=config,
@@ -142,7 +142,7 @@ def _train_stage_parameters(tmp_path: Path) -> dict:
 
 def test_the_training_flow_takes_the_dispatchers_json_parameters_as_typed_refs(tmp_path):
     from flows.train_stage import train_stage
-    from kiln_core.engine.refs import CorpusRef, ManifestRef, TrainPlan
+    from kiln_core.contracts.stage_refs import CorpusRef, ManifestRef, TrainPlan
 
     sent = _train_stage_parameters(tmp_path)
     received = train_stage.validate_parameters(sent)

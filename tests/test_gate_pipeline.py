@@ -170,6 +170,34 @@ def test_quality_gate_decides_on_held_out_metrics(tiny_student, corpus_dir, tmp_
     assert "post_eval" not in receipt
 
 
+def test_the_quality_gate_corpus_is_admitted_once_before_training_and_read_back_by_the_gate(
+        tiny_student, corpus_dir, tmp_path, monkeypatch):
+    import hashlib
+
+    import kiln_core.evaluation as evaluation
+    from kiln_core.contracts.pipeline import parse_spec
+    from kiln_core.engine import run_pipeline
+    from kiln_core.evaluation import corpus as eval_corpus
+
+    real, admitted = eval_corpus.admit_eval_corpus, []
+
+    def counting(corpus_uri, *args, **kwargs):
+        admitted.append(corpus_uri)
+        return real(corpus_uri, *args, **kwargs)
+
+    monkeypatch.setattr(eval_corpus, "admit_eval_corpus", counting)
+    monkeypatch.setattr(evaluation, "admit_eval_corpus", counting)  # the gate's own import, were it to admit again
+    heldout = corpus_dir / "heldout.jsonl"
+    result = run_pipeline(parse_spec({
+        "teacher": {"kind": "manifest_file", "path": str(corpus_dir / "manifest.jsonl")},
+        "corpus": str(corpus_dir / "corpus.jsonl"), "student": str(tiny_student), "storage_root": str(tmp_path),
+        "adapter": "quality-once", "config": CONFIG, "quality_gate": {"corpus": str(heldout), "max_reverse_kl": 1e6}}))
+    assert result.gate["outcome"] == "promoted" and admitted == [str(heldout)]
+    digest = hashlib.sha256(heldout.read_bytes()).hexdigest()
+    assert result.gate["quality_gate"]["corpus_sha256"] == "sha256:" + digest
+    assert (tmp_path / "corpora" / digest / "admission.json").exists()
+
+
 def test_a_retried_gate_reads_its_decision_back(tiny_student, corpus_dir, tmp_path, monkeypatch):
     """A second pass over a decided run (a flow retry) neither evaluates again nor changes the receipt."""
     from kiln_core.contracts.pipeline import parse_spec

@@ -46,7 +46,7 @@ HOOK = textwrap.dedent(
         _hold = int(os.environ["KILN_TEST_HOLD_STEP"])
         _go = os.environ["KILN_TEST_GO_FILE"]
 
-        def _held(**kwargs):
+        def _held(*args, **kwargs):
             report = kwargs.get("on_progress")
 
             def progress(step, total, loss):
@@ -58,7 +58,7 @@ HOOK = textwrap.dedent(
                     while not os.path.exists(_go):
                         time.sleep(0.05)
 
-            return _train_opd(**{**kwargs, "on_progress": progress})
+            return _train_opd(*args, **{**kwargs, "on_progress": progress})
 
         _trainer.train_opd = _held
     """

@@ -24,6 +24,7 @@ from kiln_core.admission import admit_corpus
 from kiln_core.synthetic import synthesize_corpus
 from kiln_core.training.checkpoint import CheckpointError, load_checkpoint
 from kiln_core.training.trainer import train_opd
+from plan_support import train_plan
 from test_trainer import ADAPTER, make_config
 
 STEP = 3
@@ -43,9 +44,9 @@ def run(tiny_student, tmp_path_factory):
     admission = admit_corpus(str(corpus), str(tiny_student), top_k=16)
     config = make_config(epochs=2, checkpoint_interval=STEP, echo={"lambda": 0.5})
     root = base / "run"
-    result = train_opd(tables=admission.tables, dataset_sha256=admission.dataset_sha256, dataset_path=str(corpus),
-                       student_dir=str(tiny_student), adapter_name=ADAPTER, config=config, run_root=str(root),
-                       teacher_identity=admission.teacher_identity, teacher_alias=ALIAS)
+    result = train_opd(train_plan(config, str(root), ADAPTER), admission.tables,
+                       dataset_sha256=admission.dataset_sha256, dataset_path=str(corpus), student_dir=str(tiny_student),
+                       teacher_alias=ALIAS, teacher_identity=admission.teacher_identity)
     assert result.status == "success"
     return {"root": root, "dir": root / NAME, "corpus": corpus, "admission": admission, "student": tiny_student}
 

@@ -11,6 +11,7 @@ import torch
 from kiln_core import loss as L
 from kiln_core.training import objectives as O
 from naive_losses import naive_topk_tail_reverse_kl
+from plan_support import train_plan
 
 TOL = 1e-5
 
@@ -112,9 +113,8 @@ def test_the_trainer_trains_each_quality_loss_on_the_right_targets(tiny_student,
     config = OpdConfig.model_validate(dict(training_mode="off_policy", top_k=16, lora_rank=4, lora_alpha=8.0, seed=3,
                                            learning_rate=3e-2, checkpoint_interval=None, epochs=3, loss=loss,
                                            optimizer={"kind": "adam_w"}))
-    result = train_opd(tables=tables, dataset_sha256="sha256:" + "cd" * 32, dataset_path="corpus.jsonl",
-                       student_dir=str(tiny_student), adapter_name="quality", config=config, run_root=str(tmp_path),
-                       teacher_identity=None, teacher_alias="tiny-teacher")
+    result = train_opd(train_plan(config, str(tmp_path), "quality"), tables, dataset_sha256="sha256:" + "cd" * 32,
+                       dataset_path="corpus.jsonl", student_dir=str(tiny_student), teacher_alias="tiny-teacher")
     assert result.status == "success" and np.mean(result.loss_history[-3:]) < np.mean(result.loss_history[:3])
     example = tables.example(0)
     model = AutoModelForCausalLM.from_pretrained(tiny_student, dtype=torch.float32)

@@ -98,9 +98,9 @@ def test_a_retried_train_task_resumes_and_reuses_committed_rollouts(world, refer
 
     real, calls, results = trainer.train_on_policy, [], []
 
-    def first_attempt_crashes(**kwargs):  # the first attempt dies right after committing step 3
-        calls.append(kwargs.get("resume_checkpoint"))
-        result = real(**{**kwargs, "on_step_committed": crash_after(3) if len(calls) == 1 else None})
+    def first_attempt_crashes(plan, *args, **kwargs):  # the first attempt dies right after committing step 3
+        calls.append(plan.resume)
+        result = real(plan, *args, **{**kwargs, "on_step_committed": crash_after(3) if len(calls) == 1 else None})
         results.append(result)
         return result
 

@@ -23,6 +23,7 @@ from kiln_core.training.checkpoint import latest_checkpoint
 from kiln_core.training.on_policy_trainer import train_on_policy
 from kill_support import sigkill_when
 from on_policy_support import CountingRollouts
+from plan_support import split_plan_options, train_plan
 from test_on_policy_trainer import ADAPTER, ALIAS, PROMPTS
 from test_trainer import Crash, crash_after
 
@@ -51,8 +52,10 @@ def teacher(tiny_teacher) -> TeacherSource:
 def run(student, teacher, root: Path, counting: CountingRollouts, **kwargs):
     req = parse_opd_request(request_body())
     torch.set_num_threads(1)
-    return train_on_policy(prompts=req.prompts, student_dir=str(student), teacher=teacher, adapter_name=ADAPTER,
-                           config=req.config, run_root=str(root), rollout_backend=counting.factory, **kwargs)
+    plan_options, hooks = split_plan_options(kwargs)
+    plan = train_plan(req.config, str(root), ADAPTER, prompts=req.prompts, teacher=teacher, **plan_options)
+    return train_on_policy(plan, req.prompts, student_dir=str(student), teacher=teacher,
+                           rollout_backend=counting.factory, **hooks)
 
 
 @pytest.fixture(scope="module")
@@ -149,6 +152,7 @@ def test_sigkill_mid_run_then_resume_is_bit_exact_and_reuses_committed_rollouts(
         "torch.set_num_threads(1)\n"
         f"sys.path.insert(0, {str(tests_dir)!r})\n"
         "from on_policy_support import CountingRollouts\n"
+        "from plan_support import train_plan\n"
         "from kiln_core.contracts.opd_config import parse_opd_request\n"
         "from kiln_core.identity.local_teacher import local_teacher_identity\n"
         "from kiln_core.on_policy.teacher import TeacherSource\n"
@@ -156,8 +160,8 @@ def test_sigkill_mid_run_then_resume_is_bit_exact_and_reuses_committed_rollouts(
         f"req = parse_opd_request(json.loads(open({str(tmp_path / 'request.json')!r}).read()))\n"
         f"identity = local_teacher_identity({str(tiny_teacher)!r}, max_top_k=32, device_kind='cpu')\n"
         f"teacher = TeacherSource.local({ALIAS!r}, identity, {str(tiny_teacher)!r}, device='cpu')\n"
-        f"train_on_policy(prompts=req.prompts, student_dir={str(tiny_student)!r}, teacher=teacher,\n"
-        f"    adapter_name={ADAPTER!r}, config=req.config, run_root={str(killed)!r},\n"
+        f"plan = train_plan(req.config, {str(killed)!r}, {ADAPTER!r}, prompts=req.prompts, teacher=teacher)\n"
+        f"train_on_policy(plan, req.prompts, student_dir={str(tiny_student)!r}, teacher=teacher,\n"
         f"    rollout_backend=CountingRollouts({EOS_FIRST_MODULUS}).factory,\n"
         "    on_progress=lambda event: event.step >= 5 and sys.stdin.readline())\n"
     )

@@ -26,6 +26,7 @@ from kiln_core.training.checkpoint import CheckpointError
 from kiln_core.training.on_policy_trainer import train_on_policy
 from naive_losses import normalize
 from on_policy_support import CountingRollouts, chat, request
+from plan_support import split_plan_options, train_plan
 
 ADAPTER = "onpol"
 ALIAS = "tiny-teacher"
@@ -66,8 +67,9 @@ def make_request(prompts=PROMPTS, **overrides):
 
 def run(student, teacher, root, req=None, **kwargs):
     req = req if req is not None else make_request()
-    return train_on_policy(prompts=req.prompts, student_dir=str(student), teacher=teacher, adapter_name=ADAPTER,
-                           config=req.config, run_root=str(root), **kwargs)
+    plan_options, hooks = split_plan_options(kwargs)
+    plan = train_plan(req.config, str(root), ADAPTER, prompts=req.prompts, teacher=teacher, **plan_options)
+    return train_on_policy(plan, req.prompts, student_dir=str(student), teacher=teacher, **hooks)
 
 
 def stored(result):
@@ -205,18 +207,26 @@ def test_receipt_records_an_on_policy_run(tiny_student, teacher, identity, tmp_p
 
 
 def test_default_samples_per_prompt_scale_with_the_request_prompt_count(tiny_student, teacher, tmp_path):
+    """Resolved once, by the submit checks the engine runs (``check_prompts`` → ``plan_on_policy``); the
+    training planner takes the plan's value into the schedule, the checkpoint and the receipt."""
+    from kiln_core.contracts.stage_refs import TrainPlan
+    from kiln_core.on_policy.submit import TeacherBinding, plan_on_policy
     from kiln_core.training.distributed.world import World
     from kiln_core.training.on_policy_plan import plan_on_policy_run
 
     def samples(prompts):
         req = request(prompts, teacher=ALIAS, top_k=16, max_tokens=4)  # samples_per_prompt left at Kiln's default 4
-        plan, rollouts = plan_on_policy_run(
-            prompts=req.prompts, student_dir=str(tiny_student), teacher=teacher, adapter_name=ADAPTER, config=req.config,
-            run_root=str(tmp_path), rollout_root=None, resume_checkpoint=None, device="cpu", precision=None,
-            gradient_checkpointing=False, world=World())
-        assert plan.schedule.candidates_per_epoch == len(rollouts.prepared.prompts) * plan.facts.samples_per_prompt
-        assert plan.contract.effective_config["effective_samples_per_prompt"] == plan.facts.samples_per_prompt
-        return plan.facts.samples_per_prompt
+        submitted = plan_on_policy(req, teacher=TeacherBinding(ALIAS, "local", teacher.identity, "teacher-dir"),
+                                   student_dir=str(tiny_student))
+        plan = TrainPlan.for_config(req.config, str(tmp_path), ADAPTER, top_k=submitted.top_k,
+                                    samples_per_prompt=submitted.samples_per_prompt, device="cpu")
+        run_plan, rollouts = plan_on_policy_run(plan, prompts=req.prompts, student_dir=str(tiny_student),
+                                                teacher=teacher, rollout_root=None, world=World())
+        assert run_plan.facts.samples_per_prompt == submitted.samples_per_prompt
+        samples_per_prompt = run_plan.facts.samples_per_prompt
+        assert run_plan.schedule.candidates_per_epoch == len(rollouts.prepared.prompts) * samples_per_prompt
+        assert run_plan.contract.effective_config["effective_samples_per_prompt"] == samples_per_prompt
+        return samples_per_prompt
 
     # counted before dropping prompts: 49 + 1 user-only prompt is 50 prompts
     assert samples(PROMPTS) == 64
@@ -302,8 +312,9 @@ def test_refusals_happen_before_any_model_loads(tiny_student, identity, tmp_path
         run(tiny_student, wider, tmp_path)
     assert caught.value.code == "teacher_vocab_mismatch"
     with pytest.raises(Rejection) as caught:
-        train_on_policy(prompts=[], student_dir=str(tiny_student), teacher=source, adapter_name=ADAPTER,
-                        config=make_request().config, run_root=str(tmp_path))
+        req = make_request()
+        train_on_policy(train_plan(req.config, str(tmp_path), ADAPTER, prompts=req.prompts, teacher=source), [],
+                        student_dir=str(tiny_student), teacher=source)
     assert caught.value.code == "no_prompts"
     assert list(tmp_path.iterdir()) == []
 

@@ -16,6 +16,7 @@ from kiln_core.on_policy.teacher import LiveLocalTeacher, TeacherSource
 from kiln_core.on_policy.vllm_teacher import VllmRolloutScorer, vllm_teacher_source
 from kiln_core.training.on_policy_trainer import train_on_policy
 from on_policy_support import chat, request
+from plan_support import train_plan
 from test_scoring_vllm import manifest_file, server_url, vllm_identity  # noqa: F401 - the fake server fixtures
 
 TOP_K = 16
@@ -40,14 +41,14 @@ def test_an_on_policy_run_with_the_vllm_teacher(tiny_student, tiny_teacher, serv
     req = request([chat("What is two plus two?"), chat("Name a colour.")], teacher="tiny-teacher",
                   samples_per_prompt=2, max_tokens=4, top_k=TOP_K, lora_rank=4, lora_alpha=8.0, seed=3,
                   learning_rate=2e-2, checkpoint_interval=2, epochs=1)
-    common = dict(prompts=req.prompts, student_dir=str(tiny_student), adapter_name="onpol-vllm", config=req.config,
-                  device="cpu")
-    remote = train_on_policy(teacher=vllm_teacher_source("tiny-teacher", vllm_identity, f"{server_url}/ok"),
-                             run_root=str(tmp_path / "vllm"), **common)
+    def train(teacher, root):
+        plan = train_plan(req.config, str(root), "onpol-vllm", prompts=req.prompts, teacher=teacher, device="cpu")
+        return train_on_policy(plan, req.prompts, student_dir=str(tiny_student), teacher=teacher)
+
+    remote = train(vllm_teacher_source("tiny-teacher", vllm_identity, f"{server_url}/ok"), tmp_path / "vllm")
     local_teacher = LiveLocalTeacher.load(str(tiny_teacher), identity=vllm_identity, top_k=TOP_K,
                                           teacher_id="tiny-teacher", device="cpu")
-    local = train_on_policy(teacher=TeacherSource.loaded(local_teacher, "tiny-teacher"),
-                            run_root=str(tmp_path / "local"), **common)
+    local = train(TeacherSource.loaded(local_teacher, "tiny-teacher"), tmp_path / "local")
     assert remote.status == local.status == "success"
     assert remote.teacher_tokens_scored > 0 and remote.rollouts_sampled == local.rollouts_sampled
     # the first candidate is sampled from the same initial weights: the same tokens, the same rows (±1e-4)

@@ -26,6 +26,7 @@ from kiln_core.on_policy.teacher import LiveLocalTeacher, TeacherSource
 from kiln_core.on_policy.vllm_rollouts import request_body, vllm_rollout_backend
 from kiln_core.training.on_policy_trainer import train_on_policy
 from on_policy_support import chat, request
+from plan_support import split_plan_options, train_plan
 
 SERVER = Path(__file__).with_name("fake_vllm_server.py")
 TOP_K = 16
@@ -83,8 +84,10 @@ def stats(url: str) -> dict:
 def run(student, teacher, root: Path, *, temperature: float, backend=None, **kwargs):
     req = request(PROMPTS, teacher=ALIAS, samples_per_prompt=2, max_tokens=6, top_k=TOP_K, lora_rank=4,
                   lora_alpha=8.0, seed=11, learning_rate=5e-2, checkpoint_interval=2, epochs=1, temperature=temperature)
-    return train_on_policy(prompts=req.prompts, student_dir=str(student), teacher=teacher, adapter_name="vllm-roll",
-                           config=req.config, run_root=str(root), rollout_backend=backend, device="cpu", **kwargs)
+    plan_options, hooks = split_plan_options({"device": "cpu", **kwargs})
+    plan = train_plan(req.config, str(root), "vllm-roll", prompts=req.prompts, teacher=teacher, **plan_options)
+    return train_on_policy(plan, req.prompts, student_dir=str(student), teacher=teacher, rollout_backend=backend,
+                           **hooks)
 
 
 def adapter_bytes(root: Path) -> bytes:

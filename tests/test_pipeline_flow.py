@@ -303,10 +303,10 @@ def test_retry_resumes_from_checkpoint_byte_identical(world, reference, monkeypa
 
     real_train_opd, calls = trainer.train_opd, []
 
-    def first_attempt_crashes(**kwargs):  # the train task's first attempt dies right after step `fail_at`
-        calls.append(kwargs.get("resume_checkpoint"))
+    def first_attempt_crashes(plan, *args, **kwargs):  # the train task's first attempt dies right after step `fail_at`
+        calls.append(plan.resume)
         hook = crash_after(fail_at) if len(calls) == 1 else None
-        return real_train_opd(**{**kwargs, "on_step_committed": hook})
+        return real_train_opd(plan, *args, **{**kwargs, "on_step_committed": hook})
 
     monkeypatch.setattr(trainer, "train_opd", first_attempt_crashes)
     state, summary = run_pipeline(spec_dict(world, world.base / f"retry-{label}", seed=seed, train_retries=1))

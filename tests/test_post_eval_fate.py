@@ -72,7 +72,7 @@ def evidence(**changes) -> PostEvalGateEvidence:
 
 def test_promotion_writes_the_same_pointer_publish_writes(tmp_path, write_run):
     from kiln_core.engine.publish import publish
-    from kiln_core.engine.refs import TrainRef
+    from kiln_core.contracts.stage_refs import TrainRef
 
     run = write_run(tmp_path / "published")
     latest = run.parent / "latest.json"  # runs/<adapter>/latest.json, beside the adapter's runs

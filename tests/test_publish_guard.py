@@ -276,6 +276,7 @@ def test_on_policy_training_goes_through_the_guard(tiny_student, tiny_teacher, t
     from kiln_core.identity.local_teacher import local_teacher_identity
     from kiln_core.on_policy.teacher import LiveLocalTeacher, TeacherSource
     from kiln_core.training.on_policy_trainer import train_on_policy
+    from plan_support import train_plan
     from on_policy_support import chat, request
 
     identity = local_teacher_identity(str(tiny_teacher), max_top_k=32, device_kind="cpu")
@@ -284,8 +285,8 @@ def test_on_policy_training_goes_through_the_guard(tiny_student, tiny_teacher, t
     req = request([chat("What is two plus two?"), chat("Translate to French: good morning")], teacher="tiny-teacher",
                   samples_per_prompt=2, max_tokens=4, top_k=16, lora_rank=4, lora_alpha=8.0, seed=5,
                   learning_rate=1e10, checkpoint_interval=2)
-    result = train_on_policy(prompts=req.prompts, student_dir=str(tiny_student), teacher=teacher, adapter_name="onpol",
-                             config=req.config, run_root=str(tmp_path))
+    plan = train_plan(req.config, str(tmp_path), "onpol", prompts=req.prompts, teacher=teacher)
+    result = train_on_policy(plan, req.prompts, student_dir=str(tiny_student), teacher=teacher)
     assert result.status == "failed" and result.failure_reason == "training_diverged" and result.adapter is None
     assert not (tmp_path / "adapter").exists() and result.latest_checkpoint is not None
     receipt = json.loads((tmp_path / "train_receipt.json").read_text())

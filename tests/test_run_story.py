@@ -116,7 +116,7 @@ class _Lines:
 
 
 def _training_log(interval=2, total_every=None):
-    from kiln_core.engine.refs import CorpusRef, TrainPlan
+    from kiln_core.contracts.stage_refs import CorpusRef, TrainPlan
     from tasks.train import TrainingLog
 
     plan = TrainPlan(run_uri="/r/runs/demo/k", inputs_key="k", adapter="demo",

@@ -273,7 +273,7 @@ def test_admission_reads_s3_materializes_to_s3_reuses_and_verifies_digests(s3, p
     with pytest.raises(ValueError, match="does not match admission.json"):
         read_materialization(first.materialized).tables
     from kiln_core.engine.stages import verify
-    from kiln_core.engine.refs import CorpusRef
+    from kiln_core.contracts.stage_refs import CorpusRef
 
     ref = CorpusRef(uri=first.materialized, dataset_sha256=first.dataset_sha256, source_uri=s3_corpus, examples=6,
                     action_tokens=first.action_tokens, env_tokens=first.env_tokens, effective_top_k=16,
@@ -298,6 +298,7 @@ def test_training_publishes_to_s3_and_resumes_from_s3_bit_exactly(s3, prefix, s3
     from kiln_core.materialize import read_materialization
     from kiln_core.training.checkpoint import load_checkpoint, latest_checkpoint
     from kiln_core.training.trainer import train_opd
+    from plan_support import split_plan_options, train_plan
     from test_trainer import Crash, crash_after
 
     admitted = admit_corpus(s3_corpus, str(tiny_student), top_k=16, out_root=f"s3://{BUCKET}/{prefix}")
@@ -305,9 +306,10 @@ def test_training_publishes_to_s3_and_resumes_from_s3_bit_exactly(s3, prefix, s3
     config = _config()
 
     def train(run_root: str, **kwargs):
-        return train_opd(tables=tables, dataset_sha256=admitted.dataset_sha256, dataset_path=s3_corpus,
-                         student_dir=str(tiny_student), adapter_name=ADAPTER, config=config, run_root=run_root,
-                         teacher_identity=admitted.teacher_identity, teacher_alias="tiny-teacher", **kwargs)
+        plan_options, hooks = split_plan_options(kwargs)
+        return train_opd(train_plan(config, run_root, ADAPTER, **plan_options), tables,
+                         dataset_sha256=admitted.dataset_sha256, dataset_path=s3_corpus, student_dir=str(tiny_student),
+                         teacher_alias="tiny-teacher", teacher_identity=admitted.teacher_identity, **hooks)
 
     reference_dir = tmp_path / "reference"
     reference = train(str(reference_dir))  # uninterrupted, local disk

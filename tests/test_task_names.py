@@ -29,7 +29,7 @@ def test_task_run_names_are_short(task_path, parameters, expected):
 def test_the_materialize_name_takes_the_corpus_digest_prefix():
     from prefect._internal.engine import resolve_custom_task_run_name
 
-    from kiln_core.engine.refs import CorpusRef
+    from kiln_core.contracts.stage_refs import CorpusRef
     from tasks.materialize import materialize_task
 
     corpus = CorpusRef(uri="/r/corpora/x", dataset_sha256=DIGEST, source_uri="/c.jsonl", examples=4, action_tokens=400,

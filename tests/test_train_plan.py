@@ -12,10 +12,10 @@ import pytest
 from pydantic import BaseModel, ValidationError
 
 from kiln_core.contracts.eval_watch import EvalWatch
-from kiln_core.contracts.opd_config import parse_opd_config
+from kiln_core.contracts.opd_config import ConfigError, parse_opd_config, resolve_learning_rate
 from kiln_core.contracts.spec_blocks import VllmBackends
-from kiln_core.engine.refs import TrainPlan
-from kiln_core.training.base_adapter import BaseAdapter
+from kiln_core.contracts.stage_refs import HeldOutRef, TrainPlan
+from kiln_core.contracts.base_adapter import BaseAdapter
 from kiln_core.training.distributed.launcher import DistributedJob
 
 EVERY_BLOCK = {
@@ -35,6 +35,8 @@ def _plan(**config) -> TrainPlan:
         resume="demo-checkpoint-step-00000004.kiln-checkpoint", nproc=2, backend="gloo", device="cpu",
         precision="fp32", gradient_checkpointing=True,
         eval_watch=EvalWatch(corpus="heldout.jsonl", every_steps=5, stop_on_divergence=True),
+        held_out=HeldOutRef(uri="s3://bucket/kiln/corpora/" + "cd" * 32, corpus_sha256="sha256:" + "cd" * 32,
+                            examples=3, action_tokens=17),
         vllm=VllmBackends(rollouts_url="http://127.0.0.1:8000", sync_dir="/shared/sync"),
         base_adapter=BaseAdapter(name="warm", uri="/root/runs/warm/k/adapter", adapter_model_sha256="sha256:" + "ab" * 32,
                                  adapter_model_bytes=4096, rank=4, alpha=8.0, target_modules=["q_proj", "v_proj"]))
@@ -65,6 +67,28 @@ def test_a_plan_is_frozen_and_refuses_unknown_fields():
         TrainPlan.model_validate({**plan.model_dump(mode="json"), "learnign_rate": 1.0})
 
 
+def test_a_watched_plan_carries_its_admitted_held_out_corpus_and_only_then():
+    plan = _plan()
+    with pytest.raises(ValidationError, match="eval_watch and held_out go together"):
+        TrainPlan.model_validate({**plan.model_dump(mode="json"), "held_out": None})
+    with pytest.raises(ValidationError, match="eval_watch and held_out go together"):
+        TrainPlan.model_validate({**plan.model_dump(mode="json"), "eval_watch": None})
+    unwatched = TrainPlan.model_validate({**plan.model_dump(mode="json"), "eval_watch": None, "held_out": None})
+    assert TrainPlan.model_validate_json(unwatched.model_dump_json()) == unwatched
+
+
+def test_a_plan_for_a_direct_call_resolves_what_the_engine_resolves():
+    """``TrainPlan.for_config`` (benchmarks, notebooks): the same contract rules as ``plan_run``."""
+    config = parse_opd_config({**EVERY_BLOCK, "top_k": 20, "learning_rate": None, "samples_per_prompt": 4})
+    plan = TrainPlan.for_config(config, "runs/demo/k1", "demo", device="cpu")
+    assert (plan.top_k, plan.samples_per_prompt, plan.inputs_key, plan.resume) == (16, 1, "k1", None)
+    assert plan.learning_rate == resolve_learning_rate(config) and plan.device == "cpu"
+    assert TrainPlan.for_config(config, "runs/demo/k1", "demo", top_k=32, samples_per_prompt=3).top_k == 32
+    below_every_supported_k = parse_opd_config({**EVERY_BLOCK, "top_k": 8})
+    with pytest.raises(ConfigError):  # the one top-K rule, as admission applies it
+        TrainPlan.for_config(below_every_supported_k, "runs/demo/k1", "demo")
+
+
 def _annotations(model: type[BaseModel]) -> dict[str, object]:
     return {name: field.annotation for name, field in model.model_fields.items()}
 
@@ -81,18 +105,32 @@ def test_no_dict_config_travels_past_the_engine_boundary(model):
     assert [name for name, annotation in _annotations(model).items() if _holds_a_dict(annotation)] == []
 
 
-def test_a_torchrun_job_carries_the_typed_config_and_base_adapter():
+def _job(plan: TrainPlan, tiny_student) -> DistributedJob:
+    from kiln_core.contracts.identity import build_manifest_line
+    from kiln_core.contracts.stage_refs import CorpusRef, ManifestRef
+    from kiln_core.synthetic import synthetic_identity
+
+    line = build_manifest_line(synthetic_identity(tiny_student))
+    corpus = CorpusRef(uri="s3://bucket/kiln/corpora/ab", dataset_sha256="sha256:" + "0" * 64, source_uri="/c.jsonl",
+                       examples=5, action_tokens=40, env_tokens=12, effective_top_k=16, teacher_identity_revision="r")
+    manifest = ManifestRef(manifest_line=line, identity_revision="r", teacher="t", source="manifest_file")
+    return DistributedJob(plan=plan, corpus=corpus, manifest=manifest, student_dir="/s")
+
+
+def test_a_torchrun_job_carries_the_plan_whole_and_round_trips_exactly(tiny_student):
     plan = _plan()
-    job = DistributedJob(materialization="/m", dataset_sha256="sha256:" + "0" * 64, dataset_path="/c.jsonl",
-                         student_dir="/s", adapter_name="demo", config=plan.config, run_root=plan.run_uri,
-                         teacher_alias="t", base_adapter=plan.base_adapter)
+    job = _job(plan, tiny_student)
     again = DistributedJob.model_validate_json(job.model_dump_json())
-    assert again.config == plan.config and again.base_adapter == plan.base_adapter
+    assert again == job and again.plan == plan  # every resolved value, the base adapter and the watch included
+    assert again.model_dump_json() == job.model_dump_json()
+    assert again.manifest.teacher_identity == job.manifest.teacher_identity  # the worker's teacher, from the line
+    with pytest.raises(ValidationError):  # the plan's fields no longer travel one by one
+        DistributedJob.model_validate({**job.model_dump(mode="json"), "config": plan.config.model_dump(mode="json")})
 
 
 def test_a_manifest_ref_parses_its_teacher_once_and_serializes_only_the_line(tiny_student):
     from kiln_core.contracts.identity import build_manifest_line, parse_manifest_line
-    from kiln_core.engine.refs import ManifestRef
+    from kiln_core.contracts.stage_refs import ManifestRef
     from kiln_core.synthetic import synthetic_identity
 
     line = build_manifest_line(synthetic_identity(tiny_student))

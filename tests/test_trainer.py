@@ -18,6 +18,7 @@ from kiln_core.storage import resolve
 from kiln_core.training.checkpoint import CheckpointError, ResumeError, latest_checkpoint
 from kiln_core.training.trainer import CANCEL_MESSAGE, train_opd
 from kill_support import sigkill_when
+from plan_support import split_plan_options, train_plan
 
 DATASET_SHA = "sha256:" + "ab" * 32
 ADAPTER = "demo"
@@ -75,9 +76,10 @@ def make_config(**overrides) -> OpdConfig:
 
 
 def run(student, root, config, tables=None, **kwargs):
-    return train_opd(tables=tables if tables is not None else synthetic_tables(), dataset_sha256=DATASET_SHA,
-                     dataset_path="corpus.jsonl", student_dir=str(student), adapter_name=ADAPTER, config=config,
-                     run_root=str(root), teacher_identity=None, teacher_alias="tiny-teacher", **kwargs)
+    plan_options, hooks = split_plan_options(kwargs)
+    return train_opd(train_plan(config, str(root), ADAPTER, **plan_options),
+                     tables if tables is not None else synthetic_tables(), dataset_sha256=DATASET_SHA,
+                     dataset_path="corpus.jsonl", student_dir=str(student), teacher_alias="tiny-teacher", **hooks)
 
 
 def adapter_bytes(root) -> bytes:
@@ -141,14 +143,14 @@ def test_sigkill_after_a_checkpoint_then_resume_is_bit_exact(tiny_student, tmp_p
         "import sys, numpy as np, torch\n"
         "torch.set_num_threads(1)\n"
         "from kiln_core.corpus import CorpusTables\n"
-        "from kiln_core.contracts.opd_config import OpdConfig\n"
+        "from kiln_core.contracts.stage_refs import TrainPlan\n"
         "from kiln_core.training.trainer import train_opd\n"
         f"data = np.load({str(tmp_path / 'tables.npz')!r})\n"
         "tables = CorpusTables(**{k: data[k] for k in data.files})\n"
-        f"config = OpdConfig.model_validate_json({config.model_dump_json()!r})\n"
-        f"train_opd(tables=tables, dataset_sha256={DATASET_SHA!r}, dataset_path='corpus.jsonl', student_dir={str(tiny_student)!r},\n"
-        f"    adapter_name={ADAPTER!r}, config=config, run_root={str(killed)!r}, teacher_identity=None,\n"
-        "    teacher_alias='tiny-teacher', on_progress=lambda step, total, loss: step >= 5 and sys.stdin.readline())\n"
+        f"plan = TrainPlan.model_validate_json({train_plan(config, str(killed), ADAPTER).model_dump_json()!r})\n"
+        f"train_opd(plan, tables, dataset_sha256={DATASET_SHA!r}, dataset_path='corpus.jsonl',\n"
+        f"    student_dir={str(tiny_student)!r}, teacher_alias='tiny-teacher',\n"
+        "    on_progress=lambda step, total, loss: step >= 5 and sys.stdin.readline())\n"
     )
     manifest = killed / "demo-checkpoint-step-00000004.kiln-checkpoint" / "checkpoint_manifest.json"
     sigkill_when(driver, manifest.exists, what="a checkpoint at step 4")

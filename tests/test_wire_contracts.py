@@ -169,12 +169,6 @@ def _wire_models() -> dict[str, list[type[BaseModel]]]:
     }
 
 
-# The stage refs (kiln_core/engine/refs.py: what each pipeline stage returns, persisted by Prefect as
-# JSON) are a wire format still outside contracts: TrainPlan carries training's BaseAdapter, which would
-# have to move first. Listed here so the test says so, and fails once they move (then delete this).
-NOT_YET_IN_CONTRACTS = {"stage refs (Prefect task results)": "kiln_core.engine.refs"}
-
-
 def test_every_wire_file_is_read_and_written_through_a_model_in_contracts():
     found = _wire_models()
     for wire_file, models in found.items():
@@ -182,8 +176,14 @@ def test_every_wire_file_is_read_and_written_through_a_model_in_contracts():
         for model in models:
             assert model.__module__.startswith("kiln_core.contracts."), f"{wire_file}: {model.__qualname__} " \
                 f"lives in {model.__module__}, not in kiln_core.contracts"
-    from kiln_core.engine import refs
 
-    outside = {name for name, value in vars(refs).items() if isinstance(value, type) and issubclass(value, BaseModel)
-               and value.__module__ == NOT_YET_IN_CONTRACTS["stage refs (Prefect task results)"]}
-    assert {"TrainRef", "PublishRef", "PipelineResult"} <= outside, "the stage refs moved: drop NOT_YET_IN_CONTRACTS"
+
+def test_the_stage_refs_prefect_persists_are_contracts():
+    """What each pipeline stage returns (persisted by Prefect as JSON, shipped to a training worker) is a
+    wire format too: the refs and the plan, down to the base adapter the plan carries."""
+    from kiln_core import engine
+
+    stage_refs = [engine.ManifestRef, engine.InputsRef, engine.CorpusRef, engine.TrainPlan, engine.TrainRef,
+                  engine.PublishRef, engine.PipelineResult]
+    for model in stage_refs + [typing.get_type_hints(engine.TrainPlan)["base_adapter"].__args__[0]]:
+        assert model.__module__.startswith("kiln_core.contracts."), f"{model.__qualname__} lives in {model.__module__}"

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import numpy as np
 
@@ -46,6 +47,7 @@ def admit_corpus(
     out_root: str | None = None,
     storage_options: dict | None = None,
     student: StudentTokenizer | None = None,
+    before_commit: Callable[[], None] | None = None,
 ) -> AdmissionResult:
     """Admit a teacher-scored JSONL corpus for a student, or reject it with one ``AdmissionError``.
 
@@ -59,6 +61,9 @@ def admit_corpus(
         out_root: Storage root to materialize under (``<root>/corpora/<hex>/``); None validates only.
         storage_options: fsspec options for reading the corpus and writing the materialization.
         student: An already loaded student tokenizer (saves reloading it).
+        before_commit: The caller's own rules for this corpus (e.g. the held-out ones), run once the
+            corpus is admitted and before anything is written under ``out_root``: what they raise
+            leaves no materialization behind.
 
     Returns:
         The ``AdmissionResult``.
@@ -88,6 +93,8 @@ def admit_corpus(
             if identity is not None:
                 _check_protocol(identity, kiln_strict, line)
             _check_binding(identity, pinned, student, effective_top_k, line=line)
+            if before_commit is not None:
+                before_commit()
             return materialize.result_from_existing(existing)
 
     parsed = parse_corpus(corpus.data, kiln_strict=kiln_strict)
@@ -126,6 +133,8 @@ def admit_corpus(
         tables_loader=lambda: tables,
         parser=parsed.parser,
     )
+    if before_commit is not None:
+        before_commit()
     if out_root is not None:
         materialize.write_materialization(
             out_root,

@@ -11,13 +11,16 @@ the same stage functions. Modules, in the order the work happens:
 * ``training`` — train in this process or under ``torchrun``; Ctrl-C stops at a step (``interrupt``);
 * ``publish`` — verify the adapter against its receipt, write ``latest.json``;
 * ``pipeline`` — the order itself (``run_pipeline``, ``prepare``, ``LocalStages``);
-* ``refs`` — the small values the stages hand each other.
+
+The small values the stages hand each other (the refs and the ``TrainPlan``) are wire formats:
+``kiln_core.contracts.stage_refs``.
 
 Nothing here imports Prefect.
 """
 
+from kiln_core.contracts.stage_refs import (CorpusRef, InputsRef, ManifestRef, PipelineResult, PublishRef, ScoredRef,
+                                            TrainPlan, TrainRef)
 from kiln_core.engine.pipeline import LocalStages, PreparedRun, Stages, prepare, run_pipeline
-from kiln_core.engine.refs import CorpusRef, InputsRef, ManifestRef, PipelineResult, PublishRef, ScoredRef, TrainPlan, TrainRef
 from kiln_core.engine.request import RequestRun, spec_from_request
 from kiln_core.engine.runs import ResumeRequired
 

@@ -26,7 +26,8 @@ from kiln_core.contracts.names import is_valid_name
 from kiln_core.contracts.opd_config import OpdConfig
 from kiln_core.errors import EnvironmentFailure
 from kiln_core.storage import resolve
-from kiln_core.training.base_adapter import BaseAdapter, BaseAdapterError, check_base_adapter_fits, read_base_adapter
+from kiln_core.contracts.base_adapter import BaseAdapter
+from kiln_core.training.base_adapter import BaseAdapterError, check_base_adapter_fits, read_base_adapter
 
 __all__ = ["resolve_base_adapter", "plan_base_adapter"]
 

@@ -36,7 +36,7 @@ from typing import Any, Iterator
 
 from kiln_core.contracts.opd_config import OpdConfig
 from kiln_core.contracts.pipeline import PipelineSpec
-from kiln_core.engine.refs import CorpusRef, GateRef, ManifestRef, TrainRef
+from kiln_core.contracts.stage_refs import CorpusRef, GateRef, HeldOutRef, ManifestRef, TrainRef
 from kiln_core.errors import EnvironmentFailure
 from kiln_core.storage import localize_directory, resolve
 
@@ -94,8 +94,11 @@ def _corpus_conversations(corpus_uri: str) -> Iterator[Any]:
                 yield conversation_from_opd_example(json.loads(line))
 
 
-def check_gate_inputs(spec: PipelineSpec, corpus: CorpusRef, manifest: ManifestRef, student_dir: str) -> None:
-    """Refuse, before training, a gate that cannot run or a corpus it forbids.
+def check_gate_inputs(spec: PipelineSpec, corpus: CorpusRef, manifest: ManifestRef,
+                      student_dir: str) -> HeldOutRef | None:
+    """Refuse, before training, a gate that cannot run or a corpus it forbids; returns the quality gate's
+    corpus, admitted once for the run and materialized under the storage root (the gate reads it back), or
+    None without a quality gate.
 
     Raises:
         PostEvalRejection: ``post_eval_suite_not_installed``, ``post_eval_overlap`` (Kiln's message).
@@ -109,23 +112,31 @@ def check_gate_inputs(spec: PipelineSpec, corpus: CorpusRef, manifest: ManifestR
         validate_post_eval_config(spec.post_eval, registry)
         check_training_overlap(spec.post_eval, registry.load(spec.post_eval.suite),
                                _training_conversations(corpus))
-    if spec.quality_gate is not None:
-        from kiln_core.evaluation import admit_eval_corpus
+    if spec.quality_gate is None:
+        return None
+    from kiln_core.evaluation.corpus import admit_eval_corpus, held_out_ref
 
-        admit_eval_corpus(spec.quality_gate.corpus, student_dir, top_k=spec.config.top_k,
-                          teacher_manifest=manifest.manifest_line, **training_data(corpus, spec.config))
+    return held_out_ref(admit_eval_corpus(spec.quality_gate.corpus, student_dir, top_k=spec.config.top_k,
+                                          teacher_manifest=manifest.manifest_line, out_root=spec.storage_root,
+                                          **training_data(corpus, spec.config)))
 
 
 def _quality_gate(spec: PipelineSpec, manifest: ManifestRef, student_dir: str, adapter_dir: str,
-                  training: CorpusRef, device: str | None) -> dict[str, Any]:
-    """Evaluate the base and the distilled student on the quality gate's corpus and decide."""
+                  training: CorpusRef, device: str | None, gate_corpus: HeldOutRef | None) -> dict[str, Any]:
+    """Evaluate the base and the distilled student on the quality gate's corpus and decide: the corpus
+    admitted when the run was prepared (``gate_corpus``), or — for a caller without one — admitted here."""
     from kiln_core.evaluation import admit_eval_corpus, evaluate_tables, load_eval_model
+    from kiln_core.evaluation.corpus import admitted_tables
 
     gate = spec.quality_gate
-    admission = admit_eval_corpus(gate.corpus, student_dir, top_k=spec.config.top_k,
-                                  teacher_manifest=manifest.manifest_line, **training_data(training, spec.config))
-    base = evaluate_tables(load_eval_model(student_dir, device=device), admission.tables).to_json()
-    distilled = evaluate_tables(load_eval_model(student_dir, adapter_dir, device=device), admission.tables).to_json()
+    if gate_corpus is not None:
+        tables, corpus_sha256 = admitted_tables(gate_corpus), gate_corpus.corpus_sha256
+    else:
+        admission = admit_eval_corpus(gate.corpus, student_dir, top_k=spec.config.top_k,
+                                      teacher_manifest=manifest.manifest_line, **training_data(training, spec.config))
+        tables, corpus_sha256 = admission.tables, admission.dataset_sha256
+    base = evaluate_tables(load_eval_model(student_dir, device=device), tables).to_json()
+    distilled = evaluate_tables(load_eval_model(student_dir, adapter_dir, device=device), tables).to_json()
     failures = []
     for name, limit in gate.thresholds().items():
         metric = name.removeprefix("max_").removeprefix("min_")
@@ -142,7 +153,7 @@ def _quality_gate(spec: PipelineSpec, manifest: ManifestRef, student_dir: str, a
     else:
         outcome = "kept"
         verdict = f"PASSED quality gate ({_thresholds_text(gate)}); adapter `{spec.adapter}` kept (auto_load not requested)"
-    return {"corpus": gate.corpus, "corpus_sha256": admission.dataset_sha256, "thresholds": gate.thresholds(),
+    return {"corpus": gate.corpus, "corpus_sha256": corpus_sha256, "thresholds": gate.thresholds(),
             "require_improvement": gate.require_improvement, "base": base, "distilled": distilled,
             "failures": failures, "outcome": outcome, "verdict": verdict}
 
@@ -161,7 +172,7 @@ def _decided(trained: TrainRef, receipt: Any) -> GateRef:
 
 
 def run_gate(trained: TrainRef, spec: PipelineSpec, manifest: ManifestRef, student_dir: str, *, seed: int | None,
-             training: CorpusRef, device: str | None = None) -> GateRef:
+             training: CorpusRef, device: str | None = None, gate_corpus: HeldOutRef | None = None) -> GateRef:
     """Evaluate a successfully trained adapter, record the evidence, and act on the outcome.
 
     Args:
@@ -173,6 +184,8 @@ def run_gate(trained: TrainRef, spec: PipelineSpec, manifest: ManifestRef, stude
         training: The training data (a corpus or on-policy prompts; the quality gate's corpus must not share
             a prompt with them).
         device: ``cpu``/``cuda`` (default: CUDA when available).
+        gate_corpus: The quality gate's corpus as ``check_gate_inputs`` admitted it when the run was
+            prepared (read back, not admitted again); None admits it here.
 
     Returns:
         ``GateRef``; ``publish`` says whether the publish stage moves ``latest.json``.
@@ -198,7 +211,7 @@ def run_gate(trained: TrainRef, spec: PipelineSpec, manifest: ManifestRef, stude
         from kiln_core.post_eval import aggregate_gate_outcome
 
         quality = _quality_gate(spec, manifest, student_dir, localize_directory(trained.adapter_uri), training,
-                                device)
+                                device, gate_corpus)
         outcome, verdict = aggregate_gate_outcome(outcome, quality["outcome"], quality["verdict"])
     return _act_and_record(trained, spec, outcome, verdict, post, quality)
 

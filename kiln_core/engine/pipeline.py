@@ -24,11 +24,11 @@ from dataclasses import dataclass
 from typing import Callable, Protocol
 
 from kiln_core.contracts.pipeline import PipelineSpec, TeacherSource
+from kiln_core.contracts.stage_refs import (CorpusRef, GateRef, HeldOutRef, InputsRef, ManifestRef, PipelineResult,
+                                            PublishRef, TrainPlan, TrainRef)
 import kiln_core.engine.stages as stages
 from kiln_core.engine.publish import publish
 from kiln_core.engine.gate import check_gate_inputs, has_gate, run_gate, training_data
-from kiln_core.engine.refs import (CorpusRef, GateRef, InputsRef, ManifestRef, PipelineResult, PublishRef, TrainPlan,
-                                   TrainRef)
 from kiln_core.engine.run_lock import RunLock
 from kiln_core.engine.runs import plan_run
 from kiln_core.engine.training import train, training_settings
@@ -127,6 +127,8 @@ class PreparedRun:
     corpus: CorpusRef
     plan: TrainPlan
     student_dir: str
+    gate_corpus: HeldOutRef | None = None
+    """The quality gate's corpus, admitted with the run (``check_gate_inputs``); the gate reads it back."""
 
 
 def prepare(spec: PipelineSpec, stages_: Stages | None = None, *, resume: str | None = "latest",
@@ -150,15 +152,33 @@ def prepare(spec: PipelineSpec, stages_: Stages | None = None, *, resume: str | 
         corpus_uri = spec.corpus if spec.examples is None else stages_.score(spec, manifest, student_dir)
         inputs = stages_.fingerprint(corpus_uri, student_dir, spec.config.top_k)
         corpus = stages_.verify(stages_.admit(inputs, manifest, spec))
-    check_gate_inputs(spec, corpus, manifest, student_dir)  # Kiln checks post_eval overlap at admission
-    if spec.eval is not None:  # the held-out watch's corpus is refused here, not after the model loads
-        from kiln_core.training.watch import HeldOutSlice
-
-        HeldOutSlice.admit(spec.eval, student_dir, top_k=spec.config.top_k, teacher_manifest=manifest.manifest_line,
-                           **training_data(corpus, spec.config)).record()
+    gate_corpus = check_gate_inputs(spec, corpus, manifest, student_dir)  # Kiln checks post_eval overlap here
+    held_out = admit_held_out(spec, corpus, manifest, student_dir)
     plan = plan_run(spec, corpus, manifest, student_dir, resume=resume, device=device, precision=precision,
-                    gradient_checkpointing=gradient_checkpointing, base_adapter=base_adapter, claim=claim)
-    return PreparedRun(spec=spec, manifest=manifest, corpus=corpus, plan=plan, student_dir=student_dir)
+                    gradient_checkpointing=gradient_checkpointing, base_adapter=base_adapter, held_out=held_out,
+                    claim=claim)
+    return PreparedRun(spec=spec, manifest=manifest, corpus=corpus, plan=plan, student_dir=student_dir,
+                       gate_corpus=gate_corpus)
+
+
+def admit_held_out(spec: PipelineSpec, corpus: CorpusRef, manifest: ManifestRef, student_dir: str) -> HeldOutRef | None:
+    """The held-out watch's corpus (``spec.eval``), admitted once for the run: refused here, not after the
+    model loads, and materialized under the storage root for training to load (``TrainPlan.held_out``);
+    None without a watch.
+
+    Raises:
+        Rejection: any admission or held-out rule (``identity_mismatch``, ``eval_train_overlap``, …),
+            ``eval_watch_empty``.
+    """
+    if spec.eval is None:
+        return None
+    from kiln_core.training.watch import HeldOutSlice
+
+    held_out = HeldOutSlice.admit(spec.eval, student_dir, top_k=spec.config.top_k,
+                                  teacher_manifest=manifest.manifest_line, out_root=spec.storage_root,
+                                  **training_data(corpus, spec.config))
+    held_out.record()  # a slice without an action token is refused now
+    return held_out.ref()
 
 
 def run_pipeline(spec: PipelineSpec, stages_: Stages | None = None, *, resume: str | None = "latest",
@@ -219,4 +239,4 @@ def run_pipeline(spec: PipelineSpec, stages_: Stages | None = None, *, resume: s
 def gate_stage(trained: TrainRef, spec: PipelineSpec, ready: PreparedRun, *, device: str | None = None) -> GateRef:
     """``run_gate`` with what the prepared run knows (seed, teacher, training data, device)."""
     return run_gate(trained, spec, ready.manifest, ready.student_dir, seed=ready.plan.seed,
-                    training=ready.corpus, device=device or ready.plan.device)
+                    training=ready.corpus, device=device or ready.plan.device, gate_corpus=ready.gate_corpus)

@@ -29,7 +29,7 @@ from kiln_core.contracts.opd_config import OpdConfig
 from kiln_core.serde_json import serde_json_text
 from kiln_core.contracts.opd_prompt import OpdPrompt, kiln_prompt_value, prompts_content_sha256
 from kiln_core.contracts.spec_blocks import VllmBackends
-from kiln_core.engine.refs import CorpusRef, ManifestRef, TrainPlan
+from kiln_core.contracts.stage_refs import CorpusRef, ManifestRef, TrainPlan
 from kiln_core.errors import EnvironmentFailure, Rejection
 
 __all__ = ["PROMPTS_DIR", "check_prompts", "train_prompts", "write_inline_prompts"]
@@ -106,10 +106,11 @@ def write_inline_prompts(prompts: Sequence[OpdPrompt], storage_root: str) -> str
     return location.uri
 
 
-def train_prompts(plan: TrainPlan, prompts: CorpusRef, manifest: ManifestRef, student_dir: str, resume: str | None, *,
+def train_prompts(plan: TrainPlan, prompts: CorpusRef, manifest: ManifestRef, student_dir: str, *,
                   on_progress: Callable[..., None] | None, should_cancel: Callable[[], bool],
                   on_step_committed: Callable[[int], None] | None, eval_watch=None):
-    """Train the planned on-policy run here (``train_on_policy``); returns its ``OnPolicyTrainResult``.
+    """Train the planned on-policy run here (``train_on_policy``, which takes ``plan`` whole: its ``resume`` a
+    checkpoint basename or None); returns its ``OnPolicyTrainResult``.
 
     ``on_progress`` is called as ``(consumed candidates, total candidates, loss, rollout=OnPolicyProgress)``
     after each committed step: Kiln's progress fraction, plus rollouts/s and teacher tokens scored.
@@ -140,12 +141,9 @@ def train_prompts(plan: TrainPlan, prompts: CorpusRef, manifest: ManifestRef, st
         if on_progress is not None:
             on_progress(progress.consumed_candidates, progress.total_candidates, progress.loss, rollout=progress)
 
-    return train_on_policy(
-        prompts=loaded, student_dir=student_dir, teacher=teacher, adapter_name=plan.adapter,
-        config=plan.config, run_root=plan.run_uri, resume_checkpoint=resume,
-        should_cancel=should_cancel, on_progress=report, on_step_committed=on_step_committed, device=plan.device,
-        precision=plan.precision, gradient_checkpointing=plan.gradient_checkpointing, handle_signals=False,
-        eval_watch=eval_watch, base_adapter=plan.base_adapter, rollout_backend=rollout_backend)
+    return train_on_policy(plan, loaded, student_dir=student_dir, teacher=teacher, should_cancel=should_cancel,
+                           on_progress=report, on_step_committed=on_step_committed, handle_signals=False,
+                           eval_watch=eval_watch, rollout_backend=rollout_backend)
 
 
 def vllm_backends(options: VllmBackends, teacher, run_uri: str, adapter: str):

@@ -14,7 +14,7 @@ from typing import Any
 
 from kiln_core.contracts.latest import LATEST_FILE, LatestPointer, encode_latest
 from kiln_core.contracts.receipt import RECEIPT_FILE
-from kiln_core.engine.refs import PublishRef, TrainRef
+from kiln_core.contracts.stage_refs import PublishRef, TrainRef
 from kiln_core.engine.runs import ADAPTER_DIR
 from kiln_core.errors import EnvironmentFailure
 from kiln_core.storage import Location, resolve

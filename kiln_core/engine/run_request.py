@@ -37,8 +37,10 @@ class PreparedRequest:
                                 nproc=world_size, backend=backend, kiln_lenient=self.kiln_lenient)
         ready = prepare(run.spec, resume=run.resume, device=device, precision=precision,
                         gradient_checkpointing=gradient_checkpointing)
-        resume = newest_checkpoint(ready.plan.run_uri, self.adapter) if ready.plan.resume == "latest" else ready.plan.resume
-        return distributed_job(ready.plan, ready.corpus, ready.manifest, ready.student_dir, resume)
+        plan = ready.plan
+        if plan.resume == "latest":
+            plan = plan.model_copy(update={"resume": newest_checkpoint(plan.run_uri, self.adapter)})
+        return distributed_job(plan, ready.corpus, ready.manifest, ready.student_dir)
 
 
 def prepare_train_request(request_path: str, *, adapter: str, student_dir: str, out_root: str = "./kiln-data",

@@ -29,10 +29,10 @@ from kiln_core.contracts.opd_config import OpdConfig, effective_samples_per_prom
 from kiln_core.contracts.pipeline import PipelineSpec
 from kiln_core.contracts.receipt import RECEIPT_FILE
 from kiln_core.engine.base_adapter import plan_base_adapter
-from kiln_core.engine.refs import CorpusRef, ManifestRef, TrainPlan, TrainRef
+from kiln_core.contracts.stage_refs import CorpusRef, HeldOutRef, ManifestRef, TrainPlan, TrainRef
 from kiln_core.errors import Rejection
 from kiln_core.storage import Location, list_children, resolve
-from kiln_core.training.base_adapter import BaseAdapter
+from kiln_core.contracts.base_adapter import BaseAdapter
 
 RUNS_DIR = "runs"  # <root>/runs/<adapter>/ holds the runs and latest.json (kiln_core.contracts.latest)
 ADAPTER_DIR = "adapter"
@@ -75,11 +75,12 @@ def run_key(corpus: CorpusRef, manifest: ManifestRef, student_weights_sha256: st
 def plan_run(spec: PipelineSpec, corpus: CorpusRef, manifest: ManifestRef, student_dir: str, *,
              resume: str | None = "latest", device: str | None = None, precision: str | None = None,
              gradient_checkpointing: bool = False, base_adapter: BaseAdapter | None = None,
-             claim: Callable[[Location], None] | None = None) -> TrainPlan:
+             held_out: HeldOutRef | None = None, claim: Callable[[Location], None] | None = None) -> TrainPlan:
     """The run directory, the effective config (seed, output name) and the resume point of a spec.
 
     ``base_adapter`` is the spec's resolved ``config.base_adapter`` when the caller already has it
-    (``prepare`` resolves it before admission); otherwise it is resolved here. ``claim`` is called with
+    (``prepare`` resolves it before admission); otherwise it is resolved here. ``held_out`` is the spec's
+    ``eval:`` corpus as ``prepare`` admitted it (required with ``spec.eval``). ``claim`` is called with
     the run directory as soon as it is known, before the resume rule looks inside it (``run_pipeline``
     takes the run lock there: another live run's checkpoints are not a reason to ask for a resume).
 
@@ -126,7 +127,7 @@ def plan_run(spec: PipelineSpec, corpus: CorpusRef, manifest: ManifestRef, stude
                      samples_per_prompt=corpus.samples_per_prompt or effective_samples_per_prompt(config),
                      resume=resume, nproc=nproc, backend=distributed.backend if distributed else "auto",
                      device=device, precision=precision, gradient_checkpointing=gradient_checkpointing,
-                     eval_watch=spec.eval, base_adapter=base_adapter, vllm=spec.vllm)
+                     eval_watch=spec.eval, held_out=held_out, base_adapter=base_adapter, vllm=spec.vllm)
 
 
 def check_resume_name(value: str, storage_root: str, adapter: str) -> str:

@@ -1,7 +1,7 @@
 """The stages before training, as plain functions: teacher manifest, scoring, fingerprint, admission,
 verification of the materialization.
 
-Each takes and returns small refs (``kiln_core.engine.refs``). ``run_pipeline`` calls them in order;
+Each takes and returns small refs (``kiln_core.contracts.stage_refs``). ``run_pipeline`` calls them in order;
 the Prefect tasks in ``tasks/`` wrap them one to one and add retries, caching and artifacts.
 """
 
@@ -11,7 +11,7 @@ import hashlib
 from typing import Any
 
 from kiln_core.contracts.pipeline import PipelineSpec, TeacherSource
-from kiln_core.engine.refs import CorpusRef, InputsRef, ManifestRef, ScoredRef
+from kiln_core.contracts.stage_refs import CorpusRef, InputsRef, ManifestRef, ScoredRef
 from kiln_core.errors import AdmissionError, EnvironmentFailure, Rejection
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from kiln_core.engine.refs import CorpusRef, ManifestRef, TrainPlan, TrainRef
+from kiln_core.contracts.stage_refs import CorpusRef, ManifestRef, TrainPlan, TrainRef
 from kiln_core.engine.runs import finished_run, newest_checkpoint
 from kiln_core.storage import resolve
 from kiln_core.training.interrupt import stop_requests
@@ -60,7 +60,8 @@ def train(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir
     finished = finished_run(run, plan.adapter) if plan.run_key == plan.inputs_key else None
     if finished is not None:
         return finished
-    resume = newest_checkpoint(run, plan.adapter) if plan.resume == "latest" else plan.resume
+    if plan.resume == "latest":  # the trainers take a checkpoint basename or None
+        plan = plan.model_copy(update={"resume": newest_checkpoint(run, plan.adapter)})
     with stop_requests(handle_signals) as stop:
         def cancel_requested() -> bool:
             return stop.is_set() or (should_cancel is not None and should_cancel())
@@ -68,14 +69,13 @@ def train(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir
         if corpus.kind == "prompts":  # on-policy: rollouts, teacher scoring and steps, in this process
             from kiln_core.engine.prompts import train_prompts
 
-            result = train_prompts(plan, corpus, manifest, student_dir, resume, on_progress=on_progress,
+            result = train_prompts(plan, corpus, manifest, student_dir, on_progress=on_progress,
                                    should_cancel=cancel_requested, on_step_committed=on_step_committed,
-                                   eval_watch=held_out_slice(plan, corpus, manifest, student_dir))
+                                   eval_watch=held_out_slice(plan))
         elif plan.nproc > 1:
-            result = _launch(plan, corpus, manifest, student_dir, resume, on_progress, cancel_requested)
+            result = _launch(plan, corpus, manifest, student_dir, on_progress, cancel_requested)
         else:
-            result = _train_here(plan, corpus, manifest, student_dir, resume, on_progress, cancel_requested,
-                                 on_step_committed)
+            result = _train_here(plan, corpus, manifest, student_dir, on_progress, cancel_requested, on_step_committed)
     return TrainRef(run_uri=run.uri, status=result.status, adapter_uri=result.adapter, receipt_uri=result.receipt,
                     latest_checkpoint=result.latest_checkpoint, final_loss=result.final_loss, steps=result.steps,
                     total_steps=result.total_steps, loss_history=list(result.loss_history),
@@ -99,39 +99,35 @@ def training_settings(plan: TrainPlan) -> str:
             f"publish guard {'on' if config.publish_guard else 'off'}")
 
 
-def _train_here(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir: str, resume: str | None,
+def _train_here(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir: str,
                 on_progress: Progress | None, should_cancel: Callable[[], bool],
                 on_step_committed: Callable[[int], None] | None):
     from kiln_core.materialize import read_materialization
     from kiln_core.training import trainer
 
     materialization = read_materialization(corpus.uri)
-    held_out = held_out_slice(plan, corpus, manifest, student_dir)
     return trainer.train_opd(
-        tables=materialization.tables, dataset_sha256=corpus.dataset_sha256, dataset_path=corpus.source_uri,
-        student_dir=student_dir, adapter_name=plan.adapter, config=plan.config,
-        run_root=plan.run_uri, teacher_identity=manifest.teacher_identity,
-        teacher_alias=manifest.teacher, resume_checkpoint=resume, should_cancel=should_cancel,
-        on_progress=on_progress, on_step_committed=on_step_committed, device=plan.device, precision=plan.precision,
-        gradient_checkpointing=plan.gradient_checkpointing, handle_signals=False, eval_watch=held_out,
-        base_adapter=plan.base_adapter)
+        plan, materialization.tables, dataset_sha256=corpus.dataset_sha256, dataset_path=corpus.source_uri,
+        student_dir=student_dir, teacher_alias=manifest.teacher, teacher_identity=manifest.teacher_identity,
+        should_cancel=should_cancel, on_progress=on_progress, on_step_committed=on_step_committed,
+        handle_signals=False, eval_watch=held_out_slice(plan))
 
 
-def held_out_slice(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir: str):
+def held_out_slice(plan: TrainPlan):
     """The held-out watch of the spec's ``eval:`` block (docs/eval-watch.md) as the trainers take it
-    (``HeldOutSlice``), with the held-out rules against this run's training data; None without one."""
+    (``HeldOutSlice``): the corpus ``prepare`` admitted (``plan.held_out``), read back from its
+    materialization, not admitted again; None without a watch."""
     if plan.eval_watch is None:
         return None
-    from kiln_core.engine.gate import training_data
     from kiln_core.training.watch import HeldOutSlice
 
-    return HeldOutSlice.admit(plan.eval_watch, student_dir, top_k=plan.config.top_k,
-                              teacher_manifest=manifest.manifest_line, **training_data(corpus, plan.config))
+    return HeldOutSlice.load(plan.eval_watch, plan.held_out)
 
 
-def distributed_job(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir: str, resume: str | None):
-    """The ``DistributedJob`` every rank of a ``plan.nproc``-process run executes, after the refusals
-    that must come before any launch (strategy, backend, shared storage, the checkpoint's world size)."""
+def distributed_job(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir: str):
+    """The ``DistributedJob`` every rank of a ``plan.nproc``-process run executes (``plan.resume`` a
+    checkpoint basename or None), after the refusals that must come before any launch (strategy,
+    backend, shared storage, the checkpoint's world size)."""
     from kiln_core.training.checkpoint import check_world_size, load_checkpoint
     from kiln_core.training.distributed.launcher import DistributedJob
     from kiln_core.training.distributed.world import check_shared_storage, check_strategy, resolve_backend
@@ -140,22 +136,17 @@ def distributed_job(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, s
     check_strategy(plan.strategy)
     resolve_backend(plan.backend, resolve_device(plan.device))
     check_shared_storage(plan.run_uri, corpus.uri)
-    if resume is not None:  # another number of ranks than the checkpoint's is a rejection
-        check_world_size(load_checkpoint(plan.run_uri, resume), plan.nproc)
-    return DistributedJob(
-        materialization=corpus.uri, dataset_sha256=corpus.dataset_sha256, dataset_path=corpus.source_uri,
-        student_dir=student_dir, adapter_name=plan.adapter, config=plan.config, run_root=plan.run_uri,
-        manifest_line=manifest.manifest_line, teacher_alias=manifest.teacher, resume_checkpoint=resume,
-        device=plan.device, precision=plan.precision, gradient_checkpointing=plan.gradient_checkpointing,
-        backend=plan.backend, base_adapter=plan.base_adapter)
+    if plan.resume is not None:  # another number of ranks than the checkpoint's is a rejection
+        check_world_size(load_checkpoint(plan.run_uri, plan.resume), plan.nproc)
+    return DistributedJob(plan=plan, corpus=corpus, manifest=manifest, student_dir=student_dir)
 
 
-def _launch(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir: str, resume: str | None,
+def _launch(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir: str,
             on_progress: Progress | None, should_cancel: Callable[[], bool]):
     from kiln_core.training.distributed.launcher import launch
 
-    job = distributed_job(plan, corpus, manifest, student_dir, resume)
+    job = distributed_job(plan, corpus, manifest, student_dir)
     # Ctrl-C reaches the ranks from the terminal's process group; should_cancel covers SIGTERM and
     # Prefect's cancellation (launch then passes SIGTERM on to torchrun).
     return launch(job, plan.nproc, on_progress=on_progress, should_cancel=should_cancel,
-                              forward_signals=False)
+                  forward_signals=False)

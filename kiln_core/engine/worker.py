@@ -26,20 +26,14 @@ __all__ = ["run_job", "main"]
 def run_job(job: DistributedJob, world: World, *, on_progress: Callable[[int, int, float], None] | None = None,
             on_step_committed: Callable[[int], None] | None = None, handle_signals: bool = True) -> TrainResult:
     """Train one job on this rank (called on every rank)."""
-    from kiln_core.contracts.identity import parse_manifest_line
     from kiln_core.materialize import read_materialization
 
-    materialization = read_materialization(job.materialization)
-    teacher = (parse_manifest_line(job.manifest_line).teacher_identity if job.manifest_line
-               else materialization.teacher_identity())
-    return train_opd(
-        tables=materialization.tables, dataset_sha256=job.dataset_sha256, dataset_path=job.dataset_path,
-        student_dir=job.student_dir, adapter_name=job.adapter_name, config=job.config,
-        run_root=job.run_root, teacher_identity=teacher, teacher_alias=job.teacher_alias,
-        resume_checkpoint=job.resume_checkpoint, on_progress=on_progress, on_step_committed=on_step_committed,
-        device=job.device, precision=job.precision, gradient_checkpointing=job.gradient_checkpointing,
-        handle_signals=handle_signals, world=world,
-        base_adapter=job.base_adapter)
+    materialization = read_materialization(job.corpus.uri)
+    return train_opd(job.plan, materialization.tables, dataset_sha256=job.corpus.dataset_sha256,
+                     dataset_path=job.corpus.source_uri, student_dir=job.student_dir,
+                     teacher_alias=job.manifest.teacher, teacher_identity=job.manifest.teacher_identity,
+                     on_progress=on_progress, on_step_committed=on_step_committed, handle_signals=handle_signals,
+                     world=world)
 
 
 def _worker_parser() -> argparse.ArgumentParser:
@@ -80,8 +74,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("give exactly one of --job or --request (with --adapter and --student)", file=sys.stderr)
         return 2
     job = DistributedJob.model_validate_json(Path(args.job).read_text(encoding="utf-8")) if args.job else None
-    device = job.device if job else args.device
-    backend = job.backend if job else args.backend
+    device = job.plan.device if job else args.device
+    backend = job.plan.backend if job else args.backend
     try:
         world = init_world(backend, device)
     except Exception as error:  # noqa: BLE001 - reported like any other rejection
@@ -126,7 +120,7 @@ def _record_ignored_keys(args: argparse.Namespace, job: DistributedJob) -> None:
 
     ignored = load_request(args.request, kiln_lenient=True).ignored_keys
     if ignored:
-        record_ignored_keys(job.run_root, ignored)
+        record_ignored_keys(job.plan.run_uri, ignored)
 
 
 def _progress_writer(path: str) -> Callable[[int, int, float], None]:

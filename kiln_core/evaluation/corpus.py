@@ -23,14 +23,18 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from kiln_core.contracts.stage_refs import HeldOutRef
+from kiln_core.corpus import CorpusTables
+from kiln_core.errors import EnvironmentFailure
 from kiln_core.evaluation.models import EvalInputError
 
-__all__ = ["admit_eval_corpus", "prompt_key", "check_no_overlap", "check_no_prompt_overlap"]
+__all__ = ["admit_eval_corpus", "admitted_tables", "held_out_ref", "prompt_key", "check_no_overlap",
+           "check_no_prompt_overlap"]
 
 
 def admit_eval_corpus(corpus_uri: str, student_dir: str, *, top_k: int = 32, teacher_manifest: str | None = None,
                       train_corpus_uri: str | None = None, train_prompts: Any = None,
-                      prompt_rendering: str = "legacy_action_boundary") -> Any:
+                      prompt_rendering: str = "legacy_action_boundary", out_root: str | None = None) -> Any:
     """Admit a held-out corpus for ``student_dir`` and apply the held-out rules.
 
     Args:
@@ -42,9 +46,12 @@ def admit_eval_corpus(corpus_uri: str, student_dir: str, *, top_k: int = 32, tea
         train_prompts: The on-policy prompts the student was trained on (``OpdPrompt``s, or the
             ``PromptFile`` they were read from); overlapping prompts are refused.
         prompt_rendering: The run's ``rollout_prompt_rendering`` (which conversation a prompt is).
+        out_root: Storage root to materialize the admitted corpus under (``<root>/corpora/<hex>/``, as
+            admission does: a committed one is reused), once every held-out rule passed; None keeps it
+            in memory.
 
     Returns:
-        The ``AdmissionResult`` (validated in memory, not materialized).
+        The ``AdmissionResult`` (its ``materialized`` URI set with ``out_root``).
 
     Raises:
         AdmissionError: any admission rule (``identity_mismatch`` for another teacher).
@@ -55,12 +62,40 @@ def admit_eval_corpus(corpus_uri: str, student_dir: str, *, top_k: int = 32, tea
 
     student = load_student_tokenizer(student_dir)
     _check_vocabulary(corpus_uri, student)  # before admission: its token rules would fail less clearly
-    admission = admit_corpus(corpus_uri, student_dir, top_k=top_k, pinned_manifest=teacher_manifest, student=student)
-    if train_corpus_uri is not None:
-        check_no_overlap(corpus_uri, train_corpus_uri)
-    if train_prompts is not None:
-        check_no_prompt_overlap(corpus_uri, train_prompts, rendering=prompt_rendering)
-    return admission
+
+    def held_out_rules() -> None:
+        if train_corpus_uri is not None:
+            check_no_overlap(corpus_uri, train_corpus_uri)
+        if train_prompts is not None:
+            check_no_prompt_overlap(corpus_uri, train_prompts, rendering=prompt_rendering)
+
+    return admit_corpus(corpus_uri, student_dir, top_k=top_k, pinned_manifest=teacher_manifest, student=student,
+                        out_root=out_root, before_commit=held_out_rules)
+
+
+def admitted_tables(held_out: HeldOutRef) -> CorpusTables:
+    """The tables of a held-out corpus admitted earlier in the run (``admit_eval_corpus(out_root=...)``), read
+    back from its committed materialization (each file verified against ``admission.json``) instead of
+    admitting the corpus again.
+
+    Raises:
+        EnvironmentFailure: ``corpus_changed`` when the materialization is not the admitted corpus.
+        FileNotFoundError: no committed materialization at ``held_out.uri``.
+    """
+    from kiln_core.materialize import read_materialization
+
+    materialization = read_materialization(held_out.uri)
+    if materialization.record.dataset_sha256 != held_out.corpus_sha256:
+        raise EnvironmentFailure("corpus_changed", f"{held_out.uri} holds {materialization.record.dataset_sha256}, "
+                                 f"not the held-out corpus admitted for this run ({held_out.corpus_sha256})",
+                                 file=held_out.uri)
+    return materialization.tables
+
+
+def held_out_ref(admission: Any) -> HeldOutRef:
+    """What a run carries of a held-out corpus ``admit_eval_corpus(out_root=...)`` admitted and materialized."""
+    return HeldOutRef(uri=admission.materialized, corpus_sha256=admission.dataset_sha256, examples=admission.examples,
+                      action_tokens=admission.action_tokens)
 
 
 def _check_vocabulary(corpus_uri: str, student: Any) -> None:

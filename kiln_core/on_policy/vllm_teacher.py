@@ -19,7 +19,7 @@ reloaded there after every optimizer step).
 
 Example:
     >>> source = vllm_teacher_source("tiny-teacher", identity, "http://127.0.0.1:8000")  # doctest: +SKIP
-    >>> train_on_policy(prompts=prompts, teacher=source, ...)  # doctest: +SKIP
+    >>> train_on_policy(plan, prompts, student_dir="student", teacher=source)  # doctest: +SKIP
 """
 
 from __future__ import annotations

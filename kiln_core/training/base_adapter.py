@@ -27,11 +27,10 @@ and loads it into a student.
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
-
-from pydantic import BaseModel, ConfigDict
+from typing import TYPE_CHECKING
 
 from kiln_core.canonical import sha256_prefixed
+from kiln_core.contracts.base_adapter import BaseAdapter
 from kiln_core.errors import EnvironmentFailure, Rejection
 from kiln_core.storage import resolve
 
@@ -39,7 +38,7 @@ if TYPE_CHECKING:
     from kiln_core.contracts.opd_config import OpdConfig
     from kiln_core.training.student import Student
 
-__all__ = ["BaseAdapter", "BaseAdapterError", "read_base_adapter", "check_base_adapter_fits", "settle_base_adapter",
+__all__ = ["BaseAdapterError", "read_base_adapter", "check_base_adapter_fits", "settle_base_adapter",
            "load_base_adapter"]
 
 CONFIG_FILE = "adapter_config.json"
@@ -48,34 +47,6 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 
 class BaseAdapterError(Rejection):
     """A base adapter that cannot warm-start this run (exit 2): ``base_adapter_missing``, ``base_adapter_mismatch``."""
-
-
-class BaseAdapter(BaseModel):
-    """A resolved base adapter, pinned by content.
-
-    Attributes:
-        name: ``config.base_adapter`` as requested (an adapter name or a directory).
-        uri: The PEFT adapter directory it resolved to.
-        adapter_model_sha256: ``sha256:`` of ``adapter_model.safetensors`` — what the run key and the
-            receipt record, and what loading checks again.
-        adapter_model_bytes: Size of ``adapter_model.safetensors``.
-        rank, alpha, target_modules: From ``adapter_config.json``.
-    """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    name: str
-    uri: str
-    adapter_model_sha256: str
-    adapter_model_bytes: int
-    rank: int
-    alpha: float
-    target_modules: list[str]
-
-    def receipt_record(self) -> dict[str, Any]:
-        """Kiln's receipt ``adapters.base``: ``{path, adapter_model_sha256, adapter_model_bytes}``."""
-        return {"path": self.uri, "adapter_model_sha256": self.adapter_model_sha256,
-                "adapter_model_bytes": self.adapter_model_bytes}
 
 
 def read_base_adapter(name: str, adapter_uri: str, *, looked_up: str | None = None) -> BaseAdapter:

@@ -8,7 +8,8 @@ read), in the order of Kiln's ``opd_train_to_with_checkpoint_root_and_runtime`` 
   and its content revision (``sha256:`` + the identity's ``content_revision()``, the
   ``LogitSource::authoritative_content_revision`` default);
 * the effective top-K (``resolve_opd_top_k`` under the teacher's cap) and samples per prompt (auto-scaled
-  from the request's prompt count, dropped prompts included);
+  from the request's prompt count, dropped prompts included), as the ``TrainPlan`` carries them (the
+  engine's ``check_prompts`` resolved them once);
 * the prompts prepared (``kiln_core.on_policy.prepare``): kept prompts, dropped ones, rollout prefixes;
 * the checkpoint's data record: ``inline-on-policy-opd-candidate-order-v1``, the prompt-list digest,
   candidates per epoch = kept prompts × samples per prompt; ``rollout-sampling`` is among its streams;
@@ -25,22 +26,21 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from kiln_core.canonical import canonical_sha256
-from kiln_core.contracts.opd_config import ConfigError, OpdConfig, effective_samples_per_prompt, resolve_top_k
+from kiln_core.contracts.opd_config import ConfigError, OpdConfig
 from kiln_core.contracts.opd_prompt import INLINE_PROMPTS_SOURCE, OpdPrompt, prompts_content_sha256
+from kiln_core.contracts.stage_refs import TrainPlan
 from kiln_core.errors import Rejection
 from kiln_core.on_policy.prepare import PreparedPrompts, prepare_prompts
 from kiln_core.on_policy.render import kiln_eos_token_ids
 from kiln_core.on_policy.sampler import DRAW_ALGORITHM, SamplingParams
 from kiln_core.on_policy.schedule import ON_POLICY_DATA_SOURCE_KIND
 from kiln_core.on_policy.store import RolloutStore, rollout_run_key
-from kiln_core.on_policy.submit import teacher_top_k_cap
 from kiln_core.on_policy.teacher import TeacherSource
 from kiln_core.storage import resolve
 from kiln_core.training import checkpoint as ckpt
-from kiln_core.training.base_adapter import BaseAdapter
 from kiln_core.training.data_identity import teacher_capabilities
 from kiln_core.training.distributed.world import World
-from kiln_core.training.plan import DataPlan, RunPlan, Schedule, build_plan
+from kiln_core.training.plan import DataPlan, RunPlan, Schedule, build_plan, resume_basename
 
 __all__ = ["ROLLOUTS_DIR", "RolloutPlan", "plan_on_policy_run"]
 
@@ -68,34 +68,34 @@ class RolloutPlan:
     run_key: str
 
 
-def plan_on_policy_run(*, prompts: Sequence[OpdPrompt], student_dir: str, teacher: TeacherSource, adapter_name: str,
-                       config: OpdConfig, run_root: str, rollout_root: str | None, resume_checkpoint: str | None,
-                       device: str | None, precision: str | None, gradient_checkpointing: bool,
-                       world: World, base_adapter: BaseAdapter | None = None) -> tuple[RunPlan, RolloutPlan]:
-    """Resolve an on-policy run and apply every refusal before any model loads.
+def plan_on_policy_run(plan: TrainPlan, *, prompts: Sequence[OpdPrompt], student_dir: str, teacher: TeacherSource,
+                       rollout_root: str | None, world: World) -> tuple[RunPlan, RolloutPlan]:
+    """Settle an on-policy run from its ``TrainPlan`` and apply every refusal before any model loads. The
+    plan's top-K and samples per prompt are the ones the submit checks resolved (``check_prompts``).
 
     Raises:
         ConfigError: a config the on-policy loop does not run.
-        Rejection: no prompts, none that tokenizes, a teacher whose vocabulary is not the student's,
-            an unsupported top-K; CheckpointError/ResumeError: the resume checkpoint.
+        Rejection: no prompts, none that tokenizes, a teacher whose vocabulary is not the student's;
+            CheckpointError/ResumeError: the resume checkpoint.
     """
     from kiln_core.identity.hashing import model_vocab_size
     from kiln_core.tokenization import load_student_tokenizer
 
+    config, adapter_name = plan.config, plan.adapter
     _check_runs_here(config, world)
     if not prompts:
         raise Rejection("no_prompts", "opd_train: prompts must be non-empty", field="prompts")
-    run_dir = resolve(run_root)
-    basename = ckpt.check_resume_basename(resume_checkpoint, run_dir, adapter_name) if resume_checkpoint else None
+    run_dir = resolve(plan.run_uri)
+    basename = resume_basename(plan, run_dir)
     identity = teacher.identity
     student_vocab = model_vocab_size(student_dir)
     if identity.vocab_size != student_vocab:
         raise Rejection("teacher_vocab_mismatch", f"teacher '{teacher.alias}' has vocab_size {identity.vocab_size} "
                         f"but the student's is {student_vocab}: on-policy scoring needs one vocabulary", field="teacher")
-    top_k = resolve_top_k(config.top_k, source_cap=teacher_top_k_cap(identity))
+    top_k = plan.top_k
     tokenizer = load_student_tokenizer(student_dir)
     prepared = prepare_prompts(prompts, tokenizer, rendering=config.rollout_prompt_rendering)
-    samples = effective_samples_per_prompt(config, len(prompts))
+    samples = plan.samples_per_prompt
     schedule = Schedule(len(prepared.prompts), samples, config.epochs, 1)
     content = prompts_content_sha256(prompts)
     data = DataPlan(
@@ -108,25 +108,23 @@ def plan_on_policy_run(*, prompts: Sequence[OpdPrompt], student_dir: str, teache
         prepared_source_indices=prepared.source_indices, examples_read=len(prompts),
         examples_filtered=len(prepared.dropped), training_data=(INLINE_PROMPTS_SOURCE, None, "sha256:" + content),
         on_policy=True)
-    plan = build_plan(data=data, run_dir=run_dir, basename=basename, student_dir=student_dir,
-                      adapter_name=adapter_name, config=config, teacher_alias=teacher.alias, device=device,
-                      precision=precision, gradient_checkpointing=gradient_checkpointing, world=world,
-                      base_adapter=base_adapter)
+    run_plan = build_plan(plan, data=data, run_dir=run_dir, basename=basename, student_dir=student_dir,
+                          teacher_alias=teacher.alias, world=world)
     eos = tuple(kiln_eos_token_ids(tokenizer.tokenizer))
-    contract = plan.contract
+    contract = run_plan.contract
     # What decides a candidate's tokens besides its place in the schedule: everything a checkpoint
     # binds (config with the seed, prompts, student, teacher, runtime) and the sampler's own rules.
     run_key = rollout_run_key({
         "adapter_name": adapter_name, "effective_config": contract.effective_config,
         "data": contract.data.model_dump(), "auxiliary_state_sha256": canonical_sha256(contract.auxiliary_state),
         "draw": DRAW_ALGORITHM, "eos_token_ids": list(eos), "loss": contract.loss,
-        **({"base_adapter_sha256": plan.base_adapter.adapter_model_sha256} if plan.base_adapter is not None else {}),
+        **({"base_adapter_sha256": run_plan.base_adapter.adapter_model_sha256} if run_plan.base_adapter is not None else {}),
     })
     store = RolloutStore(rollout_root if rollout_root is not None else run_dir.child(ROLLOUTS_DIR).uri)
     rollouts = RolloutPlan(prepared=prepared,
                            sampling=SamplingParams.for_rollouts(temperature=config.temperature, top_p=config.top_p),
                            max_tokens=config.max_tokens, eos_token_ids=eos, store=store, run_key=run_key)
-    return plan, rollouts
+    return run_plan, rollouts
 
 
 def _check_runs_here(config: OpdConfig, world: World) -> None:

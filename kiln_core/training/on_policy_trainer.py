@@ -38,13 +38,12 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
-from kiln_core.contracts.opd_config import OpdConfig
 from kiln_core.contracts.opd_prompt import OpdPrompt
+from kiln_core.contracts.stage_refs import TrainPlan
 from kiln_core.on_policy.collect import RolloutCollector, RolloutCounters
 from kiln_core.on_policy.sampler import RolloutBackend, SamplingParams, sample_rollout
 from kiln_core.on_policy.schedule import candidate_seed, iter_candidates
 from kiln_core.on_policy.teacher import TeacherSource
-from kiln_core.training.base_adapter import BaseAdapter
 from kiln_core.training.distributed.world import World
 from kiln_core.training.lifecycle import TrainResult, result_fields
 from kiln_core.training.loop import StepGroup, run_training
@@ -124,54 +123,43 @@ class StudentRollouts:
 
 
 def train_on_policy(
-    *,
+    plan: TrainPlan,
     prompts: Sequence[OpdPrompt],
+    *,
     student_dir: str,
     teacher: TeacherSource,
-    adapter_name: str,
-    config: OpdConfig,
-    run_root: str,
     rollout_root: str | None = None,
-    resume_checkpoint: str | None = None,
     should_cancel: Callable[[], bool] | None = None,
     on_progress: Callable[[OnPolicyProgress], None] | None = None,
     on_step_committed: Callable[[int], None] | None = None,
     rollout_backend: Callable[[Student], RolloutBackend] | None = None,
-    device: str | None = None,
-    precision: str | None = None,
-    gradient_checkpointing: bool = False,
     handle_signals: bool = False,
     eval_watch: HeldOutSlice | None = None,
     on_eval: Callable[[EvalReport], None] | None = None,
-    base_adapter: BaseAdapter | None = None,
 ) -> OnPolicyTrainResult:
-    """Train a LoRA student on its own rollouts of ``prompts``, scored by ``teacher``; publish under ``run_root``.
+    """Train a LoRA student on its own rollouts of ``prompts``, scored by ``teacher``; publish under ``plan.run_uri``.
 
     Args:
+        plan: The resolved run (``kiln_core.engine.runs.plan_run``), as in ``train_opd``: run directory,
+            adapter name, the validated on-policy config (``kiln_core.on_policy.submit`` checks passed),
+            top-K and samples per prompt as those checks resolved them, learning rate, base adapter (the
+            first rollouts are the base adapter's; a resume never reloads it), device options, and
+            ``resume`` (a checkpoint basename, or None).
         prompts: The request's prompts (``OpdRequest.prompts`` or a prompt file), in order.
         student_dir: Local student model directory.
         teacher: The pinned teacher (``TeacherSource.local`` for a registered local teacher); it loads
             after every refusal, with the effective top-K.
-        adapter_name: Adapter name; checkpoints are ``<adapter>-checkpoint-step-<8d>.kiln-checkpoint``.
-        config: The validated on-policy ``OpdConfig`` (``kiln_core.on_policy.submit`` checks passed).
-        run_root: URI of the run directory ``<root>/runs/<adapter>`` (local path or fsspec URI).
-        rollout_root: Where rollouts are stored (default ``<run_root>/rollouts``).
-        resume_checkpoint: Basename of a checkpoint in ``run_root`` to resume from exactly.
+        rollout_root: Where rollouts are stored (default ``<run_uri>/rollouts``).
         should_cancel: Polled after each committed step; True stops after publishing a checkpoint.
         on_progress: Called with an ``OnPolicyProgress`` after each committed step.
         on_step_committed: Called with the step number once a step and its checkpoint (when one is due)
             are published; whatever it raises ends the run like any other error.
         rollout_backend: Builds the sampler from the loaded student (default ``StudentRollouts``; a vLLM
             server: ``kiln_core.on_policy.vllm_rollouts.vllm_rollout_backend``).
-        device: ``cpu``/``cuda`` (default: CUDA when available).
-        precision: ``fp32``/``bf16`` (default: bf16 on CUDA, fp32 on CPU).
-        gradient_checkpointing: Recompute activations in backward to save memory.
         handle_signals: Turn SIGTERM/SIGINT into a cooperative cancel (main thread only).
-        eval_watch: Held-out evaluation during training, as in ``train_opd`` (``HeldOutSlice.admit``
-            with ``train_prompts=prompts``); evaluations follow committed optimizer steps.
+        eval_watch: Held-out evaluation during training, as in ``train_opd`` (a ``HeldOutSlice``
+            admitted with ``train_prompts=prompts``); evaluations follow committed optimizer steps.
         on_eval: Called with an ``EvalReport`` after each held-out evaluation.
-        base_adapter: ``config.base_adapter`` resolved, as in ``train_opd``: the first rollouts are the
-            base adapter's (e.g. an off-policy run's), and a resume never reloads it.
 
     Returns:
         ``OnPolicyTrainResult``; status ``failed`` (nan_loss) and ``cancelled`` are returned, not raised.
@@ -181,9 +169,8 @@ def train_on_policy(
         Exception: anything unexpected, after a ``failed`` receipt was written.
 
     Example:
-        >>> result = train_on_policy(prompts=request.prompts, student_dir="student",
-        ...     teacher=TeacherSource.local("tiny-teacher", identity, "teacher"), adapter_name="demo",
-        ...     config=request.config, run_root="kiln-data/runs/demo")  # doctest: +SKIP
+        >>> result = train_on_policy(plan, request.prompts, student_dir="student",
+        ...     teacher=TeacherSource.local("tiny-teacher", identity, "teacher"))  # doctest: +SKIP
         >>> result.status, result.rollouts_sampled  # doctest: +SKIP
         ('success', 128)
     """
@@ -191,12 +178,10 @@ def train_on_policy(
     world = World.current()
     check_watch(eval_watch, world)
     # ---- 1. plan: every refusal (prompts, teacher, resume checkpoint, published adapter) happens here
-    plan, rollouts = plan_on_policy_run(
-        prompts=prompts, student_dir=student_dir, teacher=teacher, adapter_name=adapter_name, config=config,
-        run_root=run_root, rollout_root=rollout_root, resume_checkpoint=resume_checkpoint, device=device,
-        precision=precision, gradient_checkpointing=gradient_checkpointing, world=world, base_adapter=base_adapter)
-    source = RolloutCandidates(plan, rollouts, teacher, adapter_name, rollout_backend or StudentRollouts)
-    total = plan.schedule.total_candidates
+    run_plan, rollouts = plan_on_policy_run(plan, prompts=prompts, student_dir=student_dir, teacher=teacher,
+                                            rollout_root=rollout_root, world=world)
+    source = RolloutCandidates(run_plan, rollouts, teacher, plan.adapter, rollout_backend or StudentRollouts)
+    total = run_plan.schedule.total_candidates
 
     def report(progress: LoopProgress, loss: float) -> None:
         counters = source.counters
@@ -206,13 +191,13 @@ def train_on_policy(
             teacher_tokens_scored=counters.teacher_tokens_scored, elapsed_s=time.perf_counter() - source.started))
 
     # ---- 2.–4. setup, the loop over the rollouts, the adapter and the receipt (``loop.run_training``)
-    run = run_training(plan, source, student_dir=student_dir, clock=clock,
-                       gradient_checkpointing=gradient_checkpointing, handle_signals=handle_signals,
+    run = run_training(run_plan, source, student_dir=student_dir, clock=clock,
+                       gradient_checkpointing=plan.gradient_checkpointing, handle_signals=handle_signals,
                        should_cancel=should_cancel, on_step_committed=on_step_committed,
                        report=report if on_progress is not None else None, eval_watch=eval_watch, on_eval=on_eval)
     counters = source.counters
     return OnPolicyTrainResult(
-        **result_fields(plan, run.outcome, run.progress, clock, run.receipt_uri),
+        **result_fields(run_plan, run.outcome, run.progress, clock, run.receipt_uri),
         consumed_candidates=run.progress.consumed or 0, rollout_run_key=rollouts.run_key,
         rollout_root=rollouts.store.root.uri, rollouts_sampled=counters.sampled, rollouts_reused=counters.reused,
         sampled_tokens=counters.sampled_tokens, teacher_tokens_scored=counters.teacher_tokens_scored)

@@ -1,8 +1,10 @@
 """Planning a training run: everything decided, and every refusal made, before the model loads.
 
-``plan_off_policy_run`` settles what an admitted corpus decides (``DataPlan``: schedule, top-K, the data
-binding, the teacher's revision); ``build_plan`` — shared with the on-policy planner
-(``on_policy_plan``) — resolves the device and precision, the learning rate and the seed, computes
+Both planners start from the engine's ``TrainPlan`` (``kiln_core.contracts.stage_refs``), whose effective
+values — top-K, samples per prompt, learning rate, seed, base adapter, device options — are used as
+resolved, never derived again from the config. ``plan_off_policy_run`` settles what an admitted corpus
+decides (``DataPlan``: schedule, the data binding, the teacher's revision); ``build_plan`` — shared with
+the on-policy planner (``on_policy_plan``) — resolves the device and precision, computes
 the identities a checkpoint binds (``run_identity``, ``data_identity``), loads and checks the
 checkpoint to resume from, and settles the run directory. A rejected input costs no model load and
 writes nothing.
@@ -16,20 +18,23 @@ from typing import Any, Callable
 
 import torch
 
-from kiln_core.contracts.opd_config import ConfigError, OpdConfig, effective_samples_per_prompt, resolve_learning_rate, resolve_top_k
+from kiln_core.contracts.identity import TeacherIdentity
+from kiln_core.contracts.opd_config import ConfigError, OpdConfig
 from kiln_core.contracts.receipt import DistributedReceipt
+from kiln_core.contracts.stage_refs import TrainPlan
 from kiln_core.corpus import CorpusTables
 from kiln_core.storage import Location, move_aside, remove_tree, resolve
 from kiln_core.training import checkpoint as ckpt
 from kiln_core.training import run_identity
-from kiln_core.training.base_adapter import BaseAdapter, settle_base_adapter
+from kiln_core.contracts.base_adapter import BaseAdapter
+from kiln_core.training.base_adapter import settle_base_adapter
 from kiln_core.training.data_identity import fixture_content_revision, teacher_capabilities
 from kiln_core.training.distributed.world import World
 from kiln_core.training.objectives import step_loss
 from kiln_core.training.receipt import TRAINING_DATA_SOURCE, RunFacts, library_versions, receipt_status
 from kiln_core.training.student import resolve_device, resolve_precision, student_identity
 
-__all__ = ["ADAPTER_DIR", "Schedule", "RunPlan", "DataPlan", "plan_off_policy_run", "build_plan"]
+__all__ = ["ADAPTER_DIR", "Schedule", "RunPlan", "DataPlan", "plan_off_policy_run", "resume_basename", "build_plan"]
 
 ADAPTER_DIR = "adapter"
 
@@ -127,27 +132,27 @@ class DataPlan:
     on_policy: bool = False
 
 
-def plan_off_policy_run(*, tables: CorpusTables, dataset_sha256: str, dataset_path: str, student_dir: str,
-                        adapter_name: str, config: OpdConfig, run_root: str, teacher_identity: Any | None,
-                        teacher_alias: str, resume_checkpoint: str | None, device: str | None,
-                        precision: str | None, gradient_checkpointing: bool, world: World,
-                        base_adapter: BaseAdapter | None = None) -> RunPlan:
-    """Resolve an off-policy run and apply every refusal before any model loads (cheapest checks first).
+def plan_off_policy_run(plan: TrainPlan, *, tables: CorpusTables, dataset_sha256: str, dataset_path: str,
+                        student_dir: str, teacher_identity: TeacherIdentity | None, teacher_alias: str,
+                        world: World) -> RunPlan:
+    """Settle an off-policy run from its ``TrainPlan`` and apply every refusal before any model loads
+    (cheapest checks first). The plan's effective values (top-K, samples per prompt, learning rate, seed,
+    base adapter, device) are taken as the engine resolved them, not derived again.
 
     Raises:
         ConfigError, CheckpointError, ResumeError: rejected input; nothing is written.
     """
     from kiln_core.identity.hashing import model_vocab_size
 
-    run_dir = resolve(run_root)
-    basename = ckpt.check_resume_basename(resume_checkpoint, run_dir, adapter_name) if resume_checkpoint else None
-    top_k = resolve_top_k(config.top_k)
+    run_dir = resolve(plan.run_uri)
+    basename = resume_basename(plan, run_dir)
+    top_k = plan.top_k
     if tables.num_examples == 0 or tables.top_k != top_k:
         raise ConfigError(f"corpus has {tables.num_examples} examples at top_k {tables.top_k}; the config resolves "
                           f"top_k to {top_k}", "config.top_k")
-    samples = effective_samples_per_prompt(config)
-    schedule = Schedule(tables.num_examples, samples, config.epochs,
-                        config.sequences_per_step * world.size)  # candidates per optimizer step, all ranks together
+    samples = plan.samples_per_prompt
+    schedule = Schedule(tables.num_examples, samples, plan.config.epochs,
+                        plan.config.sequences_per_step * world.size)  # candidates per optimizer step, all ranks together
     caps = teacher_capabilities(teacher_alias, model_vocab_size(student_dir), top_k,
                                 teacher_identity.tokenizer_vocab_sha256 if teacher_identity is not None else None)
     # Kiln's data.content_sha256 is the prompt-list digest; a hand-built table has none, so it is
@@ -162,20 +167,29 @@ def plan_off_policy_run(*, tables: CorpusTables, dataset_sha256: str, dataset_pa
         # every admitted example has an action token (admission refuses the others)
         prepared_source_indices=list(range(tables.num_examples)), examples_read=tables.num_examples,
         examples_filtered=0, training_data=(TRAINING_DATA_SOURCE, dataset_path, dataset_sha256))
-    return build_plan(data=data, run_dir=run_dir, basename=basename, student_dir=student_dir,
-                      adapter_name=adapter_name, config=config, teacher_alias=teacher_alias, device=device,
-                      precision=precision, gradient_checkpointing=gradient_checkpointing, world=world,
-                      base_adapter=base_adapter)
+    return build_plan(plan, data=data, run_dir=run_dir, basename=basename, student_dir=student_dir,
+                      teacher_alias=teacher_alias, world=world)
 
 
-def build_plan(*, data: DataPlan, run_dir: Location, basename: str | None, student_dir: str, adapter_name: str,
-               config: OpdConfig, teacher_alias: str, device: str | None, precision: str | None,
-               gradient_checkpointing: bool, world: World, base_adapter: BaseAdapter | None = None) -> RunPlan:
-    """The plan of a run whose data side is settled: identities, the checkpoint contract, the resume checks.
+def resume_basename(plan: TrainPlan, run_dir: Location) -> str | None:
+    """The checked checkpoint basename ``plan.resume`` names, or None for a fresh run.
+
+    Raises:
+        ValueError: ``plan.resume`` is still ``"latest"`` (the engine resolves it to a basename or None).
+        ResumeError: not a checkpoint basename of this adapter.
+    """
+    if plan.resume == "latest":
+        raise ValueError("plan.resume 'latest' must be resolved to a checkpoint basename (or None) before training")
+    return ckpt.check_resume_basename(plan.resume, run_dir, plan.adapter) if plan.resume else None
+
+
+def build_plan(plan: TrainPlan, *, data: DataPlan, run_dir: Location, basename: str | None, student_dir: str,
+               teacher_alias: str, world: World) -> RunPlan:
+    """The run of a ``TrainPlan`` whose data side is settled: identities, the checkpoint contract, the resume checks.
 
     Shared by both training modes; ``data`` carries what differs. ``basename`` is an already checked
-    resume checkpoint name, or None for a fresh run. ``base_adapter`` is ``config.base_adapter`` resolved
-    (``kiln_core.engine.base_adapter``); an adapter directory in the config is read here when it is None.
+    resume checkpoint name, or None for a fresh run. ``plan.base_adapter`` is ``config.base_adapter``
+    resolved (``kiln_core.engine.base_adapter``); an adapter directory in the config is read here when it is None.
 
     Raises:
         ConfigError, CheckpointError, ResumeError: rejected input; nothing is written.
@@ -183,12 +197,13 @@ def build_plan(*, data: DataPlan, run_dir: Location, basename: str | None, stude
     """
     from kiln_core.identity.hashing import read_model_config
 
-    base_adapter = settle_base_adapter(config, base_adapter)
+    config, adapter_name = plan.config, plan.adapter
+    base_adapter = settle_base_adapter(config, plan.base_adapter)
 
     schedule, top_k, samples = data.schedule, data.top_k, data.samples_per_prompt
-    dev = resolve_device(device)
-    prec = resolve_precision(dev, precision)
-    lr = resolve_learning_rate(config)
+    dev = resolve_device(plan.device)
+    prec = resolve_precision(dev, plan.precision)
+    lr = plan.learning_rate
     versions = library_versions()
 
     identity = student_identity(student_dir)
@@ -202,7 +217,7 @@ def build_plan(*, data: DataPlan, run_dir: Location, basename: str | None, stude
         kiln_flows_version=versions["kiln-flows"], prepared_source_indices=data.prepared_source_indices,
         capabilities=data.capabilities, teacher_identity=teacher, teacher_content_revision=data.teacher_content_revision,
         precision=prec, chat_template_rollouts=config.rollout_prompt_rendering == "chat_template",
-        planning=run_identity.checkpoint_planning(device=dev, gradient_checkpointing=gradient_checkpointing, num_layers=num_layers))
+        planning=run_identity.checkpoint_planning(device=dev, gradient_checkpointing=plan.gradient_checkpointing, num_layers=num_layers))
     precision_record = run_identity.precision_policy(prec, config.optimizer.kind)
 
     def contract_for_seed(seed: int) -> ckpt.RunContract:

@@ -5,7 +5,7 @@ reverse KL, exact resume.
 binds, and every refusal — a bad resume basename, a checkpoint that does not match, an adapter
 already published — before any model loads), then runs the one training loop
 (``loop.run_training``) over the corpus (``CorpusCandidates``): the seeded student, restored exactly
-on resume or warm-started from ``config.base_adapter``; forward → loss → finite check → backward →
+on resume or warm-started from ``plan.base_adapter``; forward → loss → finite check → backward →
 optimizer step → the end-of-step work (``boundary.StepBoundary``); then the PEFT adapter and
 ``train_receipt.json``.
 
@@ -20,11 +20,11 @@ run is the single-process run with ``sequences_per_step × W``. Rank 0 alone pub
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
-from kiln_core.contracts.opd_config import OpdConfig
+from kiln_core.contracts.identity import TeacherIdentity
+from kiln_core.contracts.stage_refs import TrainPlan
 from kiln_core.corpus import CorpusTables
-from kiln_core.training.base_adapter import BaseAdapter
 from kiln_core.training.distributed.world import World
 from kiln_core.training.lifecycle import CANCEL_MESSAGE, TrainResult, result_fields
 from kiln_core.training.loop import StepGroup, run_training
@@ -37,61 +37,48 @@ __all__ = ["TrainResult", "Schedule", "LoopProgress", "Clock", "CorpusCandidates
 
 
 def train_opd(
-    *,
+    plan: TrainPlan,
     tables: CorpusTables,
+    *,
     dataset_sha256: str,
     dataset_path: str,
     student_dir: str,
-    adapter_name: str,
-    config: OpdConfig,
-    run_root: str,
-    teacher_identity: Any | None,
     teacher_alias: str,
-    resume_checkpoint: str | None = None,
+    teacher_identity: TeacherIdentity | None = None,
     should_cancel: Callable[[], bool] | None = None,
     on_progress: Callable[[int, int, float], None] | None = None,
     on_step_committed: Callable[[int], None] | None = None,
-    device: str | None = None,
-    precision: str | None = None,
-    gradient_checkpointing: bool = False,
     handle_signals: bool = False,
     world: World | None = None,
     eval_watch: HeldOutSlice | None = None,
     on_eval: Callable[[EvalReport], None] | None = None,
-    base_adapter: BaseAdapter | None = None,
 ) -> TrainResult:
-    """Train a LoRA student on an admitted corpus and publish the adapter and receipt under ``run_root``.
+    """Train a LoRA student on an admitted corpus and publish the adapter and receipt under ``plan.run_uri``.
 
     Args:
-        tables: The admitted corpus (``AdmissionResult.tables`` or a materialization).
+        plan: The resolved run (``kiln_core.engine.runs.plan_run``): run directory, adapter name, the
+            effective config, top-K, learning rate, samples per prompt, base adapter, device options, and
+            ``resume`` — a checkpoint basename in ``plan.run_uri`` to resume from exactly, or None (the
+            engine turns ``"latest"`` into one before calling).
+        tables: The admitted corpus (``AdmissionResult.tables`` or a materialization) at ``plan.top_k``.
         dataset_sha256: ``sha256:<hex>`` of the exact JSONL bytes.
         dataset_path: The dataset path as given (recorded in the receipt).
         student_dir: Local student model directory.
-        adapter_name: Adapter name; checkpoints are ``<adapter>-checkpoint-step-<8d>.kiln-checkpoint``.
-        config: The validated ``OpdConfig`` (``kiln_core.contracts.opd_submit.validate_for_offline_training`` already applied).
-        run_root: URI of the run directory ``<root>/runs/<adapter>`` (local path or fsspec URI).
-        teacher_identity: The corpus manifest's ``TeacherIdentity``, or None.
         teacher_alias: The request's ``teacher`` (receipt ``teacher_id``).
-        resume_checkpoint: Basename of a checkpoint in ``run_root`` to resume from exactly.
+        teacher_identity: The corpus manifest's ``TeacherIdentity`` (``ManifestRef.teacher_identity``), or None.
         should_cancel: Polled at each step boundary; True stops after publishing a checkpoint.
         on_progress: Called as ``(step, total_steps, loss)`` after each step's update.
         on_step_committed: Called with the step number once a step and its checkpoint (when one is
             due) are published; whatever it raises ends the run like any other error (a failed
             receipt, the error re-raised) — tests and fault drills use it to stop a run at a step.
-        device: ``cpu``/``cuda`` (default: CUDA when available).
-        precision: ``fp32``/``bf16`` (default: bf16 on CUDA, fp32 on CPU).
-        gradient_checkpointing: Recompute activations in backward to save memory.
         handle_signals: Turn SIGTERM/SIGINT into a cooperative cancel (main thread only).
         world: This process's rank and world size (default: the initialized ``torch.distributed``
             process group, else one process). Every rank calls ``train_opd`` with the same arguments.
-        eval_watch: Held-out evaluation during training (``HeldOutSlice.admit``; off by default): a
+        eval_watch: Held-out evaluation during training (``HeldOutSlice``; off by default): a
             baseline, then every ``every_steps`` steps and after the last; alarms in the log and the
             receipt's ``eval_curve``; with ``stop_on_divergence`` a firing rule stops the run (a
             checkpoint, a ``failed`` receipt with ``stop_reason``). Single process only.
         on_eval: Called with an ``EvalReport`` after each held-out evaluation.
-        base_adapter: ``config.base_adapter`` resolved (``kiln_core.engine.base_adapter.resolve_base_adapter``);
-            a fresh run starts from its LoRA weights with a fresh optimizer. Without it, a
-            ``config.base_adapter`` that is an adapter directory is read from there.
 
     Returns:
         ``TrainResult``; status ``failed`` (nan_loss) and ``cancelled`` are returned, not raised.
@@ -102,10 +89,8 @@ def train_opd(
         Exception: anything unexpected, after a ``failed`` receipt was written.
 
     Example:
-        >>> result = train_opd(tables=admission.tables, dataset_sha256=admission.dataset_sha256,
-        ...     dataset_path="corpus.jsonl", student_dir="student", adapter_name="demo",
-        ...     config=config, run_root="kiln-data/runs/demo", teacher_identity=None,
-        ...     teacher_alias="tiny")  # doctest: +SKIP
+        >>> result = train_opd(plan, admission.tables, dataset_sha256=admission.dataset_sha256,
+        ...     dataset_path="corpus.jsonl", student_dir="student", teacher_alias="tiny")  # doctest: +SKIP
         >>> result.status  # doctest: +SKIP
         'success'
     """
@@ -113,19 +98,17 @@ def train_opd(
     world = world if world is not None else World.current()
     check_watch(eval_watch, world)
     # ---- 1. plan: every refusal (bad resume name, mismatching checkpoint, published adapter) happens here
-    plan = plan_off_policy_run(
-        tables=tables, dataset_sha256=dataset_sha256, dataset_path=dataset_path, student_dir=student_dir,
-        adapter_name=adapter_name, config=config, run_root=run_root, teacher_identity=teacher_identity,
-        teacher_alias=teacher_alias, resume_checkpoint=resume_checkpoint, device=device, precision=precision,
-        gradient_checkpointing=gradient_checkpointing, world=world, base_adapter=base_adapter)
-    total = plan.schedule.total_steps
+    run_plan = plan_off_policy_run(plan, tables=tables, dataset_sha256=dataset_sha256, dataset_path=dataset_path,
+                                   student_dir=student_dir, teacher_identity=teacher_identity,
+                                   teacher_alias=teacher_alias, world=world)
+    total = run_plan.schedule.total_steps
     # ---- 2.–4. setup, the loop over the corpus, the adapter and the receipt (``loop.run_training``)
-    run = run_training(plan, CorpusCandidates(tables, plan), student_dir=student_dir, clock=clock,
-                       gradient_checkpointing=gradient_checkpointing, handle_signals=handle_signals,
+    run = run_training(run_plan, CorpusCandidates(tables, run_plan), student_dir=student_dir, clock=clock,
+                       gradient_checkpointing=plan.gradient_checkpointing, handle_signals=handle_signals,
                        should_cancel=should_cancel, on_step_committed=on_step_committed,
                        report=(lambda progress, loss: on_progress(progress.global_step, total, loss)) if on_progress else None,
                        eval_watch=eval_watch, on_eval=on_eval)
-    return TrainResult(**result_fields(plan, run.outcome, run.progress, clock, run.receipt_uri))
+    return TrainResult(**result_fields(run_plan, run.outcome, run.progress, clock, run.receipt_uri))
 
 
 class CorpusCandidates:

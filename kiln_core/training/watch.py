@@ -4,7 +4,9 @@ Two pieces, used by both training loops (``train_opd``, ``train_on_policy``):
 
 * ``HeldOutSlice`` — what the caller hands the trainer as ``eval_watch=``: the ``EvalWatch`` settings
   and the admitted held-out corpus (``HeldOutSlice.admit`` applies ``admit_eval_corpus``'s rules:
-  the training teacher, the student's vocabulary, no prompt shared with the training data). The slice
+  the training teacher, the student's vocabulary, no prompt shared with the training data, and with
+  ``out_root`` materializes it; ``HeldOutSlice.load`` reads such a materialization back — the engine
+  admits once, when it prepares the run, and training loads what the plan's ``held_out`` names). The slice
   is fixed once: at most ``max_examples`` examples spread evenly over the corpus in file order, cut
   to ``max_tokens`` action tokens, so an evaluation costs the same at every step.
 * ``HeldOutWatch`` — the loop's side: a baseline evaluation before the first step (or the curve
@@ -35,6 +37,7 @@ import torch
 from kiln_core.contracts.eval_curve import EvalAlarm, EvalCurve, EvalPoint, HeldOutSliceRecord, StopRule
 from kiln_core.contracts.eval_watch import EvalWatch
 from kiln_core.contracts.opd_config import ConfigError
+from kiln_core.contracts.stage_refs import HeldOutRef
 from kiln_core.corpus import CorpusTables
 from kiln_core.training.distributed.world import World
 from kiln_core.training.eval_curve import finite_or_none, firing_rules, new_alarms
@@ -77,16 +80,18 @@ class HeldOutSlice:
         watch: The ``EvalWatch`` settings.
         tables: The admitted held-out corpus (``admit_eval_corpus(...).tables``).
         corpus_sha256: ``sha256:`` of its JSONL bytes (``AdmissionResult.dataset_sha256``).
+        materialized: Where the admitted tables are committed (``admit(out_root=...)``), else None.
     """
 
     watch: EvalWatch
     tables: CorpusTables
     corpus_sha256: str
+    materialized: str | None = None
 
     @classmethod
     def admit(cls, watch: EvalWatch, student_dir: str, *, top_k: int, teacher_manifest: str | None = None,
               train_corpus_uri: str | None = None, train_prompts: Sequence[Any] | None = None,
-              prompt_rendering: str = "legacy_action_boundary") -> "HeldOutSlice":
+              prompt_rendering: str = "legacy_action_boundary", out_root: str | None = None) -> "HeldOutSlice":
         """Admit ``watch.corpus`` for ``student_dir`` with the held-out rules, before any training work.
 
         Args:
@@ -98,6 +103,8 @@ class HeldOutSlice:
             train_prompts: The on-policy prompts (``OpdPrompt``s or their ``PromptFile``); a shared prompt is
                 refused.
             prompt_rendering: The on-policy run's ``rollout_prompt_rendering``.
+            out_root: Storage root to materialize the admitted corpus under (content-addressed, reused
+                when committed), so training can ``load`` it instead of admitting it again.
 
         Raises:
             AdmissionError, EvalInputError: ``identity_mismatch``, ``vocabulary_mismatch``,
@@ -111,8 +118,30 @@ class HeldOutSlice:
 
         admission = admit_eval_corpus(watch.corpus, student_dir, top_k=top_k, teacher_manifest=teacher_manifest,
                                       train_corpus_uri=train_corpus_uri, train_prompts=train_prompts,
-                                      prompt_rendering=prompt_rendering)
-        return cls(watch=watch, tables=admission.tables, corpus_sha256=admission.dataset_sha256)
+                                      prompt_rendering=prompt_rendering, out_root=out_root)
+        return cls(watch=watch, tables=admission.tables, corpus_sha256=admission.dataset_sha256,
+                   materialized=admission.materialized)
+
+    @classmethod
+    def load(cls, watch: EvalWatch, held_out: HeldOutRef) -> "HeldOutSlice":
+        """The slice of a corpus admitted when the run was prepared (``TrainPlan.held_out``): its committed
+        tables read back (each file verified against ``admission.json``), not admitted again.
+
+        Raises:
+            EnvironmentFailure: ``corpus_changed`` when the materialization is not the admitted corpus.
+            FileNotFoundError: no committed materialization at ``held_out.uri``.
+        """
+        from kiln_core.evaluation.corpus import admitted_tables
+
+        return cls(watch=watch, tables=admitted_tables(held_out), corpus_sha256=held_out.corpus_sha256,
+                   materialized=held_out.uri)
+
+    def ref(self) -> HeldOutRef:
+        """What the plan carries of this slice (``TrainPlan.held_out``); only for a materialized one."""
+        if self.materialized is None:
+            raise ValueError("a held-out slice admitted without out_root has no materialization to refer to")
+        return HeldOutRef(uri=self.materialized, corpus_sha256=self.corpus_sha256, examples=self.tables.num_examples,
+                          action_tokens=int(self.tables.action_positions.shape[0]))
 
     def record(self) -> HeldOutSliceRecord:
         """The slice this run scores (indices and token count), as checkpoints and receipts record it.

@@ -97,7 +97,7 @@ def test_the_pipeline_train_task_refuses_a_corrupted_latest_checkpoint(tmp_path,
     from drills import prepare_training_inputs
     from kiln_core.admission import admit_corpus
     from kiln_core.contracts.opd_config import parse_opd_config, resolve_learning_rate
-    from kiln_core.engine.refs import CorpusRef, ManifestRef, TrainPlan
+    from kiln_core.contracts.stage_refs import CorpusRef, ManifestRef, TrainPlan
     from kiln_core.storage import list_children, resolve
     from kiln_core.training.checkpoint import ADAPTER_FILE, CheckpointError, latest_checkpoint
     from tasks.retry import retry_unless_rejected
@@ -124,7 +124,7 @@ def test_the_pipeline_train_task_refuses_a_corrupted_latest_checkpoint(tmp_path,
 
     real_train_opd = trainer.train_opd
     monkeypatch.setattr(trainer, "train_opd",
-                        lambda **kwargs: real_train_opd(**{**kwargs, "on_step_committed": crash_after(5)}))
+                        lambda *args, **kwargs: real_train_opd(*args, **{**kwargs, "on_step_committed": crash_after(5)}))
     with pytest.raises(Crash):
         train_task.fn(*arguments)
     monkeypatch.setattr(trainer, "train_opd", real_train_opd)

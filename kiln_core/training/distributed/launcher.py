@@ -17,12 +17,11 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Callable, Sequence
 
 from pydantic import BaseModel, ConfigDict
 
-from kiln_core.contracts.opd_config import OpdConfig
-from kiln_core.training.base_adapter import BaseAdapter
+from kiln_core.contracts.stage_refs import CorpusRef, ManifestRef, TrainPlan
 from kiln_core.training.distributed.world import check_shared_storage
 from kiln_core.training.trainer import TrainResult
 
@@ -36,32 +35,21 @@ class DistributedRunError(RuntimeError):
 
 
 class DistributedJob(BaseModel):
-    """Everything a worker needs to call ``train_opd`` (JSON, written by the launching process).
+    """Everything a worker needs to call ``train_opd`` (JSON, written by the launching process): the
+    engine's ``TrainPlan`` whole (``resume`` already a checkpoint basename or None), the committed corpus
+    and the pinned teacher — and round-tripped exactly through JSON, as every rank reads it.
 
-    The corpus travels as a committed materialization URI, so the workers never re-admit it; storage
-    (the materialization and ``run_root``) must be reachable from every rank — a local disk for one
-    machine, a shared file system or an object store for several.
+    The corpus travels as a committed materialization URI (``corpus.uri``), so the workers never
+    re-admit it; storage (the materialization and ``plan.run_uri``) must be reachable from every rank —
+    a local disk for one machine, a shared file system or an object store for several.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
-    materialization: str
-    dataset_sha256: str
-    dataset_path: str
+    plan: TrainPlan
+    corpus: CorpusRef
+    manifest: ManifestRef
     student_dir: str
-    adapter_name: str
-    config: OpdConfig
-    run_root: str
-    manifest_line: str | None = None
-    teacher_alias: str
-    resume_checkpoint: str | None = None
-    device: str | None = None
-    precision: str | None = None
-    gradient_checkpointing: bool = False
-    backend: Literal["auto", "gloo", "nccl"] = "auto"
-    strategy: Literal["ddp"] = "ddp"
-    base_adapter: BaseAdapter | None = None
-    """The resolved warm start, or None."""
 
 
 def torchrun_command(nproc: int, worker_args: Sequence[str], *, module: str = WORKER_MODULE) -> list[str]:
@@ -93,7 +81,7 @@ def launch(
     """
     if nproc < 2:
         raise ValueError("launch() is for two or more processes; call train_opd directly for one")
-    check_shared_storage(job.materialization, job.run_root)
+    check_shared_storage(job.corpus.uri, job.plan.run_uri)
     with tempfile.TemporaryDirectory(prefix="kiln-torchrun-") as tmp:
         job_path, result_path, progress_path = (Path(tmp, name) for name in ("job.json", "result.json", "progress.jsonl"))
         job_path.write_text(job.model_dump_json(), encoding="utf-8")

@@ -9,13 +9,14 @@ from __future__ import annotations
 from functools import cached_property
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 
+from kiln_core.contracts.base_adapter import BaseAdapter
 from kiln_core.contracts.eval_watch import EvalWatch
 from kiln_core.contracts.identity import TeacherIdentity, parse_manifest_line
-from kiln_core.contracts.opd_config import OpdConfig
+from kiln_core.contracts.opd_config import (OpdConfig, effective_samples_per_prompt, resolve_learning_rate,
+                                             resolve_top_k)
 from kiln_core.contracts.spec_blocks import VllmBackends
-from kiln_core.training.base_adapter import BaseAdapter
 
 
 class _Ref(BaseModel):
@@ -80,6 +81,19 @@ class CorpusRef(_Ref):
     """Effective samples per prompt of an on-policy run (Kiln's auto-scaling applied); None for a corpus."""
 
 
+class HeldOutRef(_Ref):
+    """A held-out corpus — the watch's (``eval:``) or the quality gate's — admitted once when the run is
+    prepared, the held-out rules applied, and materialized content-addressed under the storage root like a
+    training corpus: training and the gate read the tables back from ``uri`` instead of admitting it again."""
+
+    uri: str
+    """The committed materialization (``<root>/corpora/<hex>/``)."""
+    corpus_sha256: str
+    """``sha256:`` of the held-out JSONL bytes."""
+    examples: int
+    action_tokens: int
+
+
 class TrainPlan(_Ref):
     """Everything the training stage needs besides the corpus and the teacher, resolved once by the
     engine (``kiln_core.engine.runs.plan_run``): where, what, how — typed, frozen, and exactly
@@ -88,7 +102,9 @@ class TrainPlan(_Ref):
 
     ``resume`` is ``"latest"`` (resume from the newest committed checkpoint of ``run_uri``, if any:
     every retry of a pipeline run), a checkpoint basename (``kiln-flows train --resume-checkpoint``),
-    or None (a fresh run; the planner has made sure there is nothing to resume).
+    or None (a fresh run; the planner has made sure there is nothing to resume). The trainers
+    (``train_opd``, ``train_on_policy``) take the plan whole once the training stage has turned
+    ``"latest"`` into a basename or None.
     """
 
     run_uri: str
@@ -114,12 +130,42 @@ class TrainPlan(_Ref):
     eval_watch: EvalWatch | None = None
     """The spec's ``eval:`` block when the run is watched; not part of the run's identity, since a
     watched run trains the same bytes."""
+    held_out: HeldOutRef | None = None
+    """The watch's corpus as the engine admitted it (set exactly when ``eval_watch`` is)."""
     vllm: VllmBackends | None = None
     """The spec's ``vllm:`` block of an on-policy run using vLLM servers; not part of the run's identity:
     committed rollouts are reused whichever backend sampled them."""
     base_adapter: BaseAdapter | None = None
     """The resolved ``config.base_adapter``: the directory and weights digest the run warm-starts from;
     its digest is part of the run key."""
+
+    @model_validator(mode="after")
+    def _watch_has_its_corpus(self) -> "TrainPlan":
+        if (self.eval_watch is None) != (self.held_out is None):
+            raise ValueError("eval_watch and held_out go together: a watched run's held-out corpus is admitted "
+                             "when the run is planned")
+        return self
+
+    @classmethod
+    def for_config(cls, config: OpdConfig, run_uri: str, adapter: str, *, top_k: int | None = None,
+                   samples_per_prompt: int | None = None, resume: str | None = None, **options: Any) -> TrainPlan:
+        """The plan of a direct call of the trainers (a benchmark, a notebook, a test) that has no spec for the
+        engine to plan from: the effective values come from ``config`` by the contract rules the engine uses
+        (``resolve_top_k``, ``resolve_learning_rate``, ``effective_samples_per_prompt``); pass ``top_k`` and
+        ``samples_per_prompt`` where a teacher's cap or an on-policy prompt count decides them. The run key
+        is the last component of ``run_uri``; ``options`` are the other fields (device, base_adapter, …).
+
+        Example:
+            >>> plan = TrainPlan.for_config(config, "kiln-data/runs/demo/k1", "demo", device="cpu")  # doctest: +SKIP
+            >>> train_opd(plan, tables, dataset_sha256=sha, dataset_path="c.jsonl", student_dir="student",
+            ...           teacher_alias="tiny")  # doctest: +SKIP
+        """
+        return cls(run_uri=run_uri, inputs_key=run_uri.rstrip("/").rsplit("/", 1)[-1], adapter=adapter, config=config,
+                   top_k=top_k if top_k is not None else resolve_top_k(config.top_k),
+                   learning_rate=resolve_learning_rate(config),
+                   samples_per_prompt=(samples_per_prompt if samples_per_prompt is not None
+                                       else effective_samples_per_prompt(config)),
+                   resume=resume, **options)
 
     @property
     def seed(self) -> int:
