@@ -216,7 +216,7 @@ def _directory_shards(location: Location) -> list[ShardSource]:
     for name in names:
         if name in links:
             raise AdmissionError("shard_path_unsafe", None, f"shard {name} is a symlink; a shard must be a regular "
-                                 f"file inside the set's directory", file=location.child(name).uri)
+                                 f"file inside the set's directory", file=name)
     return [ShardSource(uri=location.child(name).uri, name=name) for name in names]
 
 
