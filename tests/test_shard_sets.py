@@ -191,6 +191,33 @@ def test_identical_duplicates_across_shards_are_admitted(tiny_student, shard_lin
     assert admit_shard_set(str(directory), str(tiny_student), top_k=16).totals()["examples"] == 5
 
 
+def test_memory_root_set_is_admitted_and_reused(tiny_student, shard_lines):
+    """Any fsspec URI: shards in memory://, materialized under a memory:// root (in this one process)."""
+    import uuid
+
+    import fsspec
+
+    base = f"memory://shards-{uuid.uuid4().hex}"
+    fs, _ = fsspec.core.url_to_fs(base)
+    for i, lines in enumerate(shard_lines[:2]):
+        with fsspec.open(f"{base}/corpus/part-{i}.jsonl", "wb") as handle:
+            handle.write(("\n".join(lines) + "\n").encode("utf-8"))
+    first = admit_shard_set(f"{base}/corpus", str(tiny_student), top_k=16, out_root=f"{base}/root", workers=2)
+    again = admit_shard_set(f"{base}/corpus", str(tiny_student), top_k=16, out_root=f"{base}/root", workers=2)
+    assert [s.reused for s in first.shards] == [False, False] and [s.reused for s in again.shards] == [True, True]
+    assert again.set_sha256 == first.set_sha256
+    assert fs.exists(first.record_uri) and first.record_uri.startswith(f"{base}/root/corpora/sets/")
+
+
+def test_a_shard_error_survives_the_trip_from_a_worker_process():
+    import pickle
+
+    error = AdmissionError("invalid_json", 3, "line 3 is not JSON", file="part-001.jsonl")
+    copy = pickle.loads(pickle.dumps(error))
+    assert (copy.code, copy.line, copy.file, copy.message) == ("invalid_json", 3, "part-001.jsonl", error.message)
+    assert copy.to_json()["file"] == "part-001.jsonl"
+
+
 def test_workers_below_one_are_a_usage_error(capsys, tiny_student, shard_lines, tmp_path):
     directory = shard_directory(tmp_path, shard_lines[:1])
     with pytest.raises(SystemExit) as caught:

@@ -278,18 +278,21 @@ class _Job:
     storage_options: dict | None
 
 
-_STUDENTS: dict[str, StudentTokenizer] = {}  # one tokenizer per worker process, loaded on its first shard
+# A worker process's tokenizer, loaded on its first shard. Worker processes live for one set, so this never
+# outlives the student directory it was read from; in this process the caller's tokenizer is passed instead.
+_WORKER_STUDENTS: dict[str, StudentTokenizer] = {}
 
 
-def _admit_one(job: _Job) -> ShardOutcome:
+def _admit_one(job: _Job, student: StudentTokenizer | None = None) -> ShardOutcome:
     """Check a shard against the index, admit it as a single file, and summarize it for the set."""
     shard = job.shard
     try:
         if job.shard.expected_sha256 is not None:
             _check_against_index(shard, job.storage_options)
-        student = _STUDENTS.get(job.student_dir)
         if student is None:
-            student = _STUDENTS.setdefault(job.student_dir, load_student_tokenizer(job.student_dir))
+            student = _WORKER_STUDENTS.get(job.student_dir)
+        if student is None:
+            student = _WORKER_STUDENTS.setdefault(job.student_dir, load_student_tokenizer(job.student_dir))
         result = admit_corpus(shard.uri, job.student_dir, top_k=job.top_k, pinned_manifest=job.pinned_manifest,
                               kiln_strict=job.kiln_strict, out_root=job.out_root,
                               storage_options=job.storage_options, student=student)
@@ -442,11 +445,10 @@ def _run_jobs(jobs: list[_Job], workers: int, student: StudentTokenizer, storage
     """Every shard's outcome or error, up to the first failing shard in set order (later ones may be absent)."""
     in_memory = any(u is not None and u.startswith("memory://") for u in (out_root, jobs[0].shard.uri))
     if workers == 1 or len(jobs) == 1 or in_memory:  # memory:// lives in this process alone
-        _STUDENTS.setdefault(jobs[0].student_dir, student)
         outcomes: dict[int, ShardOutcome | BaseException] = {}
         for job in jobs:
             try:
-                outcomes[job.index] = _admit_one(job)
+                outcomes[job.index] = _admit_one(job, student)
             except Exception as error:  # noqa: BLE001 - reported in set order by the caller
                 outcomes[job.index] = error
                 break
