@@ -52,8 +52,8 @@ from kiln_core.errors import AdmissionError
 from kiln_core.storage import Location, resolve, write_bytes_atomic
 from kiln_core.tokenization import StudentTokenizer, TokenizationError, load_student_tokenizer
 
-__all__ = ["ShardSource", "ShardOutcome", "ShardSetResult", "is_shard_set", "list_shards", "admit_shard_set",
-           "set_record_location", "build_index"]
+__all__ = ["ShardSource", "ShardJob", "ShardOutcome", "ShardSetResult", "is_shard_set", "list_shards",
+           "admit_shard", "admit_shard_set", "finish_shard_set", "set_record_location", "build_index"]
 
 INDEX_SUFFIX = ".index.json"
 _HASH_CHUNK = 8 * 1024 * 1024
@@ -267,7 +267,9 @@ def _read_capped(location: Location) -> bytes:
 
 
 @dataclass(frozen=True)
-class _Job:
+class ShardJob:
+    """Everything one shard's admission needs, picklable for a worker process (or a mapped task)."""
+
     index: int
     shard: ShardSource
     student_dir: str
@@ -283,7 +285,7 @@ class _Job:
 _WORKER_STUDENTS: dict[str, StudentTokenizer] = {}
 
 
-def _admit_one(job: _Job, student: StudentTokenizer | None = None) -> ShardOutcome:
+def admit_shard(job: ShardJob, student: StudentTokenizer | None = None) -> ShardOutcome:
     """Check a shard against the index, admit it as a single file, and summarize it for the set."""
     shard = job.shard
     try:
@@ -415,9 +417,28 @@ def admit_shard_set(
         raise ValueError("workers must be at least 1")
     shards = list_shards(uri, storage_options)
     student = _load_student(student_dir)
-    jobs = [_Job(i, shard, student_dir, top_k, pinned_manifest, kiln_strict, out_root, storage_options)
+    jobs = [ShardJob(i, shard, student_dir, top_k, pinned_manifest, kiln_strict, out_root, storage_options)
             for i, shard in enumerate(shards)]
     outcomes = _run_jobs(jobs, workers, student, storage_options, out_root)
+    return finish_shard_set(shards, outcomes, student, out_root=out_root, storage_options=storage_options)
+
+
+def finish_shard_set(shards: list[ShardSource], outcomes: dict[int, ShardOutcome | BaseException],
+                     student: StudentTokenizer, *, out_root: str | None = None,
+                     storage_options: dict | None = None) -> ShardSetResult:
+    """The set's verdict from every shard's outcome (however they were run), and its record, written last.
+
+    Args:
+        shards: The set, in order (``list_shards``).
+        outcomes: Shard index → its ``ShardOutcome`` or the error its admission raised; shards after the
+            first failing one may be absent.
+        student: The student every shard was admitted for.
+        out_root: Storage root for the set record; None validates only.
+        storage_options: fsspec options for ``out_root``.
+
+    Raises:
+        AdmissionError: The first problem in set order.
+    """
     _check_across_shards(shards, outcomes)
     admitted: list[ShardOutcome] = [outcomes[i] for i in range(len(shards))]  # every one admitted by now
     result = ShardSetResult(
@@ -440,7 +461,7 @@ def _load_student(student_dir: str) -> StudentTokenizer:
         raise AdmissionError("invalid_record", None, f"student {student_dir}: {error}") from None
 
 
-def _run_jobs(jobs: list[_Job], workers: int, student: StudentTokenizer, storage_options: dict | None,
+def _run_jobs(jobs: list[ShardJob], workers: int, student: StudentTokenizer, storage_options: dict | None,
               out_root: str | None) -> dict[int, ShardOutcome | BaseException]:
     """Every shard's outcome or error, up to the first failing shard in set order (later ones may be absent)."""
     in_memory = any(u is not None and u.startswith("memory://") for u in (out_root, jobs[0].shard.uri))
@@ -448,7 +469,7 @@ def _run_jobs(jobs: list[_Job], workers: int, student: StudentTokenizer, storage
         outcomes: dict[int, ShardOutcome | BaseException] = {}
         for job in jobs:
             try:
-                outcomes[job.index] = _admit_one(job, student)
+                outcomes[job.index] = admit_shard(job, student)
             except Exception as error:  # noqa: BLE001 - reported in set order by the caller
                 outcomes[job.index] = error
                 break
@@ -458,7 +479,7 @@ def _run_jobs(jobs: list[_Job], workers: int, student: StudentTokenizer, storage
     outcomes = {}
     first_failure = len(jobs)
     with concurrent.futures.ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=context) as pool:
-        futures = {pool.submit(_admit_one, job): job.index for job in jobs}
+        futures = {pool.submit(admit_shard, job): job.index for job in jobs}
         for future in concurrent.futures.as_completed(futures):
             index = futures[future]
             if future.cancelled():
