@@ -440,3 +440,29 @@ def test_every_shard_set_code_is_covered():
     source = Path(__file__).read_text(encoding="utf-8")
     missing = [code for code in SHARD_SET_CODES if f'"{code}"' not in source.replace(f'"{code}" in', "")]
     assert not missing, missing
+
+
+# --- the validate-corpus flow: one mapped task per shard ------------------------------------------------
+
+
+def test_validate_corpus_flow_maps_one_task_per_shard(prefect_harness, tiny_student, shard_lines, tmp_path):
+    from flows.validate_corpus import validate_corpus
+
+    directory = shard_directory(tmp_path, shard_lines[:3])
+    state = validate_corpus(str(directory), str(tiny_student), top_k=16, shard_concurrency=2, return_state=True)
+    assert state.is_completed(), state.message
+    verdict = state.result()
+    expected = admit_shard_set(str(directory), str(tiny_student), top_k=16)
+    assert verdict["status"] == "admitted" and verdict["set_sha256"] == expected.set_sha256
+    assert (verdict["shards"], verdict["examples"]) == (3, 6)
+    assert not list(tmp_path.glob("**/corpora"))  # validation materializes nothing
+
+
+def test_validate_corpus_flow_names_the_first_bad_shard(prefect_harness, tiny_student, shard_lines, tmp_path):
+    from flows.validate_corpus import validate_corpus
+
+    bad = shard_lines[1][:2] + ["{not json"] + shard_lines[1][2:]
+    directory = shard_directory(tmp_path, [shard_lines[0], bad, bad, shard_lines[2]])
+    state = validate_corpus(str(directory), str(tiny_student), top_k=16, shard_concurrency=2, return_state=True)
+    assert state.is_failed(), f"{state.type}: {state.message}"
+    assert "[invalid_json] part-001.jsonl line 3" in state.message, state.message

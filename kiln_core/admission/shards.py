@@ -53,7 +53,8 @@ from kiln_core.storage import Location, resolve, write_bytes_atomic
 from kiln_core.tokenization import StudentTokenizer, TokenizationError, load_student_tokenizer
 
 __all__ = ["ShardSource", "ShardJob", "ShardOutcome", "ShardSetResult", "is_shard_set", "list_shards",
-           "admit_shard", "admit_shard_set", "finish_shard_set", "set_record_location", "build_index"]
+           "plan_shard_set", "load_student", "admit_shard", "admit_shard_set", "finish_shard_set", "set_record_location",
+           "build_index"]
 
 INDEX_SUFFIX = ".index.json"
 _HASH_CHUNK = 8 * 1024 * 1024
@@ -279,6 +280,11 @@ class ShardJob:
     out_root: str | None
     storage_options: dict | None
 
+    @property
+    def name(self) -> str:
+        """The shard's name in errors and task-run names."""
+        return self.shard.name
+
 
 # A worker process's tokenizer, loaded on its first shard. Worker processes live for one set, so this never
 # outlives the student directory it was read from; in this process the caller's tokenizer is passed instead.
@@ -415,12 +421,27 @@ def admit_shard_set(
     """
     if workers < 1:
         raise ValueError("workers must be at least 1")
-    shards = list_shards(uri, storage_options)
-    student = _load_student(student_dir)
-    jobs = [ShardJob(i, shard, student_dir, top_k, pinned_manifest, kiln_strict, out_root, storage_options)
-            for i, shard in enumerate(shards)]
+    shards, jobs, student = plan_shard_set(uri, student_dir, top_k=top_k, pinned_manifest=pinned_manifest,
+                                           kiln_strict=kiln_strict, out_root=out_root,
+                                           storage_options=storage_options)
     outcomes = _run_jobs(jobs, workers, student, storage_options, out_root)
     return finish_shard_set(shards, outcomes, student, out_root=out_root, storage_options=storage_options)
+
+
+def plan_shard_set(uri: str, student_dir: str, *, top_k: int = 32, pinned_manifest: str | None = None,
+                   kiln_strict: bool = False, out_root: str | None = None, storage_options: dict | None = None,
+                   ) -> tuple[list[ShardSource], list[ShardJob], StudentTokenizer]:
+    """The set's shards, one ``ShardJob`` per shard, and the loaded student (arguments as ``admit_shard_set``).
+
+    Raises:
+        AdmissionError: The set itself is refused (``shard_set_empty``, ``shard_index_invalid``,
+            ``shard_path_unsafe``) or the student directory is unusable.
+    """
+    shards = list_shards(uri, storage_options)
+    student = load_student(student_dir)
+    jobs = [ShardJob(i, shard, student_dir, top_k, pinned_manifest, kiln_strict, out_root, storage_options)
+            for i, shard in enumerate(shards)]
+    return shards, jobs, student
 
 
 def finish_shard_set(shards: list[ShardSource], outcomes: dict[int, ShardOutcome | BaseException],
@@ -453,7 +474,8 @@ def finish_shard_set(shards: list[ShardSource], outcomes: dict[int, ShardOutcome
     return result
 
 
-def _load_student(student_dir: str) -> StudentTokenizer:
+def load_student(student_dir: str) -> StudentTokenizer:
+    """The student's tokenizer; an unusable directory is an ``AdmissionError``, as ``admit_corpus`` says it."""
     try:
         return load_student_tokenizer(student_dir)
     except TokenizationError as error:
