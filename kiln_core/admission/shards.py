@@ -198,8 +198,8 @@ def list_shards(uri: str, storage_options: dict | None = None) -> list[ShardSour
     directory = location.fs.isdir(location.path)
     shards = _directory_shards(location) if directory else _index_shards(location, storage_options)
     if not shards:
-        what = "holds no *.jsonl file" if directory else "lists no shard"
-        raise AdmissionError("shard_set_empty", None, f"the shard set {location.uri} {what}", file=location.uri)
+        what = "the directory holds no *.jsonl file" if directory else "the index lists no shard"
+        raise AdmissionError("shard_set_empty", None, f"{what}: a set needs at least one shard", file=location.uri)
     return shards
 
 
@@ -486,7 +486,7 @@ def load_student(student_dir: str) -> StudentTokenizer:
 def _run_jobs(jobs: list[ShardJob], workers: int, student: StudentTokenizer, storage_options: dict | None,
               out_root: str | None) -> dict[int, ShardOutcome | BaseException]:
     """Every shard's outcome or error, up to the first failing shard in set order (later ones may be absent)."""
-    in_memory = any(u is not None and u.startswith("memory://") for u in (out_root, jobs[0].shard.uri))
+    in_memory = any(u is not None and u.startswith("memory://") for u in (out_root, *(j.shard.uri for j in jobs)))
     if workers == 1 or len(jobs) == 1 or in_memory:  # memory:// lives in this process alone
         outcomes: dict[int, ShardOutcome | BaseException] = {}
         for job in jobs:
