@@ -1,6 +1,6 @@
 """Admission of a corpus given as an ordered set of shards: a directory of ``*.jsonl`` files or an index.
 
-Kiln admits one JSONL file of at most 64 MiB (crates/kiln-server/src/opd.rs); a real distillation set is
+Kiln admits one JSONL file of at most 64 MiB (Kiln's docs/OPD_TEACHER_JSONL.md); a real distillation set is
 many such files. Each shard here is admitted exactly as a single file is (``admit_corpus``: Kiln's
 verdict for that file, materialized under its own digest, so an unchanged shard is reused and a new
 shard is the only one admitted). On top, the set's own rules (codes in ``kiln_core.errors.SHARD_SET_CODES``):

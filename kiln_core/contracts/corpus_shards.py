@@ -1,6 +1,6 @@
 """A corpus as an ordered set of shards: the index file and the committed set record.
 
-Kiln admits one JSONL file of at most 64 MiB (crates/kiln-server/src/opd.rs); kiln-flows also takes an
+Kiln admits one JSONL file of at most 64 MiB (Kiln's docs/OPD_TEACHER_JSONL.md); kiln-flows also takes an
 ordered set of such files, each admitted exactly as Kiln admits it. Two documents describe a set:
 
 ``kiln-flows.corpus-shards.v1`` — the index a user (or ``kiln-flows score``) writes beside the shards::
