@@ -9,6 +9,7 @@ the first failing one are not started.
 from __future__ import annotations
 
 from prefect import task
+from prefect.cache_policies import NO_CACHE
 from prefect.futures import as_completed
 
 from kiln_core.admission.shards import (
@@ -22,7 +23,9 @@ from kiln_core.admission.shards import (
 from tasks.names import run_name
 
 
-@task(name="admit-shard", task_run_name=run_name("admit-shard", "job", "name"))
+# No Prefect cache: a shard's materialization is content-addressed already (an unchanged shard is reused),
+# and a cache key would hash the job's storage options, credentials included.
+@task(name="admit-shard", task_run_name=run_name("admit-shard", "job", "name"), cache_policy=NO_CACHE)
 def admit_shard_task(job: ShardJob) -> ShardOutcome:
     """Admit one shard as the single file it is (materialized under its own digest when ``job.out_root``)."""
     from kiln_core.admission.shards import load_student

@@ -52,9 +52,10 @@ from kiln_core.errors import AdmissionError
 from kiln_core.storage import Location, resolve, write_bytes_atomic
 from kiln_core.tokenization import StudentTokenizer, TokenizationError, load_student_tokenizer
 
-__all__ = ["ShardSource", "ShardJob", "ShardOutcome", "ShardSetResult", "is_shard_set", "list_shards",
-           "plan_shard_set", "load_student", "admit_shard", "admit_shard_set", "finish_shard_set", "set_record_location",
-           "build_index"]
+__all__ = [
+    "ShardSource", "ShardJob", "ShardOutcome", "ShardSetResult", "is_shard_set", "list_shards", "plan_shard_set",
+    "load_student", "admit_shard", "admit_shard_set", "finish_shard_set", "set_record_location", "build_index",
+]
 
 INDEX_SUFFIX = ".index.json"
 _HASH_CHUNK = 8 * 1024 * 1024
