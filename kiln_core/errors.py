@@ -219,12 +219,36 @@ class AdmissionError(Rejection):
     """A corpus rejected by one admission rule.
 
     Attributes:
-        code: Stable rule name from ``ADMISSION_CODES``.
+        code: Stable rule name from ``ADMISSION_CODES`` (or ``SHARD_SET_CODES`` for a set of shards).
         line: 1-based physical line, or ``None`` for file-level rules.
         message: Human-readable explanation naming the example and token index where they apply.
+        file: The shard the rule is about when a set of shards was admitted; None for one file.
     """
 
-    def __init__(self, code: str, line: int | None, message: str) -> None:
-        if code not in ADMISSION_CODES:
+    def __init__(self, code: str, line: int | None, message: str, *, file: str | None = None) -> None:
+        if code not in ADMISSION_CODES and code not in SHARD_SET_CODES:
             raise ValueError(f"unknown admission code {code!r}")
-        super().__init__(code, message, line=line)
+        super().__init__(code, message, line=line, file=file)
+
+
+SHARD_SET_CODES = (
+    "shard_set_empty",
+    "shard_index_invalid",
+    "shard_path_unsafe",
+    "shard_missing",
+    "shard_digest_mismatch",
+    "shard_identity_mismatch",
+    "shard_duplicate_conflict",
+)
+"""Rules of a corpus given as an ordered set of shards (``kiln_core.admission.shards``), on top of every
+shard's own verdict (``ADMISSION_CODES``, the shard named in the error's ``file``):
+
+* ``shard_set_empty`` — the directory holds no ``*.jsonl`` file, or the index lists no shard;
+* ``shard_index_invalid`` — the index file is not a valid ``kiln-flows.corpus-shards.v1`` document;
+* ``shard_path_unsafe`` — an index entry escapes the index's directory (absolute, ``..``), or a shard
+  (or a directory on its way) is a symlink;
+* ``shard_missing`` — an indexed shard does not exist;
+* ``shard_digest_mismatch`` — a shard's bytes no longer match the index's ``sha256``/``size_bytes``;
+* ``shard_identity_mismatch`` — a shard's manifest line is not byte-identical to the first shard's;
+* ``shard_duplicate_conflict`` — the same exact token sequence in two shards with different teacher rows
+  (the cross-shard form of ``conflicting_duplicate_row``)."""
