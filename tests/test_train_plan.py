@@ -51,6 +51,13 @@ def test_a_plan_round_trips_through_json_exactly():
     assert TrainPlan.model_validate(plan.model_dump(mode="json")) == plan  # a Prefect parameter's JSON form
 
 
+def test_the_plans_base_adapter_is_recorded_as_kilns_receipt_names_it():
+    # Kiln's receipt ``adapters.base`` (crates/kiln-train/src/train_receipt.rs): path, weights digest and size
+    base = _plan().base_adapter
+    assert base.receipt_record() == {"path": "/root/runs/warm/k/adapter", "adapter_model_sha256": "sha256:" + "ab" * 32,
+                                     "adapter_model_bytes": 4096}
+
+
 @pytest.mark.parametrize("config", [{"training_mode": "on_policy", "samples_per_prompt": 4, "temperature": 0.7},
                                     {"optimizer": {"kind": "muon"}, "learning_rate": None, "seed": 0},
                                     {"loss": "teacher_top_k_tail", "echo": None}])
