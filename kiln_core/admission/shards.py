@@ -5,8 +5,8 @@ many such files. Each shard here is admitted exactly as a single file is (``admi
 verdict for that file, materialized under its own digest, so an unchanged shard is reused and a new
 shard is the only one admitted). On top, the set's own rules (codes in ``kiln_core.errors.SHARD_SET_CODES``):
 
-1. The set: a directory's ``*.jsonl`` files (not hidden ones) in byte order of their names, or the
-   entries of a ``kiln-flows.corpus-shards.v1`` index in its order; at least one shard
+1. The set (``kiln_core.admission.shard_sources``): a directory's ``*.jsonl`` files (not hidden ones) in
+   byte order of their names, or the entries of a ``kiln-flows.corpus-shards.v1`` index in its order; at least one shard
    (``shard_set_empty``); index entries stay inside the index's directory and no shard is a symlink
    (``shard_path_unsafe``); every indexed shard exists (``shard_missing``) and its bytes match the
    index (``shard_digest_mismatch``).
@@ -26,28 +26,16 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
-import json
 import multiprocessing
-import os
-import posixpath
-import stat
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from pydantic import ValidationError
 
 from kiln_core import __version__, materialize
 from kiln_core.admission.admit import admit_corpus
-from kiln_core.admission.source import MAX_CORPUS_BYTES
-from kiln_core.contracts.corpus_shards import (
-    INDEX_FORMAT,
-    CorpusSetRecord,
-    CorpusShardIndex,
-    SetShard,
-    SetTotals,
-    set_sha256,
-)
+from kiln_core.admission.shard_sources import ShardSource, build_index, check_against_index, is_shard_set, list_shards
+from kiln_core.contracts.corpus_shards import CorpusSetRecord, SetShard, SetTotals, set_sha256
 from kiln_core.errors import AdmissionError
 from kiln_core.storage import Location, resolve, write_bytes_atomic
 from kiln_core.tokenization import StudentTokenizer, TokenizationError, load_student_tokenizer
@@ -56,19 +44,6 @@ __all__ = [
     "ShardSource", "ShardJob", "ShardOutcome", "ShardSetResult", "is_shard_set", "list_shards", "plan_shard_set",
     "load_student", "admit_shard", "admit_shard_set", "finish_shard_set", "set_record_location", "build_index",
 ]
-
-INDEX_SUFFIX = ".index.json"
-_HASH_CHUNK = 8 * 1024 * 1024
-
-
-@dataclass(frozen=True)
-class ShardSource:
-    """One shard to admit: where its bytes are, how errors name it, and what the index says of it."""
-
-    uri: str
-    name: str
-    expected_sha256: str | None = None
-    expected_size: int | None = None
 
 
 @dataclass
@@ -151,120 +126,6 @@ class ShardSetResult:
         }
 
 
-# --- what the set is ---------------------------------------------------------------------------------
-
-
-def is_shard_set(uri: str, storage_options: dict | None = None) -> bool:
-    """Whether ``uri`` names a set of shards (a directory or an index) rather than one JSONL file.
-
-    A directory (not a symlink to one: a symlinked corpus stays the single-file ``not_regular_file``), a
-    file named ``*.index.json``, or a ``*.json`` file holding one JSON object whose ``format`` is
-    ``kiln-flows.corpus-shards.v1``. Anything else — a missing path included — is a single file and
-    keeps the single-file verdict.
-    """
-    location = resolve(uri, storage_options)
-    if location.is_local:
-        try:
-            info = os.lstat(location.path)
-        except OSError:
-            return False
-        if stat.S_ISDIR(info.st_mode):
-            return True
-        if not stat.S_ISREG(info.st_mode):
-            return False
-    else:
-        try:
-            if location.fs.isdir(location.path):
-                return True
-        except FileNotFoundError:
-            return False
-    if location.path.endswith(INDEX_SUFFIX):
-        return True
-    if not location.path.endswith(".json"):
-        return False
-    try:
-        value = json.loads(_read_capped(location))
-    except (ValueError, OSError):
-        return False
-    return isinstance(value, dict) and value.get("format") == INDEX_FORMAT
-
-
-def list_shards(uri: str, storage_options: dict | None = None) -> list[ShardSource]:
-    """The shards of a set, in set order.
-
-    Raises:
-        AdmissionError: ``shard_index_invalid``, ``shard_path_unsafe`` or ``shard_set_empty``.
-    """
-    location = resolve(uri, storage_options)
-    directory = location.fs.isdir(location.path)
-    shards = _directory_shards(location) if directory else _index_shards(location, storage_options)
-    if not shards:
-        what = "the directory holds no *.jsonl file" if directory else "the index lists no shard"
-        raise AdmissionError("shard_set_empty", None, f"{what}: a set needs at least one shard", file=location.uri)
-    return shards
-
-
-def _directory_shards(location: Location) -> list[ShardSource]:
-    if location.is_local:
-        with os.scandir(location.path) as entries:
-            found = [(entry.name, entry.is_symlink()) for entry in entries]
-    else:
-        found = [(posixpath.basename(info["name"].rstrip("/")), False)
-                 for info in location.fs.ls(location.path, detail=True)]
-    # Hidden files are a writer's staging (``.part.jsonl.tmp-…``), never a shard.
-    names = sorted((name for name, _ in found if name.endswith(".jsonl") and not name.startswith(".")),
-                   key=os.fsencode)
-    links = {name for name, is_link in found if is_link}
-    for name in names:
-        if name in links:
-            raise AdmissionError("shard_path_unsafe", None, f"shard {name} is a symlink; a shard must be a regular "
-                                 f"file inside the set's directory", file=name)
-    return [ShardSource(uri=location.child(name).uri, name=name) for name in names]
-
-
-def _index_shards(location: Location, storage_options: dict | None) -> list[ShardSource]:
-    try:
-        data = _read_capped(location)
-    except FileNotFoundError:
-        raise AdmissionError("file_not_found", None, f"{location.uri} does not exist") from None
-    try:
-        index = CorpusShardIndex.model_validate_json(data)
-    except ValidationError as error:
-        first = error.errors()[0]
-        where = ".".join(str(part) for part in first["loc"]) or "(document)"
-        raise AdmissionError("shard_index_invalid", None, f"the index is not a valid {INDEX_FORMAT} document: "
-                             f"{where}: {first['msg']}", file=location.uri) from None
-    root_location = resolve(location.uri.rsplit("/", 1)[0], storage_options)
-    return [_indexed_shard(root_location, entry.uri, entry.sha256, entry.size_bytes, number)
-            for number, entry in enumerate(index.shards)]
-
-
-def _indexed_shard(root: Location, entry: str, sha256: str, size: int, number: int) -> ShardSource:
-    if "://" in entry:  # a full fsspec URI: the index names it on purpose
-        return ShardSource(uri=entry, name=entry, expected_sha256=sha256, expected_size=size)
-    parts = entry.split("/")
-    unsafe = (entry.startswith("/") or "\\" in entry or ":" in parts[0]
-              or any(part in ("..", "") for part in parts))
-    if unsafe:
-        raise AdmissionError("shard_path_unsafe", None, f"index entry {number} ({entry!r}) is not a relative path "
-                             f"inside the index's directory (no absolute path, no '..', no empty part)",
-                             file=entry)
-    parts = [part for part in parts if part != "."]
-    if root.is_local:
-        # A symlinked directory on the way could lead anywhere; only the shard itself is checked later.
-        for depth in range(1, len(parts)):
-            path = os.path.join(root.path, *parts[:depth])
-            if os.path.islink(path):
-                raise AdmissionError("shard_path_unsafe", None, f"index entry {number} ({entry!r}) passes through "
-                                     f"the symlink {'/'.join(parts[:depth])}", file=entry)
-    return ShardSource(uri=root.child(*parts).uri, name=entry, expected_sha256=sha256, expected_size=size)
-
-
-def _read_capped(location: Location) -> bytes:
-    with location.fs.open(location.path, "rb") as handle:
-        return handle.read(MAX_CORPUS_BYTES + 1)
-
-
 # --- one shard (in this process or a worker) ---------------------------------------------------------
 
 
@@ -297,7 +158,7 @@ def admit_shard(job: ShardJob, student: StudentTokenizer | None = None) -> Shard
     shard = job.shard
     try:
         if job.shard.expected_sha256 is not None:
-            _check_against_index(shard, job.storage_options)
+            check_against_index(shard, job.storage_options)
         if student is None:
             student = _WORKER_STUDENTS.get(job.student_dir)
         if student is None:
@@ -324,41 +185,6 @@ def admit_shard(job: ShardJob, student: StudentTokenizer | None = None) -> Shard
         materialized=result.materialized, reused=result.reused,
         lines=lines, sequence_keys=sequence_keys, row_keys=row_keys,
     )
-
-
-def _check_against_index(shard: ShardSource, storage_options: dict | None) -> None:
-    """``shard_missing``, ``shard_path_unsafe`` (a symlink) and ``shard_digest_mismatch``, before admitting."""
-    location = resolve(shard.uri, storage_options)
-    if location.is_local:
-        try:
-            info = os.lstat(location.path)
-        except FileNotFoundError:
-            raise AdmissionError("shard_missing", None, f"shard {shard.name} listed in the index does not exist "
-                                 f"({location.uri})", file=shard.name) from None
-        if stat.S_ISLNK(info.st_mode):
-            raise AdmissionError("shard_path_unsafe", None, f"shard {shard.name} is a symlink; a shard must be a "
-                                 f"regular file", file=shard.name)
-        size = info.st_size if stat.S_ISREG(info.st_mode) else None
-    else:
-        try:
-            info = location.fs.info(location.path)
-        except FileNotFoundError:
-            raise AdmissionError("shard_missing", None, f"shard {shard.name} listed in the index does not exist "
-                                 f"({location.uri})", file=shard.name) from None
-        size = int(info.get("size") or 0) if info.get("type") == "file" else None
-    if size is None:
-        return  # not a regular file: the shard's own verdict (not_regular_file) says so
-    if size != shard.expected_size:
-        raise AdmissionError("shard_digest_mismatch", None, f"shard {shard.name} is {size} bytes; the index says "
-                             f"{shard.expected_size}", file=shard.name)
-    digest = hashlib.sha256()
-    with location.fs.open(location.path, "rb") as handle:
-        while chunk := handle.read(_HASH_CHUNK):
-            digest.update(chunk)
-    actual = "sha256:" + digest.hexdigest()
-    if actual != shard.expected_sha256:
-        raise AdmissionError("shard_digest_mismatch", None, f"shard {shard.name} has digest {actual}; the index "
-                             f"says {shard.expected_sha256}", file=shard.name)
 
 
 def _duplicate_keys(tables) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -617,23 +443,3 @@ def _commit_set_record(result: ShardSetResult, out_root: str, student: StudentTo
     if not (location.exists() and location.read_bytes() == data):
         write_bytes_atomic(location, data)
     result.record_uri, result.record = location.uri, record
-
-
-# --- writing an index --------------------------------------------------------------------------------------
-
-
-def build_index(index_uri: str, shard_names: list[str], storage_options: dict | None = None) -> CorpusShardIndex:
-    """Write a ``kiln-flows.corpus-shards.v1`` index over shards in the index's directory, in the given order.
-
-    Example:
-        >>> build_index("corpus/corpus.index.json", ["part-0.jsonl", "part-1.jsonl"])  # doctest: +SKIP
-    """
-    location = resolve(index_uri, storage_options)
-    directory = location.uri.rsplit("/", 1)[0]
-    entries = []
-    for name in shard_names:
-        data = resolve(directory + "/" + name, storage_options).read_bytes()
-        entries.append({"uri": name, "sha256": "sha256:" + hashlib.sha256(data).hexdigest(), "size_bytes": len(data)})
-    index = CorpusShardIndex.model_validate({"format": INDEX_FORMAT, "shards": entries})
-    write_bytes_atomic(location, index.model_dump_json(indent=2).encode("utf-8") + b"\n")
-    return index

@@ -1,0 +1,209 @@
+"""What a set of shards is: a directory's ``*.jsonl`` files or the entries of an index, each checked
+against what the index says before it is admitted (``kiln_core.admission.shards`` admits them).
+
+A directory (not a symlink to one) lists its ``*.jsonl`` files, hidden ones left out, in byte order of
+their names. An index (``kiln-flows.corpus-shards.v1``, ``kiln_core.contracts.corpus_shards``) lists shard
+paths relative to its own directory — never absolute, never through ``..`` or a symlink — or full fsspec
+URIs, each with the size and digest its bytes must have. Codes: ``shard_set_empty``,
+``shard_index_invalid``, ``shard_path_unsafe``, ``shard_missing``, ``shard_digest_mismatch``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import posixpath
+import stat
+from dataclasses import dataclass
+
+from pydantic import ValidationError
+
+from kiln_core.admission.source import MAX_CORPUS_BYTES
+from kiln_core.contracts.corpus_shards import INDEX_FORMAT, CorpusShardIndex
+from kiln_core.errors import AdmissionError
+from kiln_core.storage import Location, resolve, write_bytes_atomic
+
+__all__ = ["INDEX_SUFFIX", "ShardSource", "is_shard_set", "list_shards", "check_against_index", "build_index"]
+
+INDEX_SUFFIX = ".index.json"
+_HASH_CHUNK = 8 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ShardSource:
+    """One shard to admit: where its bytes are, how errors name it, and what the index says of it."""
+
+    uri: str
+    name: str
+    expected_sha256: str | None = None
+    expected_size: int | None = None
+
+
+# --- what the set is ---------------------------------------------------------------------------------
+
+
+def is_shard_set(uri: str, storage_options: dict | None = None) -> bool:
+    """Whether ``uri`` names a set of shards (a directory or an index) rather than one JSONL file.
+
+    A directory (not a symlink to one: a symlinked corpus stays the single-file ``not_regular_file``), a
+    file named ``*.index.json``, or a ``*.json`` file holding one JSON object whose ``format`` is
+    ``kiln-flows.corpus-shards.v1``. Anything else — a missing path included — is a single file and
+    keeps the single-file verdict.
+    """
+    location = resolve(uri, storage_options)
+    if location.is_local:
+        try:
+            info = os.lstat(location.path)
+        except OSError:
+            return False
+        if stat.S_ISDIR(info.st_mode):
+            return True
+        if not stat.S_ISREG(info.st_mode):
+            return False
+    else:
+        try:
+            if location.fs.isdir(location.path):
+                return True
+        except FileNotFoundError:
+            return False
+    if location.path.endswith(INDEX_SUFFIX):
+        return True
+    if not location.path.endswith(".json"):
+        return False
+    try:
+        value = json.loads(_read_capped(location))
+    except (ValueError, OSError):
+        return False
+    return isinstance(value, dict) and value.get("format") == INDEX_FORMAT
+
+
+def list_shards(uri: str, storage_options: dict | None = None) -> list[ShardSource]:
+    """The shards of a set, in set order.
+
+    Raises:
+        AdmissionError: ``shard_index_invalid``, ``shard_path_unsafe`` or ``shard_set_empty``.
+    """
+    location = resolve(uri, storage_options)
+    directory = location.fs.isdir(location.path)
+    shards = _directory_shards(location) if directory else _index_shards(location, storage_options)
+    if not shards:
+        what = "the directory holds no *.jsonl file" if directory else "the index lists no shard"
+        raise AdmissionError("shard_set_empty", None, f"{what}: a set needs at least one shard", file=location.uri)
+    return shards
+
+
+def _directory_shards(location: Location) -> list[ShardSource]:
+    if location.is_local:
+        with os.scandir(location.path) as entries:
+            found = [(entry.name, entry.is_symlink()) for entry in entries]
+    else:
+        found = [(posixpath.basename(info["name"].rstrip("/")), False)
+                 for info in location.fs.ls(location.path, detail=True)]
+    # Hidden files are a writer's staging (``.part.jsonl.tmp-…``), never a shard.
+    names = sorted((name for name, _ in found if name.endswith(".jsonl") and not name.startswith(".")),
+                   key=os.fsencode)
+    links = {name for name, is_link in found if is_link}
+    for name in names:
+        if name in links:
+            raise AdmissionError("shard_path_unsafe", None, f"shard {name} is a symlink; a shard must be a regular "
+                                 f"file inside the set's directory", file=name)
+    return [ShardSource(uri=location.child(name).uri, name=name) for name in names]
+
+
+def _index_shards(location: Location, storage_options: dict | None) -> list[ShardSource]:
+    try:
+        data = _read_capped(location)
+    except FileNotFoundError:
+        raise AdmissionError("file_not_found", None, f"{location.uri} does not exist") from None
+    try:
+        index = CorpusShardIndex.model_validate_json(data)
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "(document)"
+        raise AdmissionError("shard_index_invalid", None, f"the index is not a valid {INDEX_FORMAT} document: "
+                             f"{where}: {first['msg']}", file=location.uri) from None
+    root_location = resolve(location.uri.rsplit("/", 1)[0], storage_options)
+    return [_indexed_shard(root_location, entry.uri, entry.sha256, entry.size_bytes, number)
+            for number, entry in enumerate(index.shards)]
+
+
+def _indexed_shard(root: Location, entry: str, sha256: str, size: int, number: int) -> ShardSource:
+    if "://" in entry:  # a full fsspec URI: the index names it on purpose
+        return ShardSource(uri=entry, name=entry, expected_sha256=sha256, expected_size=size)
+    parts = entry.split("/")
+    unsafe = (entry.startswith("/") or "\\" in entry or ":" in parts[0]
+              or any(part in ("..", "") for part in parts))
+    if unsafe:
+        raise AdmissionError("shard_path_unsafe", None, f"index entry {number} ({entry!r}) is not a relative path "
+                             f"inside the index's directory (no absolute path, no '..', no empty part)",
+                             file=entry)
+    parts = [part for part in parts if part != "."]
+    if root.is_local:
+        # A symlinked directory on the way could lead anywhere; only the shard itself is checked later.
+        for depth in range(1, len(parts)):
+            path = os.path.join(root.path, *parts[:depth])
+            if os.path.islink(path):
+                raise AdmissionError("shard_path_unsafe", None, f"index entry {number} ({entry!r}) passes through "
+                                     f"the symlink {'/'.join(parts[:depth])}", file=entry)
+    return ShardSource(uri=root.child(*parts).uri, name=entry, expected_sha256=sha256, expected_size=size)
+
+
+def _read_capped(location: Location) -> bytes:
+    with location.fs.open(location.path, "rb") as handle:
+        return handle.read(MAX_CORPUS_BYTES + 1)
+
+
+def check_against_index(shard: ShardSource, storage_options: dict | None) -> None:
+    """``shard_missing``, ``shard_path_unsafe`` (a symlink) and ``shard_digest_mismatch``, before admitting."""
+    location = resolve(shard.uri, storage_options)
+    if location.is_local:
+        try:
+            info = os.lstat(location.path)
+        except FileNotFoundError:
+            raise AdmissionError("shard_missing", None, f"shard {shard.name} listed in the index does not exist "
+                                 f"({location.uri})", file=shard.name) from None
+        if stat.S_ISLNK(info.st_mode):
+            raise AdmissionError("shard_path_unsafe", None, f"shard {shard.name} is a symlink; a shard must be a "
+                                 f"regular file", file=shard.name)
+        size = info.st_size if stat.S_ISREG(info.st_mode) else None
+    else:
+        try:
+            info = location.fs.info(location.path)
+        except FileNotFoundError:
+            raise AdmissionError("shard_missing", None, f"shard {shard.name} listed in the index does not exist "
+                                 f"({location.uri})", file=shard.name) from None
+        size = int(info.get("size") or 0) if info.get("type") == "file" else None
+    if size is None:
+        return  # not a regular file: the shard's own verdict (not_regular_file) says so
+    if size != shard.expected_size:
+        raise AdmissionError("shard_digest_mismatch", None, f"shard {shard.name} is {size} bytes; the index says "
+                             f"{shard.expected_size}", file=shard.name)
+    digest = hashlib.sha256()
+    with location.fs.open(location.path, "rb") as handle:
+        while chunk := handle.read(_HASH_CHUNK):
+            digest.update(chunk)
+    actual = "sha256:" + digest.hexdigest()
+    if actual != shard.expected_sha256:
+        raise AdmissionError("shard_digest_mismatch", None, f"shard {shard.name} has digest {actual}; the index "
+                             f"says {shard.expected_sha256}", file=shard.name)
+
+
+# --- writing an index --------------------------------------------------------------------------------------
+
+
+def build_index(index_uri: str, shard_names: list[str], storage_options: dict | None = None) -> CorpusShardIndex:
+    """Write a ``kiln-flows.corpus-shards.v1`` index over shards in the index's directory, in the given order.
+
+    Example:
+        >>> build_index("corpus/corpus.index.json", ["part-0.jsonl", "part-1.jsonl"])  # doctest: +SKIP
+    """
+    location = resolve(index_uri, storage_options)
+    directory = location.uri.rsplit("/", 1)[0]
+    entries = []
+    for name in shard_names:
+        data = resolve(directory + "/" + name, storage_options).read_bytes()
+        entries.append({"uri": name, "sha256": "sha256:" + hashlib.sha256(data).hexdigest(), "size_bytes": len(data)})
+    index = CorpusShardIndex.model_validate({"format": INDEX_FORMAT, "shards": entries})
+    write_bytes_atomic(location, index.model_dump_json(indent=2).encode("utf-8") + b"\n")
+    return index
