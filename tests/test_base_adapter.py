@@ -196,16 +196,18 @@ def test_the_warm_started_student_before_step_1_is_the_published_adapter(adapter
     from kiln_core.evaluation.models import load_eval_model
     from kiln_core.training.distributed.world import World
     from kiln_core.training.lifecycle import new_progress, start_student
+    from kiln_core.contracts.stage_refs import TrainPlan
     from kiln_core.training.plan import build_plan
     from kiln_core.training.progress import Clock
     from kiln_core.storage import resolve
 
     publish(tmp_path, "warm", adapter)
     cfg = config(base_adapter="warm", seed=1234)  # a seed other than the adapter's: A is overwritten too
-    plan = build_plan(data=_data_plan(tiny_student), run_dir=resolve(str(tmp_path / "runs" / "warmed" / "key")),
-                      basename=None, student_dir=str(tiny_student), adapter_name="warmed", config=cfg,
-                      teacher_alias="t", device="cpu", precision="fp32", gradient_checkpointing=False,
-                      world=World.current(), base_adapter=resolve_base_adapter("warm", str(tmp_path)))
+    run_dir = resolve(str(tmp_path / "runs" / "warmed" / "key"))
+    train_plan = TrainPlan.for_config(cfg, run_dir.uri, "warmed", resume=None, device="cpu", precision="fp32",
+                                      base_adapter=resolve_base_adapter("warm", str(tmp_path)))
+    plan = build_plan(train_plan, data=_data_plan(tiny_student), run_dir=run_dir, basename=None,
+                      student_dir=str(tiny_student), teacher_alias="t", world=World.current())
     assert plan.facts.base_adapter["path"] == str(adapter)
     student, optimizer = start_student(plan, str(tiny_student), new_progress(plan), gradient_checkpointing=False,
                                        clock=Clock())

@@ -125,7 +125,7 @@ def test_a_second_ctrl_c_stops_at_once_and_the_receipt_says_cancelled(tiny_stude
 
     original = trainer.train_opd
 
-    def ctrl_c_twice_after_step_3(**kwargs):
+    def ctrl_c_twice_after_step_3(*args, **kwargs):
         report = kwargs["on_progress"]
 
         def progress(step, total, loss):
@@ -135,7 +135,7 @@ def test_a_second_ctrl_c_stops_at_once_and_the_receipt_says_cancelled(tiny_stude
                 os.kill(os.getpid(), signal.SIGINT)  # the first asks for a stop at the next boundary
                 os.kill(os.getpid(), signal.SIGINT)  # the second stops now, here
 
-        return original(**{**kwargs, "on_progress": progress})
+        return original(*args, **{**kwargs, "on_progress": progress})
 
     monkeypatch.setattr(trainer, "train_opd", ctrl_c_twice_after_step_3)
     handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
