@@ -28,9 +28,9 @@ from tasks.names import run_name
 @task(name="admit-shard", task_run_name=run_name("admit-shard", "job", "name"), cache_policy=NO_CACHE)
 def admit_shard_task(job: ShardJob) -> ShardOutcome:
     """Admit one shard as the single file it is (materialized under its own digest when ``job.out_root``)."""
-    from kiln_core.admission.shards import load_student
+    from kiln_core.admission.admit import load_admission_student
 
-    return admit_shard(job, load_student(job.student_dir))  # tasks share a process: no tokenizer cache
+    return admit_shard(job, load_admission_student(job.student_dir))  # tasks share a process: no tokenizer cache
 
 
 def admit_set_with_tasks(

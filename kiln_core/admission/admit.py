@@ -34,7 +34,7 @@ from kiln_core.tokenization import (
     load_student_tokenizer,
 )
 
-__all__ = ["AdmissionResult", "admit_corpus"]
+__all__ = ["AdmissionResult", "admit_corpus", "load_admission_student"]
 
 
 def admit_corpus(
@@ -82,7 +82,7 @@ def admit_corpus(
         raise AdmissionError("top_k_unsupported", None, error.message) from None
     pinned = _parse_pinned(pinned_manifest, kiln_strict)
     corpus = read_corpus(corpus_uri, storage_options)
-    student = student or _load_student(student_dir)
+    student = student or load_admission_student(student_dir)
 
     if out_root is not None:
         existing = materialize.find_materialization(
@@ -149,7 +149,8 @@ def admit_corpus(
     return result
 
 
-def _load_student(student_dir: str) -> StudentTokenizer:
+def load_admission_student(student_dir: str) -> StudentTokenizer:
+    """The student's tokenizer; an unusable directory is an ``AdmissionError`` (``invalid_record``)."""
     try:
         return load_student_tokenizer(student_dir)
     except TokenizationError as error:

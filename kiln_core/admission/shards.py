@@ -33,16 +33,16 @@ from typing import Any
 import numpy as np
 
 from kiln_core import __version__, materialize
-from kiln_core.admission.admit import admit_corpus
+from kiln_core.admission.admit import admit_corpus, load_admission_student
 from kiln_core.admission.shard_sources import ShardSource, build_index, check_against_index, is_shard_set, list_shards
 from kiln_core.contracts.corpus_shards import CorpusSetRecord, SetShard, SetTotals, set_sha256
 from kiln_core.errors import AdmissionError
 from kiln_core.storage import Location, resolve, write_bytes_atomic
-from kiln_core.tokenization import StudentTokenizer, TokenizationError, load_student_tokenizer
+from kiln_core.tokenization import StudentTokenizer
 
 __all__ = [
     "ShardSource", "ShardJob", "ShardOutcome", "ShardSetResult", "is_shard_set", "list_shards", "plan_shard_set",
-    "load_student", "admit_shard", "admit_shard_set", "finish_shard_set", "set_record_location", "build_index",
+    "admit_shard", "admit_shard_set", "finish_shard_set", "set_record_location", "build_index",
 ]
 
 
@@ -162,7 +162,7 @@ def admit_shard(job: ShardJob, student: StudentTokenizer | None = None) -> Shard
         if student is None:
             student = _WORKER_STUDENTS.get(job.student_dir)
         if student is None:
-            student = _WORKER_STUDENTS.setdefault(job.student_dir, load_student_tokenizer(job.student_dir))
+            student = _WORKER_STUDENTS.setdefault(job.student_dir, load_admission_student(job.student_dir))
         result = admit_corpus(shard.uri, job.student_dir, top_k=job.top_k, pinned_manifest=job.pinned_manifest,
                               kiln_strict=job.kiln_strict, out_root=job.out_root,
                               storage_options=job.storage_options, student=student)
@@ -265,7 +265,7 @@ def plan_shard_set(uri: str, student_dir: str, *, top_k: int = 32, pinned_manife
             ``shard_path_unsafe``) or the student directory is unusable.
     """
     shards = list_shards(uri, storage_options)
-    student = load_student(student_dir)
+    student = load_admission_student(student_dir)
     jobs = [ShardJob(i, shard, student_dir, top_k, pinned_manifest, kiln_strict, out_root, storage_options)
             for i, shard in enumerate(shards)]
     return shards, jobs, student
@@ -299,15 +299,6 @@ def finish_shard_set(shards: list[ShardSource], outcomes: dict[int, ShardOutcome
     if out_root is not None:
         _commit_set_record(result, out_root, student, storage_options)
     return result
-
-
-def load_student(student_dir: str) -> StudentTokenizer:
-    """The student's tokenizer; an unusable directory is an ``AdmissionError``, as ``admit_corpus`` says it."""
-    try:
-        return load_student_tokenizer(student_dir)
-    except TokenizationError as error:
-        # As admit_corpus reports it: a broken student is the caller's input error.
-        raise AdmissionError("invalid_record", None, f"student {student_dir}: {error}") from None
 
 
 def _run_jobs(jobs: list[ShardJob], workers: int, student: StudentTokenizer, storage_options: dict | None,
