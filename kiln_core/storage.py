@@ -73,8 +73,9 @@ class Location:
             self.fs.invalidate_cache(self.path)
 
     def read_bytes(self) -> bytes:
-        with self.fs.open(self.path, "rb") as handle:
-            return handle.read()
+        # One GET, not open-then-read: s3fs's file object takes the ETag first and reads with
+        # If-Match, so an object rewritten in between (a run lock's heartbeat) fails to read.
+        return bytes(self.fs.cat_file(self.path))
 
     def read_text(self) -> str:
         return self.read_bytes().decode("utf-8")

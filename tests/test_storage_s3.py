@@ -198,6 +198,37 @@ def test_write_bytes_atomic_and_list_children_on_s3(s3, prefix):
     assert not root.child("runs", "other").exists()
 
 
+def test_read_bytes_of_an_object_another_writer_keeps_rewriting_returns_one_whole_version(s3, prefix):
+    """A run lock's heartbeat rewrites its record while others read it: a read gets one version whole.
+
+    Reading through s3fs's file object takes the ETag first and then reads with If-Match, so a
+    rewrite in between made the read fail (FileExpired) - CI saw it once on the lock test.
+    """
+    import threading
+
+    location = resolve(f"s3://{BUCKET}/{prefix}/record.json")
+    versions = [json.dumps({"beat": n, "pad": "x" * 200}).encode() for n in range(400)]
+    location.fs.pipe_file(location.path, versions[0])
+    writer_fs = resolve(f"s3://{BUCKET}/{prefix}/record.json").fs
+    stop = threading.Event()
+
+    def rewrite():
+        n = 0
+        while not stop.is_set():
+            n = (n + 1) % len(versions)
+            writer_fs.pipe_file(location.path, versions[n])
+
+    writer = threading.Thread(target=rewrite, daemon=True)
+    writer.start()
+    try:
+        reads = [location.read_bytes() for _ in range(60)]
+    finally:
+        stop.set()
+        writer.join(timeout=30)
+    assert all(data in versions for data in reads)
+    assert len(set(reads)) > 1  # the writer did rewrite it between reads
+
+
 def test_localize_directory_copies_a_model_dir_from_s3_and_its_tokenizer_loads(s3, prefix, tiny_student, tmp_path):
     from kiln_core.tokenization import load_student_tokenizer
 
