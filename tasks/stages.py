@@ -51,8 +51,11 @@ class PrefectStages:
         return inputs
 
     def admit(self, inputs: InputsRef, manifest: ManifestRef, spec: PipelineSpec) -> CorpusRef:
+        from kiln_core.admission.shard_sources import is_shard_set
         from tasks.admit import admit_task, cache_options
 
+        if is_shard_set(inputs.corpus_uri):
+            return self._admit_set(inputs, manifest, spec)
         _log().info("admit: checking %s against every Kiln admission rule", inputs.dataset_sha256)
         admit = admit_task.with_options(**cache_options(spec.storage_root, spec.options.refresh))
         state = admit(inputs, inputs.dataset_sha256, inputs.student_digest, inputs.effective_top_k,
@@ -63,6 +66,21 @@ class PrefectStages:
                else "reused (already materialized)" if corpus.reused else "written")
         _log().info("admit: %d examples, %d action tokens admitted; materialization %s", corpus.examples,
                     corpus.action_tokens, how)
+        return corpus
+
+    def _admit_set(self, inputs: InputsRef, manifest: ManifestRef, spec: PipelineSpec) -> CorpusRef:
+        """A set of shards: one mapped ``admit-shard`` task per shard, ``options.admit_workers`` at once."""
+        from kiln_core.engine.stages import set_ref
+        from tasks.admit_shards import admit_set_with_tasks
+
+        _log().info("admit: checking set %s shard by shard against every Kiln admission rule", inputs.dataset_sha256)
+        result = admit_set_with_tasks(inputs.corpus_uri, inputs.student_dir, top_k=inputs.effective_top_k,
+                                      pinned_manifest=manifest.manifest_line, kiln_strict=spec.options.kiln_strict,
+                                      out_root=spec.storage_root, concurrency=spec.options.admit_workers)
+        corpus = set_ref(result, inputs)
+        reused = sum(shard.reused for shard in result.shards)
+        _log().info("admit: %d shards (%d already materialized), %d examples, %d action tokens admitted; set record %s",
+                    len(result.shards), reused, corpus.examples, corpus.action_tokens, corpus.uri)
         return corpus
 
     def verify(self, corpus: CorpusRef) -> CorpusRef:

@@ -94,6 +94,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vllm-sync-dir", metavar="DIR",
                         help="directory the rollout server can read, for the per-step LoRA (default: "
                         "vllm-sync in the run directory)")
+    parser.add_argument("--admit-workers", type=int, default=1, metavar="N",
+                        help="when dataset_path names a set of shards (a directory or an index): shards admitted "
+                        "at once, each in its own process (default 1)")
     parser.add_argument("--kiln-lenient", action="store_true",
                         help="ignore unknown request keys as Kiln does (each one is printed and recorded in the "
                         "receipt); without it an unknown key is refused, naming the closest field")
@@ -151,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
     prepared = spec_from_request(args.request, adapter=args.adapter, student_dir=args.student, out_root=args.out,
                                  resume_checkpoint=args.resume_checkpoint, nproc=args.nproc, backend=args.backend,
                                  eval_watch=watch_from_arguments(args), vllm=vllm_from_arguments(args),
-                                 kiln_lenient=args.kiln_lenient)
+                                 kiln_lenient=args.kiln_lenient, admit_workers=args.admit_workers)
     for warning in prepared.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     bar = _ProgressBar(enabled=not (args.quiet or args.json), config=prepared.spec.config)

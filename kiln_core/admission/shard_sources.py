@@ -20,11 +20,12 @@ from dataclasses import dataclass
 from pydantic import ValidationError
 
 from kiln_core.admission.source import MAX_CORPUS_BYTES
-from kiln_core.contracts.corpus_shards import INDEX_FORMAT, CorpusShardIndex
+from kiln_core.contracts.corpus_shards import INDEX_FORMAT, CorpusShardIndex, set_sha256
 from kiln_core.errors import AdmissionError
 from kiln_core.storage import Location, resolve, write_bytes_atomic
 
-__all__ = ["INDEX_SUFFIX", "ShardSource", "is_shard_set", "list_shards", "check_against_index", "build_index"]
+__all__ = ["INDEX_SUFFIX", "ShardSource", "is_shard_set", "list_shards", "check_against_index", "build_index",
+           "training_files", "shard_set_digest"]
 
 INDEX_SUFFIX = ".index.json"
 _HASH_CHUNK = 8 * 1024 * 1024
@@ -76,6 +77,37 @@ def is_shard_set(uri: str, storage_options: dict | None = None) -> bool:
     except (ValueError, OSError):
         return False
     return isinstance(value, dict) and value.get("format") == INDEX_FORMAT
+
+
+def training_files(uri: str, storage_options: dict | None = None) -> list[tuple[str, str]]:
+    """``(file uri, how messages name it)`` of each file of a training corpus: the file itself, or every
+    shard of a set in set order.
+
+    Example:
+        >>> training_files("train.jsonl")[0][1]  # doctest: +SKIP
+        'the training corpus train.jsonl'
+    """
+    if not is_shard_set(uri, storage_options):
+        return [(uri, f"the training corpus {uri}")]
+    return [(shard.uri, f"shard {shard.name} of the training set {uri}") for shard in list_shards(uri, storage_options)]
+
+
+def shard_set_digest(uri: str, storage_options: dict | None = None) -> tuple[str, list[ShardSource]]:
+    """The set digest of a set as its bytes are now, and its shards: each indexed shard checked against
+    the index (``shard_missing``, ``shard_path_unsafe``, ``shard_digest_mismatch``), each listed one hashed.
+
+    Raises:
+        AdmissionError: the set itself or one of its shards is refused.
+    """
+    shards = list_shards(uri, storage_options)
+    digests = []
+    for shard in shards:
+        if shard.expected_sha256 is not None:
+            check_against_index(shard, storage_options)
+            digests.append(shard.expected_sha256)
+        else:
+            digests.append(_file_digest(resolve(shard.uri, storage_options)))
+    return set_sha256(digests), shards
 
 
 def list_shards(uri: str, storage_options: dict | None = None) -> list[ShardSource]:
@@ -179,14 +211,19 @@ def check_against_index(shard: ShardSource, storage_options: dict | None) -> Non
     if size != shard.expected_size:
         raise AdmissionError("shard_digest_mismatch", None, f"shard {shard.name} is {size} bytes; the index says "
                              f"{shard.expected_size}", file=shard.name)
+    actual = _file_digest(location)
+    if actual != shard.expected_sha256:
+        raise AdmissionError("shard_digest_mismatch", None, f"shard {shard.name} has digest {actual}; the index "
+                             f"says {shard.expected_sha256}", file=shard.name)
+
+
+def _file_digest(location: Location) -> str:
+    """``sha256:`` of a file's bytes, read in chunks."""
     digest = hashlib.sha256()
     with location.fs.open(location.path, "rb") as handle:
         while chunk := handle.read(_HASH_CHUNK):
             digest.update(chunk)
-    actual = "sha256:" + digest.hexdigest()
-    if actual != shard.expected_sha256:
-        raise AdmissionError("shard_digest_mismatch", None, f"shard {shard.name} has digest {actual}; the index "
-                             f"says {shard.expected_sha256}", file=shard.name)
+    return "sha256:" + digest.hexdigest()
 
 
 # --- writing an index --------------------------------------------------------------------------------------

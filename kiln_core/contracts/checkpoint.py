@@ -304,6 +304,32 @@ class RankRngState(BaseModel):
     numpy: GeneratorState
 
 
+class DataCursor(BaseModel):
+    """Where in a set of shards the next candidate comes from (``kiln_core.corpus_set``).
+
+    Kiln's loop state counts candidates over one file (``epoch_index``, ``cursor_in_epoch``); a corpus
+    given as shards also needs the shard and the row in it. Once every candidate is trained the
+    cursor points at the start of the epoch after the last one (``epoch`` equals the run's epochs).
+
+    Attributes:
+        set_sha256: The set digest (``kiln_core.contracts.corpus_shards.set_sha256``).
+        epoch: 0-based epoch of the next candidate.
+        shard: 0-based position of its shard in the set.
+        shard_sha256: That shard's ``sha256:`` digest.
+        row: 0-based example row in the shard (file order of its examples).
+        sample: Which of the example's ``samples_per_prompt`` repeats it is (0-based).
+    """
+
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+    set_sha256: str
+    epoch: int = Field(ge=0)
+    shard: int = Field(ge=0)
+    shard_sha256: str
+    row: int = Field(ge=0)
+    sample: int = Field(ge=0)
+
+
 class KilnFlowsState(BaseModel):
     """``kiln_flows_state.json``: the state of a kiln-flows run that Kiln's format has no field for.
 
@@ -316,6 +342,8 @@ class KilnFlowsState(BaseModel):
         rank_rng: Every rank's generator states, rank 0 first.
         eval_curve: The held-out curve so far of a watched run (``kiln_core.training.watch``); absent
             otherwise, so an unwatched run writes the same file as before the watch existed.
+        data_cursor: The next candidate's shard and row when the corpus is a set of shards; absent
+            for one corpus file.
     """
 
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
@@ -330,3 +358,4 @@ class KilnFlowsState(BaseModel):
     loss: Literal["teacher_top_k", "teacher_top_k_tail"]
     rank_rng: list[RankRngState]
     eval_curve: EvalCurve | None = Field(default=None, exclude_if=_omit_none)
+    data_cursor: DataCursor | None = Field(default=None, exclude_if=_omit_none)

@@ -77,6 +77,11 @@ class RunOptions(BaseModel):
         default=2, ge=0, le=10, description="Retries of the training stage (0-10); each resumes from the newest checkpoint. Default: 2."
     )
     kiln_strict: bool = Field(default=False, description="Accept only Kiln's vLLM teacher protocol in the manifest. Default: false.")
+    admit_workers: int = Field(
+        default=1, ge=1, le=64, description="For a corpus given as a set of shards (a directory or an index): shards "
+        "admitted at once (kiln-flows train/run: worker processes; the opd_distill flow: concurrent admit-shard "
+        "tasks). Default: 1."
+    )
     storage_block: str | None = Field(
         default=None,
         description="Prefect Secret block (secret/<name>) holding fsspec options per protocol, e.g. "

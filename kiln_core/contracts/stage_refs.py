@@ -59,8 +59,10 @@ class ScoredRef(_Ref):
 
 
 class CorpusRef(_Ref):
-    """A committed, content-addressed corpus materialization — or, with ``kind="prompts"``, an on-policy
-    prompt file checked against the teacher and the student (``kiln_core.engine.prompts``).
+    """A committed, content-addressed corpus materialization — with ``kind="shard_set"`` a set of shards
+    each materialized on its own (``uri`` is the committed set record, ``dataset_sha256`` the set digest,
+    ``source_uri`` the shard directory or index) — or, with ``kind="prompts"``, an on-policy prompt file
+    checked against the teacher and the student (``kiln_core.engine.prompts``).
 
     For prompts, ``uri`` is the prompt file, ``dataset_sha256`` Kiln's prompt-list digest
     (``sha256:`` + ``prompts_content_sha256``), ``examples`` the prompt count and the token counts 0
@@ -76,7 +78,7 @@ class CorpusRef(_Ref):
     effective_top_k: int
     teacher_identity_revision: str | None
     reused: bool = False
-    kind: Literal["corpus", "prompts"] = "corpus"
+    kind: Literal["corpus", "shard_set", "prompts"] = "corpus"
     samples_per_prompt: int | None = None
     """Effective samples per prompt of an on-policy run (Kiln's auto-scaling applied); None for a corpus."""
 

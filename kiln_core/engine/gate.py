@@ -83,15 +83,18 @@ def _prompt_conversations(prompts_uri: str) -> Iterator[Any]:
 
 
 def _corpus_conversations(corpus_uri: str) -> Iterator[Any]:
-    """The training corpus's examples as conversations (line 1 is the manifest)."""
+    """The training corpus's examples as conversations (line 1 of each file is the manifest); a set of
+    shards gives every shard's in set order."""
+    from kiln_core.admission.shard_sources import training_files
     from kiln_core.post_eval import conversation_from_opd_example
 
-    location = resolve(corpus_uri)
-    with location.fs.open(location.path, "rb") as handle:
-        handle.readline()
-        for line in handle:
-            if line.strip():
-                yield conversation_from_opd_example(json.loads(line))
+    for file_uri, _ in training_files(corpus_uri):
+        location = resolve(file_uri)
+        with location.fs.open(location.path, "rb") as handle:
+            handle.readline()
+            for line in handle:
+                if line.strip():
+                    yield conversation_from_opd_example(json.loads(line))
 
 
 def check_gate_inputs(spec: PipelineSpec, corpus: CorpusRef, manifest: ManifestRef,

@@ -91,7 +91,8 @@ class LocalStages:
         return stages.fingerprint(corpus_uri, student_dir, top_k)
 
     def admit(self, inputs: InputsRef, manifest: ManifestRef, spec: PipelineSpec) -> CorpusRef:
-        return stages.admit(inputs, manifest, spec.storage_root, kiln_strict=spec.options.kiln_strict)
+        return stages.admit(inputs, manifest, spec.storage_root, kiln_strict=spec.options.kiln_strict,
+                            workers=spec.options.admit_workers)
 
     def verify(self, corpus: CorpusRef) -> CorpusRef:
         return stages.verify(corpus)

@@ -167,7 +167,7 @@ def teacher_source(teacher: str, request_path: str, registry_root: str) -> Teach
 def spec_from_request(request_path: str, *, adapter: str, student_dir: str, out_root: str = "./kiln-data",
                       resume_checkpoint: str | None = None, nproc: int = 1, backend: str = "auto",
                       eval_watch: dict | None = None, vllm: dict | None = None,
-                      kiln_lenient: bool = False) -> RequestRun:
+                      kiln_lenient: bool = False, admit_workers: int = 1) -> RequestRun:
     """Validate a request file and build the spec ``run_pipeline`` trains (nothing is read but the request;
     an on-policy request's inline prompts are written to ``<out_root>/prompts/<digest>.jsonl``).
 
@@ -175,7 +175,8 @@ def spec_from_request(request_path: str, *, adapter: str, student_dir: str, out_
     a Kiln request has no such field, so it is off unless the caller sets it. ``vllm`` is the spec's
     ``vllm:`` block (``VllmBackends`` fields, from ``--vllm-rollouts``/``--vllm-teacher``): on-policy only.
     ``kiln_lenient`` (``--kiln-lenient``) ignores unknown request keys as Kiln does, naming each in a warning
-    and in ``RequestRun.ignored_keys``.
+    and in ``RequestRun.ignored_keys``. ``admit_workers`` (``--admit-workers``): shards admitted at once when
+    ``dataset_path`` names a set of shards (a directory or an index).
 
     Raises:
         ConfigError: the request (``invalid_request`` for an unknown key), the adapter name (``invalid_adapter_name``), ``nproc``, the watch
@@ -220,6 +221,7 @@ def spec_from_request(request_path: str, *, adapter: str, student_dir: str, out_
         "post_eval": post_eval,
         "eval": watch,
         "vllm": vllm,  # refused (invalid_spec): a corpus is already scored
+        "options": {"admit_workers": admit_workers},
     }, file=request_path)
     return RequestRun(spec=spec, resume=resume, warnings=warnings, ignored_keys=ignored)
 

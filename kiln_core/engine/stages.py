@@ -77,23 +77,36 @@ def fingerprint(corpus_uri: str, student_dir: str, top_k: int, storage_options: 
     from kiln_core.contracts.opd_config import resolve_top_k
     from kiln_core.tokenization import load_student_tokenizer
 
-    corpus = read_corpus(corpus_uri, storage_options)
+    from kiln_core.admission.shard_sources import is_shard_set, shard_set_digest
+    from kiln_core.storage import resolve
+
+    if is_shard_set(corpus_uri, storage_options):  # a directory or index of shards: the set digest
+        dataset_sha256, _ = shard_set_digest(corpus_uri, storage_options)
+        corpus_uri = resolve(corpus_uri, storage_options).uri
+    else:
+        corpus = read_corpus(corpus_uri, storage_options)
+        corpus_uri, dataset_sha256 = corpus.uri, "sha256:" + corpus.sha256_hex
     identity = load_student_tokenizer(student_dir).identity()
     student_digest = "sha256:" + hashlib.sha256(kiln_compact_json(dict(sorted(identity.items()))).encode()).hexdigest()
-    return InputsRef(corpus_uri=corpus.uri, dataset_sha256="sha256:" + corpus.sha256_hex, student_dir=student_dir,
+    return InputsRef(corpus_uri=corpus_uri, dataset_sha256=dataset_sha256, student_dir=student_dir,
                      student_digest=student_digest, effective_top_k=resolve_top_k(top_k))
 
 
 def admit(inputs: InputsRef, manifest: ManifestRef, storage_root: str, *, kiln_strict: bool = False,
-          storage_options: dict | None = None) -> CorpusRef:
-    """Admit the corpus against the pinned manifest and materialize it under ``storage_root``.
+          storage_options: dict | None = None, workers: int = 1) -> CorpusRef:
+    """Admit the corpus against the pinned manifest and materialize it under ``storage_root`` (a set of
+    shards: ``admit_set``, ``workers`` shards at once).
 
     Raises:
         AdmissionError: the corpus breaks a rule; an ``identity_mismatch`` against a local-registry
             alias also says which field differs and how to score with the alias.
     """
     from kiln_core.admission import admit_corpus
+    from kiln_core.admission.shard_sources import is_shard_set
 
+    if is_shard_set(inputs.corpus_uri, storage_options):
+        return admit_set(inputs, manifest, storage_root, kiln_strict=kiln_strict, storage_options=storage_options,
+                         workers=workers)
     try:
         result = admit_corpus(inputs.corpus_uri, inputs.student_dir, top_k=inputs.effective_top_k,
                               pinned_manifest=manifest.manifest_line, kiln_strict=kiln_strict, out_root=storage_root,
@@ -111,6 +124,40 @@ def admit(inputs: InputsRef, manifest: ManifestRef, storage_root: str, *, kiln_s
         effective_top_k=result.effective_top_k,
         teacher_identity_revision=result.teacher_identity.identity_revision() if result.teacher_identity else None,
         reused=result.reused,
+    )
+
+
+def admit_set(inputs: InputsRef, manifest: ManifestRef, storage_root: str, *, kiln_strict: bool = False,
+              storage_options: dict | None = None, workers: int = 1) -> CorpusRef:
+    """Admit a set of shards against the pinned manifest: every shard materialized under its own digest,
+    then the set record (``kiln_core.admission.shards.admit_shard_set``).
+
+    Raises:
+        AdmissionError: the set or one of its shards breaks a rule (the shard named in ``file``).
+    """
+    from kiln_core.admission.shards import admit_shard_set
+
+    result = admit_shard_set(inputs.corpus_uri, inputs.student_dir, top_k=inputs.effective_top_k,
+                             pinned_manifest=manifest.manifest_line, kiln_strict=kiln_strict, out_root=storage_root,
+                             storage_options=storage_options, workers=workers)
+    return set_ref(result, inputs)
+
+
+def set_ref(result: Any, inputs: InputsRef) -> CorpusRef:
+    """The ``CorpusRef`` of an admitted set (``ShardSetResult``), checked against the digest the run started with.
+
+    Raises:
+        EnvironmentFailure: ``corpus_changed``: a shard changed since the inputs were digested.
+    """
+    if result.set_sha256 != inputs.dataset_sha256:
+        raise EnvironmentFailure("corpus_changed", f"{inputs.corpus_uri} changed while the run was starting "
+                                 f"({inputs.dataset_sha256} → {result.set_sha256})", file=inputs.corpus_uri)
+    totals = result.totals()
+    return CorpusRef(
+        uri=result.record_uri, dataset_sha256=result.set_sha256, source_uri=inputs.corpus_uri,
+        examples=totals["examples"], action_tokens=totals["action_tokens"], env_tokens=totals["env_tokens"],
+        effective_top_k=result.effective_top_k, teacher_identity_revision=result.shards[0].teacher_identity_revision,
+        reused=all(shard.reused for shard in result.shards), kind="shard_set",
     )
 
 
@@ -146,8 +193,12 @@ class MaterializationMismatch(EnvironmentFailure):
 
 
 def verify(corpus: CorpusRef, storage_options: dict | None = None) -> CorpusRef:
-    """Verify a committed materialization against its record: digests of every file, and the counts."""
+    """Verify a committed materialization against its record: digests of every file, and the counts (a
+    set: every shard's, one shard in memory at a time)."""
     from kiln_core.materialize import read_materialization
+
+    if corpus.kind == "shard_set":
+        return _verify_set(corpus, storage_options)
 
     materialization = read_materialization(corpus.uri, storage_options)
     record = materialization.record
@@ -159,6 +210,23 @@ def verify(corpus: CorpusRef, storage_options: dict | None = None) -> CorpusRef:
         raise MaterializationMismatch("materialization_mismatch", f"{corpus.uri}: tables disagree with "
                                       "admission.json counts", file=corpus.uri)
     return corpus.model_copy(update={"examples": record.examples, "action_tokens": record.action_tokens})
+
+
+def _verify_set(corpus: CorpusRef, storage_options: dict | None) -> CorpusRef:
+    from kiln_core.corpus_set import ShardedCorpus
+
+    try:
+        shards = ShardedCorpus.open(corpus.uri, storage_options)
+        if shards.record.set_sha256 != corpus.dataset_sha256:
+            raise ValueError(f"it records {shards.record.set_sha256}, expected {corpus.dataset_sha256}")
+        action_tokens = sum(int(tables.action_positions.shape[0]) for tables in shards.shards())
+    except (OSError, ValueError) as error:  # a missing or damaged shard materialization
+        raise MaterializationMismatch("materialization_mismatch", f"set record {corpus.uri}: {error}",
+                                      file=corpus.uri) from None
+    if action_tokens != shards.record.totals.action_tokens:
+        raise MaterializationMismatch("materialization_mismatch", f"{corpus.uri}: the shards' tables disagree "
+                                      "with the set record's counts", file=corpus.uri)
+    return corpus.model_copy(update={"examples": shards.num_examples, "action_tokens": action_tokens})
 
 
 # ---------------------------------------------------------------------------------------------

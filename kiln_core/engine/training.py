@@ -102,12 +102,11 @@ def training_settings(plan: TrainPlan) -> str:
 def _train_here(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir: str,
                 on_progress: Progress | None, should_cancel: Callable[[], bool],
                 on_step_committed: Callable[[int], None] | None):
-    from kiln_core.materialize import read_materialization
+    from kiln_core.corpus_set import training_corpus
     from kiln_core.training import trainer
 
-    materialization = read_materialization(corpus.uri)
     return trainer.train_opd(
-        plan, materialization.tables, dataset_sha256=corpus.dataset_sha256, dataset_path=corpus.source_uri,
+        plan, training_corpus(corpus), dataset_sha256=corpus.dataset_sha256, dataset_path=corpus.source_uri,
         student_dir=student_dir, teacher_alias=manifest.teacher, teacher_identity=manifest.teacher_identity,
         should_cancel=should_cancel, on_progress=on_progress, on_step_committed=on_step_committed,
         handle_signals=False, eval_watch=held_out_slice(plan))

@@ -26,10 +26,9 @@ __all__ = ["run_job", "main"]
 def run_job(job: DistributedJob, world: World, *, on_progress: Callable[[int, int, float], None] | None = None,
             on_step_committed: Callable[[int], None] | None = None, handle_signals: bool = True) -> TrainResult:
     """Train one job on this rank (called on every rank)."""
-    from kiln_core.materialize import read_materialization
+    from kiln_core.corpus_set import training_corpus
 
-    materialization = read_materialization(job.corpus.uri)
-    return train_opd(job.plan, materialization.tables, dataset_sha256=job.corpus.dataset_sha256,
+    return train_opd(job.plan, training_corpus(job.corpus), dataset_sha256=job.corpus.dataset_sha256,
                      dataset_path=job.corpus.source_uri, student_dir=job.student_dir,
                      teacher_alias=job.manifest.teacher, teacher_identity=job.manifest.teacher_identity,
                      on_progress=on_progress, on_step_committed=on_step_committed, handle_signals=handle_signals,

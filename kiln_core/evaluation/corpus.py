@@ -131,9 +131,12 @@ def check_no_overlap(eval_uri: str, train_uri: str) -> None:
         EvalInputError: ``eval_train_overlap`` naming the first held-out line and its training line.
         AdmissionError: the training corpus cannot be read or parsed.
     """
+    from kiln_core.admission.shard_sources import training_files
+
     train_prompts: dict[str, str] = {}
-    for line, messages in _prompts(train_uri):
-        train_prompts.setdefault(prompt_key(messages), f"line {line} of the training corpus {train_uri}")
+    for file_uri, where in training_files(train_uri):  # one file, or every shard of a set in order
+        for line, messages in _prompts(file_uri):
+            train_prompts.setdefault(prompt_key(messages), f"line {line} of {where}")
     _refuse_shared_prompts(eval_uri, train_prompts)
 
 

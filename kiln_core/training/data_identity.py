@@ -39,6 +39,17 @@ def teacher_capabilities(teacher_alias: str, vocab_size: int, top_k: int, tokeni
             "supports_full_vocab": False, "supports_batched": True, "tokenizer_hash": tokenizer_hash}
 
 
+def corpus_content_revision(corpus: Any, capabilities: dict[str, Any]) -> str:
+    """The teacher content revision of a corpus: ``fixture_content_revision`` of its tables, or for a set
+    of shards (``kiln_core.corpus_set.ShardedCorpus``) each shard's, combined in set order (a set of one
+    shard has that shard's revision). One shard is read at a time."""
+    from kiln_core.corpus_set import ShardedCorpus, combined_revision
+
+    if isinstance(corpus, ShardedCorpus):
+        return combined_revision([fixture_content_revision(tables, capabilities) for tables in corpus.shards()])
+    return fixture_content_revision(corpus, capabilities)
+
+
 def fixture_content_revision(tables: CorpusTables, capabilities: dict[str, Any]) -> str:
     """``sha256:`` revision of every scored row of ``tables`` (Kiln's ``FixtureLogitSource``).
 

@@ -22,13 +22,15 @@ from kiln_core.contracts.identity import TeacherIdentity
 from kiln_core.contracts.opd_config import ConfigError, OpdConfig
 from kiln_core.contracts.receipt import DistributedReceipt
 from kiln_core.contracts.stage_refs import TrainPlan
+from kiln_core.contracts.checkpoint import DataCursor
 from kiln_core.corpus import CorpusTables
+from kiln_core.corpus_set import ShardedCorpus, ShardLayout
 from kiln_core.storage import Location, move_aside, remove_tree, resolve
 from kiln_core.training import checkpoint as ckpt
 from kiln_core.training import run_identity
 from kiln_core.contracts.base_adapter import BaseAdapter
 from kiln_core.training.base_adapter import settle_base_adapter
-from kiln_core.training.data_identity import fixture_content_revision, teacher_capabilities
+from kiln_core.training.data_identity import corpus_content_revision, teacher_capabilities
 from kiln_core.training.distributed.world import World
 from kiln_core.training.objectives import step_loss
 from kiln_core.training.receipt import TRAINING_DATA_SOURCE, RunFacts, library_versions, receipt_status
@@ -92,6 +94,15 @@ class RunPlan:
     world: World
     base_adapter: BaseAdapter | None = None
     """The warm start (``config.base_adapter``) a fresh run loads before step 1; a resume never reloads it."""
+    shards: ShardLayout | None = None
+    """The corpus's shards when it is a set (checkpoints record the data cursor); None for one file."""
+
+    def data_cursor(self, step: int) -> DataCursor | None:
+        """Where the next candidate comes from once ``step`` steps are committed (a set of shards only)."""
+        if self.shards is None:
+            return None
+        candidate = min(step * self.schedule.sequences_per_step, self.schedule.total_candidates)
+        return self.shards.cursor(candidate, samples_per_prompt=self.schedule.samples_per_prompt)
 
     @property
     def loss_fn(self) -> Callable:
@@ -116,6 +127,7 @@ class DataPlan:
         examples_filtered: Prompts dropped at tokenization (0 off-policy: admission refuses them).
         training_data: The receipt's ``training_data`` as ``(source, path, sha256)``.
         on_policy: Whether checkpoints carry Kiln's ``rollout-sampling`` stream.
+        shards: The corpus's ``ShardLayout`` when it is a set of shards, else None.
     """
 
     schedule: Schedule
@@ -130,14 +142,16 @@ class DataPlan:
     examples_filtered: int
     training_data: tuple[str, str | None, str]
     on_policy: bool = False
+    shards: ShardLayout | None = None
 
 
-def plan_off_policy_run(plan: TrainPlan, *, tables: CorpusTables, dataset_sha256: str, dataset_path: str,
+def plan_off_policy_run(plan: TrainPlan, *, tables: CorpusTables | ShardedCorpus, dataset_sha256: str, dataset_path: str,
                         student_dir: str, teacher_identity: TeacherIdentity | None, teacher_alias: str,
                         world: World) -> RunPlan:
     """Settle an off-policy run from its ``TrainPlan`` and apply every refusal before any model loads
     (cheapest checks first). The plan's effective values (top-K, samples per prompt, learning rate, seed,
-    base adapter, device) are taken as the engine resolved them, not derived again.
+    base adapter, device) are taken as the engine resolved them, not derived again. ``tables`` is one
+    corpus file's tables or a set of shards (``ShardedCorpus``, ``dataset_sha256`` its set digest).
 
     Raises:
         ConfigError, CheckpointError, ResumeError: rejected input; nothing is written.
@@ -163,10 +177,11 @@ def plan_off_policy_run(plan: TrainPlan, *, tables: CorpusTables, dataset_sha256
         binding=ckpt.DataBinding(source_kind=ckpt.OFF_POLICY_SOURCE_KIND, content_sha256=content,
                                  item_count=schedule.candidates_per_epoch),
         capabilities=caps, teacher_identity=teacher_identity,
-        teacher_content_revision=fixture_content_revision(tables, caps),
+        teacher_content_revision=corpus_content_revision(tables, caps),
         # every admitted example has an action token (admission refuses the others)
         prepared_source_indices=list(range(tables.num_examples)), examples_read=tables.num_examples,
-        examples_filtered=0, training_data=(TRAINING_DATA_SOURCE, dataset_path, dataset_sha256))
+        examples_filtered=0, training_data=(TRAINING_DATA_SOURCE, dataset_path, dataset_sha256),
+        shards=tables.layout if isinstance(tables, ShardedCorpus) else None)
     return build_plan(plan, data=data, run_dir=run_dir, basename=basename, student_dir=student_dir,
                       teacher_alias=teacher_alias, world=world)
 
@@ -256,9 +271,35 @@ def build_plan(plan: TrainPlan, *, data: DataPlan, run_dir: Location, basename: 
         distributed=None if world.size == 1 else DistributedReceipt(
             world_size=world.size, backend=world.backend, strategy=world.strategy,
             sequences_per_step_per_rank=config.sequences_per_step, sequences_per_optimizer_step=schedule.sequences_per_step))
-    return RunPlan(run_dir=run_dir, adapter_name=adapter_name, config=config, schedule=schedule, seed=contract.init_seed,
-                   learning_rate=lr, device=dev, precision=prec, contract=contract, facts=facts, loaded=loaded, world=world,
-                   base_adapter=base_adapter)
+    run_plan = RunPlan(run_dir=run_dir, adapter_name=adapter_name, config=config, schedule=schedule,
+                       seed=contract.init_seed, learning_rate=lr, device=dev, precision=prec, contract=contract,
+                       facts=facts, loaded=loaded, world=world, base_adapter=base_adapter, shards=data.shards)
+    if loaded is not None:
+        check_data_cursor(run_plan, loaded)
+    return run_plan
+
+
+def check_data_cursor(plan: RunPlan, loaded: ckpt.LoadedCheckpoint) -> None:
+    """A checkpoint resumes only where its recorded data cursor says it left the data.
+
+    The checkpoint's data binding already pins the set digest; the cursor is the set's shard and row
+    of the next candidate, recorded for people and checked here so that a checkpoint whose position
+    disagrees with its step count (or one written for one file, resumed on a set) is refused by name.
+
+    Raises:
+        ResumeError: ``data_cursor_mismatch``.
+    """
+    step = loaded.manifest.progress.global_step
+    expected, recorded = plan.data_cursor(step), loaded.extension.data_cursor
+    if recorded != expected:
+        def text(cursor: DataCursor | None) -> str:
+            if cursor is None:
+                return "no shard cursor (one corpus file)"
+            return f"epoch {cursor.epoch}, shard {cursor.shard} ({cursor.shard_sha256}), row {cursor.row}"
+
+        raise ckpt.ResumeError("data_cursor_mismatch", f"checkpoint {loaded.basename} records {text(recorded)} "
+                               f"after step {step}; this run's corpus puts step {step + 1} at {text(expected)}",
+                               file=loaded.basename)
 
 
 def _preflight_outputs(run_dir: Location, adapter_name: str, interval: int | None, start: int, total: int,

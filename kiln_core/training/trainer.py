@@ -25,6 +25,7 @@ from typing import Callable, Iterator
 from kiln_core.contracts.identity import TeacherIdentity
 from kiln_core.contracts.stage_refs import TrainPlan
 from kiln_core.corpus import CorpusTables
+from kiln_core.corpus_set import ShardedCorpus
 from kiln_core.training.distributed.world import World
 from kiln_core.training.lifecycle import CANCEL_MESSAGE, TrainResult, result_fields
 from kiln_core.training.loop import StepGroup, run_training
@@ -38,7 +39,7 @@ __all__ = ["TrainResult", "Schedule", "LoopProgress", "Clock", "CorpusCandidates
 
 def train_opd(
     plan: TrainPlan,
-    tables: CorpusTables,
+    tables: CorpusTables | ShardedCorpus,
     *,
     dataset_sha256: str,
     dataset_path: str,
@@ -60,8 +61,10 @@ def train_opd(
             effective config, top-K, learning rate, samples per prompt, base adapter, device options, and
             ``resume`` — a checkpoint basename in ``plan.run_uri`` to resume from exactly, or None (the
             engine turns ``"latest"`` into one before calling).
-        tables: The admitted corpus (``AdmissionResult.tables`` or a materialization) at ``plan.top_k``.
-        dataset_sha256: ``sha256:<hex>`` of the exact JSONL bytes.
+        tables: The admitted corpus (``AdmissionResult.tables`` or a materialization) at ``plan.top_k``, or a
+            set of shards (``kiln_core.corpus_set.ShardedCorpus``: read one shard at a time; checkpoints then
+            record the shard and row of the next candidate).
+        dataset_sha256: ``sha256:<hex>`` of the exact JSONL bytes (a set: its set digest).
         dataset_path: The dataset path as given (recorded in the receipt).
         student_dir: Local student model directory.
         teacher_alias: The request's ``teacher`` (receipt ``teacher_id``).
@@ -112,13 +115,13 @@ def train_opd(
 
 
 class CorpusCandidates:
-    """The off-policy candidate source: the corpus tables in file order, each example repeated
-    ``samples_per_prompt`` times, ``sequences_per_step`` × world size candidates per optimizer step
-    (``plan.Schedule``). The cursor is ``global_step`` itself."""
+    """The off-policy candidate source: the corpus tables in file order (a set of shards: shard order,
+    then file order), each example repeated ``samples_per_prompt`` times, ``sequences_per_step`` × world
+    size candidates per optimizer step (``plan.Schedule``). The cursor is ``global_step`` itself."""
 
     stop_before_first_step = True
 
-    def __init__(self, tables: CorpusTables, plan: RunPlan) -> None:
+    def __init__(self, tables: CorpusTables | ShardedCorpus, plan: RunPlan) -> None:
         self.tables, self.plan = tables, plan
 
     def open(self, student, outcome, clock) -> None:
