@@ -219,3 +219,21 @@ def test_the_opd_distill_flow_admits_a_set_with_one_task_per_shard(prefect_harne
 
 def spec_set_digest(directory: Path) -> str:
     return set_sha256(["sha256:" + hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.glob("*.jsonl"))])
+
+
+def test_two_torchrun_ranks_read_the_set_as_they_read_the_file(tiny_student, corpus_lines, tmp_path):
+    """Every rank opens the set and reads the shard its block falls in: the same bytes as the file's 2-rank run."""
+    shards = write_set(tmp_path / "corpus", corpus_lines)
+    whole = write_file(tmp_path / "whole.jsonl", corpus_lines)
+
+    def two_ranks(corpus: Path, root: Path):
+        from kiln_core.contracts.spec_blocks import DistributedOptions
+
+        spec = spec_for(corpus, root, tiny_student, epochs=1, checkpoint_interval=2)
+        return run(spec.model_copy(update={"distributed": DistributedOptions(nproc=2)}))
+
+    from_set, from_file = two_ranks(shards, tmp_path / "set-root"), two_ranks(whole, tmp_path / "file-root")
+    assert from_set.status == from_file.status == "success" and from_set.steps == 3  # 9 candidates, 4 per step
+    assert adapter_bytes(from_set) == adapter_bytes(from_file)
+    cursor = checkpoint_state(Path(from_set.run), 2)["data_cursor"]  # candidate 8: example 8, shard 2's row 1
+    assert (cursor["epoch"], cursor["shard"], cursor["row"]) == (0, 2, 1)
