@@ -122,6 +122,16 @@ def test_invalid_json(tmp_path, tiny_student, base_lines):
     assert (error.code, error.line) == ("invalid_json", 3)
 
 
+@pytest.mark.parametrize("literal", ["1e400", "1.8e308", "-" + "9" * 320])
+def test_a_number_beyond_an_f64_is_invalid_json_even_in_an_ignored_field(tmp_path, tiny_student, base_lines, literal):
+    """Kiln reads each line as a ``serde_json::Value`` first (opd.rs), and serde_json refuses such a number."""
+    record = json.loads(base_lines[2])
+    record["extra"] = {"n": "@@"}
+    lines = base_lines[:2] + [json.dumps(record).replace('"@@"', literal)] + base_lines[3:]
+    error = rejection(tmp_path, lines, tiny_student)
+    assert (error.code, error.line) == ("invalid_json", 3) and "number out of range" in error.message
+
+
 def test_not_an_object(tmp_path, tiny_student, base_lines):
     error = rejection(tmp_path, base_lines + ["[1, 2, 3]"], tiny_student)
     assert (error.code, error.line) == ("not_an_object", len(base_lines) + 1)

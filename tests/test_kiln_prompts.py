@@ -211,17 +211,41 @@ def test_nested_tool_calls_and_big_numbers_digest_like_kiln():
     assert exact.kiln_prompts_sha256 == reference_digest(data) == kiln_prompts_sha256(data)
 
 
-@pytest.mark.parametrize("digits", [310, 400, 5000])
-def test_an_integer_beyond_a_double_digests_as_an_overflowing_float_does(digits):
-    """An integer too big for an f64 is infinite as serde_json reads it, like ``1e400``: no crash, one digest."""
-    def corpus(number: str) -> bytes:
-        return corpus_of(record([{"role": "assistant", "content": None, "tool_calls": [{"n": 0}]}])).replace(
-            b'"n":0', b'"n":' + number.encode())
+@pytest.mark.parametrize("number", ["9" * 310, "-" + "9" * 400, "1" + "0" * 5000, "1e400", "-1e400", "2e308"])
+@pytest.mark.parametrize("where", ["tool_calls", "unknown_field", "candidate_logprob"])
+def test_a_number_beyond_a_double_anywhere_in_a_line_is_invalid_json_on_both_parsers(number, where):
+    """Kiln reads every line with ``serde_json::from_str::<Value>`` (opd.rs), built without
+    ``arbitrary_precision``: a literal beyond an f64 is "number out of range", wherever it is."""
+    from kiln_core.errors import AdmissionError
 
-    huge, overflowing = corpus("9" * digits), corpus("1e400")
-    fast, exact = both_parsers(huge)
-    assert fast.kiln_prompts_sha256 == exact.kiln_prompts_sha256 == reference_digest(overflowing)
-    assert parse_corpus(corpus("-" + "9" * digits)).kiln_prompts_sha256 == reference_digest(corpus("-1e400"))
+    if where == "tool_calls":
+        line = record([{"role": "assistant", "content": None, "tool_calls": [{"n": 0}]}])
+    elif where == "unknown_field":
+        line = record([{"role": "user", "content": "hi"}], extra_field={"n": 0})
+    else:
+        line = record([{"role": "user", "content": "hi"}])
+        line["teacher_tokens"] = [{"token_id": 5, "logprob": -0.5, "top_logprobs": [{"token_id": 5, "logprob": -0.5},
+                                                                                     {"token_id": 6, "n": 0}]}]
+    data = corpus_of(line).replace(b'"n":0', b'"logprob":' + number.encode() if where == "candidate_logprob"
+                                   else b'"n":' + number.encode())
+    for parse in (parse_corpus, lambda data: exact_parse(data)):
+        with pytest.raises(AdmissionError) as refused:
+            parse(data)
+        assert refused.value.code == "invalid_json" and refused.value.line == 1
+        assert "number out of range" in str(refused.value)
+
+
+@pytest.mark.parametrize("number", ["9" * 300, "1e-400", "-1e308", "1.7976931348623157e308"])
+def test_numbers_an_f64_holds_or_underflows_are_read(number):
+    data = corpus_of(record([{"role": "user", "content": "hi"}], extra_field={"n": 0})).replace(
+        b'"n":0', b'"n":' + number.encode())
+    fast, exact = both_parsers(data)
+    assert fast.kiln_prompts_sha256 == exact.kiln_prompts_sha256 == reference_digest(data)
+
+
+def exact_parse(data: bytes):
+    with exact_only():
+        return parse_corpus(data)
 
 
 @pytest.mark.parametrize(("newline", "around"), [("\r\n", ""), ("\n\n", " \t"), ("\n", "\u3000"), ("\n", "\x0c")])
@@ -291,11 +315,16 @@ def test_null_tool_calls_stay_on_the_fast_path_and_real_ones_leave_it():
     """The parse itself decides about ``tool_calls`` (no separate search of the bytes): null reads like
     missing on both parsers, any other value sends the corpus to the exact parser."""
     messages = [{"role": "user", "content": 'say "tool_calls"', "tool_calls": None}, {"role": "assistant", "content": "no"}]
-    data = corpus_of(record(messages), record(messages[1:], tool_calls=[{"id": 1}]))
+    data = corpus_of(record(messages), record(messages[1:]))
     fast, exact = both_parsers(data)
     assert fast.parser == "fast"
     assert fast.conversations == exact.conversations
     assert fast.kiln_prompts_sha256 == exact.kiln_prompts_sha256 == reference_digest(data)
+    # a record field outside the schema (here an unknown top-level `tool_calls`): the exact parser reads the
+    # corpus, since pyarrow would skip the value unread; Kiln ignores the field, and so does the digest
+    with_unknown = corpus_of(record(messages), record(messages[1:], tool_calls=[{"id": 1}]))
+    fast, exact = both_parsers(with_unknown)
+    assert fast.parser == "exact" and fast.kiln_prompts_sha256 == reference_digest(with_unknown) == reference_digest(data)
     calling = corpus_of(record([{"role": "assistant", "content": None, "tool_calls": []}]))
     assert parse_corpus(calling).parser == "exact"
     assert parse_corpus(calling).kiln_prompts_sha256 == reference_digest(calling)

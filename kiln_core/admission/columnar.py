@@ -3,7 +3,8 @@
 The millions of top-K candidates become flat numpy arrays without a Python object each. This path
 accepts only corpora whose every field has the expected JSON type; at the first sign of anything
 else (content parts, tool calls, a negative id, a null Arrow cannot tell from a missing field, JSON
-nested as deep as serde_json's limit, a line pyarrow and Kiln would split differently) it returns
+nested as deep as serde_json's limit, a line pyarrow and Kiln would split differently, a field outside
+the schema, a number beyond an f64) it returns
 ``None`` and the exact parser in ``records.py`` decides, naming the line.
 """
 
@@ -54,9 +55,20 @@ def _fast_schema():
             ("warning_prefix_len", pa.int64()),
         ]
     )
+    # The manifest line's identity, field by field (Kiln's TeacherIdentity), so that the parse can refuse
+    # every field outside the schema; the exact manifest checks still read the line itself.
+    adapter = pa.struct([("name", pa.string()), ("weights_sha256", pa.string()), ("config_sha256", pa.string())])
+    identity = pa.struct(
+        [("schema", pa.string()), ("protocol", pa.string()), ("served_model_id", pa.string()),
+         ("base_model_sha256", pa.string()), ("tokenizer_vocab_sha256", pa.string()),
+         ("tokenizer_config_sha256", pa.string()), ("adapter", adapter), ("vocab_size", pa.int64()),
+         ("max_top_k", pa.int64()), ("max_model_len", pa.int64()), ("max_prompt_logprob_candidates", pa.int64()),
+         ("logprobs_mode", pa.string()), ("implementation", pa.string()), ("inference_config_sha256", pa.string())]
+    )
     return pa.schema(
         [
             ("schema", pa.string()),
+            ("teacher_identity", identity),
             ("id", pa.string()),
             ("messages", pa.list_(message)),
             ("teacher_response", pa.string()),
@@ -82,7 +94,9 @@ def parse_columnar(data: bytes, lines: LineIndex) -> ParsedCorpus | None:
         table = pj.read_json(
             pa.BufferReader(data),  # zero-copy, unlike io.BytesIO of a bytearray
             read_options=pj.ReadOptions(block_size=_block_size(lines)),
-            parse_options=pj.ParseOptions(explicit_schema=_fast_schema(), unexpected_field_behavior="ignore"),
+            # A field outside the schema sends the corpus to the exact parser: pyarrow would skip its value
+            # unread, and a number there beyond an f64 (1.8e308) is "number out of range" to serde_json.
+            parse_options=pj.ParseOptions(explicit_schema=_fast_schema(), unexpected_field_behavior="error"),
         )
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
         return None
@@ -151,6 +165,8 @@ def parse_columnar(data: bytes, lines: LineIndex) -> ParsedCorpus | None:
     if parsed.candidate_ids.size and (parsed.candidate_ids.min() < 0 or parsed.candidate_ids.max() > U32_MAX):
         return None
     token_logprob = pc.struct_field(tokens, "logprob")
+    if np.isinf(parsed.candidate_logprobs).any() or pc.any(pc.is_inf(token_logprob)).as_py():
+        return None  # pyarrow reads 1.8e308 or a 400-digit integer as infinite; serde_json refuses the line
     parsed.numeric_logits = len(token_logprob) > token_logprob.null_count or len(candidates) > 0
     return parsed
 

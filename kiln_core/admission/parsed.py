@@ -7,6 +7,8 @@ manifest or example, is held to serde_json's nesting limit before anything else 
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,16 +97,42 @@ def json_object(pairs: list[tuple[str, Any]]) -> JsonObject:
     return result
 
 
-def _integer(literal: str) -> int | float:
-    """A JSON integer literal; one too long for ``int()`` (4,300 digits) is a float, ±inf, as pyarrow reads it."""
-    return int(literal) if len(literal) <= 4000 else float(literal)
+NUMBER_OUT_OF_RANGE = "number out of range"
+"""serde_json's error for a number literal beyond an f64 (Kiln builds serde_json without
+``arbitrary_precision``, so an integer beyond u64 is read as an f64 too)."""
+
+_MAX_DIGITS_OF_A_DOUBLE = 309  # 10^308 < f64::MAX < 10^309; JSON allows no leading zeros
+
+
+def _integer(literal: str) -> int:
+    """A JSON integer literal, refused when no f64 holds it (``1`` followed by 400 zeros)."""
+    if len(literal.lstrip("-")) > _MAX_DIGITS_OF_A_DOUBLE:
+        raise ValueError(NUMBER_OUT_OF_RANGE)
+    value = int(literal)
+    try:
+        float(value)
+    except OverflowError:
+        raise ValueError(NUMBER_OUT_OF_RANGE) from None
+    return value
+
+
+def _float(literal: str) -> float:
+    """A JSON number literal with a fraction or exponent, refused when it overflows an f64 (``1e400``);
+    one that underflows is 0, as in serde_json (``1e-400``)."""
+    value = float(literal)
+    if math.isinf(value):
+        raise ValueError(NUMBER_OUT_OF_RANGE)
+    return value
 
 
 def decode_json_line(text: str) -> Any:
-    """Decode one JSON line the way Kiln's first ``serde_json::Value`` pass sees it, objects as ``JsonObject``.
+    """Decode one JSON line the way Kiln's first ``serde_json::Value`` pass sees it (opd.rs
+    ``parse_off_policy_distillation_dataset_str``: ``serde_json::from_str::<Value>`` of every line), objects
+    as ``JsonObject``.
 
     Raises:
         NestingTooDeep: The line nests ``SERDE_JSON_RECURSION_LIMIT`` containers or more.
-        ValueError: Not valid JSON.
+        ValueError: Not valid JSON, or a number beyond an f64 (``NUMBER_OUT_OF_RANGE``).
     """
-    return loads_nesting_limited(text, where="the line", object_pairs_hook=json_object, parse_int=_integer)
+    return loads_nesting_limited(text, where="the line", object_pairs_hook=json_object, parse_int=_integer,
+                                 parse_float=_float)
