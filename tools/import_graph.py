@@ -50,7 +50,7 @@ KILN_CORE_LAYERS: tuple[tuple[str, tuple[str, ...], str], ...] = (
      "digests of model, tokenizer and adapter files and a teacher's identity: tokenization pins its tokenizer"),
     ("text", ("chat_template", "assistant_mask", "trajectory_mask", "tokenization", "kiln_prompts"),
      "a chat becomes token ids and target masks as Kiln renders it; needs only messages and identity"),
-    ("corpus", ("corpus", "materialize", "synthetic", "tiny_models"),
+    ("corpus", ("corpus", "corpus_set", "materialize", "synthetic", "tiny_models"),
      "data at rest: the admitted corpus's tables (and demo corpora and models) that admission writes"),
     ("admission", ("admission", "teachers"),
      "admitting a corpus against a student, and finding teachers: built on text, corpus tables and identity"),
