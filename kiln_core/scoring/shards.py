@@ -474,10 +474,12 @@ def score_shard_set(
             run.committed[shard.number].set()
             run.tokens_done += shard.action_tokens
     run.tokens_resumed = run.tokens_done
-    run.report()
     todo = [shard for shard in plan.shards if shard.number not in run.done]
-    if todo:
+    if not todo:
+        run.report()
+    else:
         scorer = load_scorer()
+        run.report()  # after the teacher loaded: a rate and ETA measured from here are the scoring's own
         try:
             _score_all(run, todo, _shard_examples(examples_uri, plan, storage_options), scorer, workers)
         finally:
