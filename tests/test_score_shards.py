@@ -327,3 +327,76 @@ def test_score_corpus_refuses_a_bad_shard_size_before_reading(tmp_path):
                         storage_root=str(tmp_path / "root"), shard_size="65MiB")
     assert caught.value.code == "invalid_option"
     assert not (tmp_path / "root").exists()
+
+
+# --- a vLLM teacher, shards in parallel ------------------------------------------------------------------
+
+from test_scoring_vllm import SERVED_MODEL, manifest_file, server_url, vllm_identity  # noqa: E402,F401 - fixtures
+
+
+def test_vllm_shards_scored_in_parallel_equal_the_sequential_set_and_are_admitted(
+        tmp_path, monkeypatch, server_url, manifest_file, examples_file, tiny_student):  # noqa: F811
+    import threading
+
+    from kiln_core.scoring.vllm import VllmTeacher
+
+    pinned = manifest_file.read_text(encoding="utf-8")
+    threads = set()
+    original = VllmTeacher.score_one
+
+    def recording(self, request, top_k):
+        threads.add(threading.current_thread().name.split("_")[0])
+        return original(self, request, top_k)
+
+    monkeypatch.setattr(VllmTeacher, "score_one", recording)
+
+    def score(out: Path, workers: int):
+        return score_examples(str(examples_file), vllm_url=f"{server_url}/ok", served_model=SERVED_MODEL,
+                              pinned_manifest=pinned, student_dir=str(tiny_student), top_k=TOP_K, out_uri=str(out),
+                              batch_size=1, shard_size=SHARD_SIZE, workers=workers)
+
+    sequential = score(tmp_path / "sequential", 1)
+    assert "score-shard" not in threads
+    parallel = score(tmp_path / "parallel", 3)
+    assert "score-shard" in threads  # the shards ran on the pool's threads
+    assert files_of(tmp_path / "parallel") == files_of(tmp_path / "sequential")
+    assert parallel.set_sha256 == sequential.set_sha256 and len(parallel.shards) == 3
+    admitted = admit_shard_set(str(tmp_path / "parallel" / "index.json"), str(tiny_student), top_k=TOP_K,
+                               pinned_manifest=pinned.rstrip("\n"), kiln_strict=True)
+    assert admitted.totals()["examples"] == len(EXAMPLES) and admitted.set_sha256 == parallel.set_sha256
+
+
+def test_a_vllm_failure_mid_set_keeps_the_committed_shards_for_the_rerun(
+        tmp_path, monkeypatch, server_url, manifest_file, examples_file, tiny_student):  # noqa: F811
+    """The server answers shard 0, then goes away: an environment failure (exit 3), shard 0 kept, no index;
+    the rerun resumes from shard 1."""
+    from kiln_core.errors import EnvironmentFailure
+    from kiln_core.scoring.vllm import VllmTeacher, completions_url
+
+    out = tmp_path / "scored"
+    options = dict(vllm_url=f"{server_url}/ok", served_model=SERVED_MODEL,
+                   pinned_manifest=manifest_file.read_text(encoding="utf-8"), student_dir=str(tiny_student),
+                   top_k=TOP_K, out_uri=str(out), batch_size=2, shard_size=SHARD_SIZE, workers=2)
+    server_gone = {"now": False}
+    original_post = VllmTeacher._post
+
+    def post(self, body, line):
+        if server_gone["now"]:
+            self.url = completions_url("http://127.0.0.1:9")  # nothing listens there
+        return original_post(self, body, line)
+
+    def gone_after_first_shard(progress):
+        # Shard 2 repeats an example of shard 0, so it waits for shard 0's commit: it always meets the outage.
+        server_gone["now"] = server_gone["now"] or progress.shards_done >= 1
+
+    monkeypatch.setattr(VllmTeacher, "_post", post)
+    with pytest.raises(ScoringError) as caught:
+        score_examples(str(examples_file), on_progress=gone_after_first_shard, **options)
+    assert caught.value.code == "vllm_unreachable" and isinstance(caught.value, EnvironmentFailure)
+    assert not (out / "index.json").exists() and (out / SHARDS[0]).is_file()
+    kept = (out / SHARDS[0]).stat().st_mtime_ns
+
+    monkeypatch.undo()
+    result = score_examples(str(examples_file), **options)
+    assert result.shards[0].resumed and (out / SHARDS[0]).stat().st_mtime_ns == kept
+    assert (out / "index.json").is_file() and result.examples == len(EXAMPLES)
