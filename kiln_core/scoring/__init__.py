@@ -26,14 +26,15 @@ Example:
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from kiln_core.scoring.examples import ScoreRequest, ScoringError, ScoringExample, batched, count_examples, iter_examples
+from kiln_core.scoring.examples import ScoringError, batched, count_examples, iter_examples
+from kiln_core.scoring.requests import encode_requests as _encode  # the mask builder per batch (tests use it too)
+from kiln_core.scoring.requests import sequence_key as _sequence_key
 
 __all__ = ["ScoreResult", "ScoringError", "score_examples"]
 
@@ -349,36 +350,6 @@ def _config_dir(teacher_dir: str) -> str:
     return str(candidate if candidate.is_dir() else Path(base))
 
 
-def _encode(student, batch: list[ScoringExample], max_model_len: int) -> list[ScoreRequest]:
-    """The admission mask builder over one batch; a failure is traced to its line."""
-    from kiln_core.tokenization import TokenizationError, encode_conversations
-
-    try:
-        encoded = encode_conversations(student, [example.conversation for example in batch])
-    except TokenizationError:
-        encoded = []
-        for example in batch:
-            try:
-                encoded.extend(encode_conversations(student, [example.conversation]))
-            except TokenizationError as error:
-                raise ScoringError("tokenization_failed", str(error), line=example.line) from None
-    requests = []
-    for example, enc in zip(batch, encoded):
-        if enc.problem is not None:  # what admission would refuse, refused before the teacher runs
-            code = "tokenization_failed" if enc.problem.code == "invalid_record" else enc.problem.code
-            raise ScoringError(code, enc.problem.message, line=example.line)
-        if enc.action_positions.shape[0] == 0:
-            raise ScoringError("no_action_tokens", "the example produced no assistant action tokens", line=example.line)
-        if enc.input_ids.shape[0] > max_model_len:
-            raise ScoringError(
-                "context_too_long",
-                f"{enc.input_ids.shape[0]} tokens exceed the teacher's max_model_len {max_model_len}",
-                line=example.line,
-            )
-        requests.append(ScoreRequest(line=example.line, input_ids=enc.input_ids, positions=enc.action_positions))
-    return requests
-
-
 def _score_and_write(scorer, writer, batch, requests, top_k, token_text, seen) -> int:
     """Score one batch (each distinct sequence once) and append its rows; returns rows reused."""
     from kiln_core.scoring.writer import row_head, teacher_tokens_json
@@ -403,10 +374,3 @@ def _score_and_write(scorer, writer, batch, requests, top_k, token_text, seen) -
         tokens_length = len(tokens.encode("utf-8"))
         seen.setdefault(key, (offset + len(head.encode("utf-8")), tokens_length))
     return reused
-
-
-def _sequence_key(request: ScoreRequest) -> bytes:
-    digest = hashlib.sha256(request.input_ids.astype("<i4").tobytes())
-    digest.update(b"|")
-    digest.update(request.positions.astype("<i4").tobytes())
-    return digest.digest()
