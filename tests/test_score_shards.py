@@ -400,3 +400,19 @@ def test_a_vllm_failure_mid_set_keeps_the_committed_shards_for_the_rerun(
     result = score_examples(str(examples_file), **options)
     assert result.shards[0].resumed and (out / SHARDS[0]).stat().st_mtime_ns == kept
     assert (out / "index.json").is_file() and result.examples == len(EXAMPLES)
+
+
+def test_a_set_scored_into_an_fsspec_uri_is_admitted_from_its_index(examples_file, tiny_teacher, tiny_student,
+                                                                    uninterrupted):
+    import uuid
+
+    reference, _, _ = uninterrupted
+    out = f"memory://score-shards-{uuid.uuid4().hex}/scored"
+    result = score_examples(str(examples_file), teacher_dir=str(tiny_teacher), student_dir=str(tiny_student),
+                            top_k=TOP_K, out_uri=out, device="cpu", shard_size=SHARD_SIZE)
+    assert result.index_uri == out + "/index.json" and result.set_sha256 == reference.set_sha256
+    admitted = admit_shard_set(result.index_uri, str(tiny_student), top_k=TOP_K)
+    assert admitted.set_sha256 == result.set_sha256
+    again = score_examples(str(examples_file), teacher_dir=str(tiny_teacher), student_dir=str(tiny_student),
+                           top_k=TOP_K, out_uri=out, device="cpu", shard_size=SHARD_SIZE)
+    assert again.resumed_shards == 3
