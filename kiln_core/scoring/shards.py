@@ -200,7 +200,10 @@ class _SetRun:
         data = location.read_bytes()
         if len(data) != record.get("size_bytes") or "sha256:" + hashlib.sha256(data).hexdigest() != record.get("sha256"):
             return None  # changed since: scored again (same inputs, so the same bytes)
-        return _ShardDone(shard, record["sha256"], record["size_bytes"], record["rows"], record["reused_rows"], True)
+        rows, reused = record.get("rows"), record.get("reused_rows")
+        if not isinstance(rows, dict) or not isinstance(reused, int):
+            return None
+        return _ShardDone(shard, record["sha256"], record["size_bytes"], rows, reused, True)
 
     # --- scoring one shard
 
@@ -389,15 +392,19 @@ def _score_all(run: _SetRun, todo: list[ShardPlan], examples: Iterator[tuple[Sha
             slots.release()
 
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="score-shard") as pool:
-        for shard, batch in examples:
-            if shard.number not in wanted:
-                continue
-            while not slots.acquire(timeout=0.5):
+        try:
+            for shard, batch in examples:
+                if shard.number not in wanted:
+                    continue
+                while not slots.acquire(timeout=0.5):
+                    if run.failed.is_set():
+                        break
                 if run.failed.is_set():
                     break
-            if run.failed.is_set():
-                break
-            futures.append(pool.submit(score, shard, batch))
+                futures.append(pool.submit(score, shard, batch))
+        except BaseException:  # Ctrl-C here: the running shards stop at their next batch
+            run.failed.set()
+            raise
     errors = [future.exception() for future in futures]
     first = next((error for error in errors if error is not None and not isinstance(error, _Abandoned)), None)
     if first is not None:
@@ -419,7 +426,7 @@ def _check_existing(out, plan: SetPlan, inputs: dict[str, Any]) -> None:
             previous = json.loads(plan_location.read_bytes())
         except ValueError:
             previous = {}
-        if previous.get("format") != PLAN_FORMAT:
+        if not isinstance(previous, dict) or previous.get("format") != PLAN_FORMAT:
             raise ScoringError("scored_set_mismatch", f"{plan_location.uri} is not a scoring plan; give an empty "
                                                       f"or new --out directory")
         before = previous.get("inputs") or {}
