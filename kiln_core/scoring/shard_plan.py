@@ -96,6 +96,8 @@ def row_size_bound(head: str, target_texts: list[str], target_ids: list[int], to
 
 @dataclass(frozen=True)
 class ShardPlan:
+    """One shard of the split: which examples it holds and what it is called."""
+
     number: int
     name: str
     first: int
@@ -112,6 +114,8 @@ class ShardPlan:
 
 @dataclass(frozen=True)
 class SetPlan:
+    """The whole split, and ``plan.json``'s bytes (the inputs and the shards) that a rerun must match."""
+
     shards: list[ShardPlan]
     keys: list[bytes]
     """Each example's sequence key, in set order (duplicates share one)."""
@@ -122,7 +126,22 @@ class SetPlan:
 
 
 def plan_set(examples_uri, student, binding, top_k, shard_size, inputs, batch_size, storage_options) -> SetPlan:
-    """Tokenize every example, bound its row and split the set (see the module docstring)."""
+    """Tokenize every example, bound its row and split the set (see the module docstring).
+
+    Args:
+        examples_uri: The examples file (already validated by ``count_examples``).
+        student: The student's ``StudentTokenizer``.
+        binding: The teacher's binding (its manifest line starts every shard; its ``max_model_len`` applies).
+        top_k: Candidates per target.
+        shard_size: Bytes a shard may take, manifest line included.
+        inputs: What decided the scored bytes, recorded in ``plan.json``.
+        batch_size: Examples tokenized at once.
+        storage_options: fsspec options for the examples.
+
+    Raises:
+        ScoringError: ``row_exceeds_shard_size`` naming the line, ``invalid_option`` for a size smaller than
+            the manifest line, or any refusal of the mask builder.
+    """
     from kiln_core.scoring.writer import TokenTexts, row_head
 
     token_text = TokenTexts(student.tokenizer)
