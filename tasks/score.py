@@ -16,12 +16,14 @@ from tasks.retry import retry_unless_rejected
 
 @task(name="score", task_run_name=run_name("score", "examples_uri"),
       # v3: results are kiln_core.contracts.stage_refs.ScoredRef (it was kiln_core.engine.refs)
-      cache_policy=DigestCachePolicy(version="kiln-flows-score-v3", inputs=("out_uri",)),
+      cache_policy=DigestCachePolicy(version="kiln-flows-score-v3", inputs=("out_uri", "shard_size")),
       persist_result=True, result_serializer="json", retries=1, retry_delay_seconds=5,
       retry_condition_fn=retry_unless_rejected)
 def score_task(examples_uri: str, out_uri: str, teacher_dir: str | None, teacher_alias: str | None,
-               registry_root: str, student_dir: str, top_k: int) -> ScoredRef:
+               registry_root: str, student_dir: str, top_k: int, shard_size: int | str | None = None) -> ScoredRef:
     """Score examples with a local teacher into a corpus that ``admit`` accepts by construction.
+
+    With ``shard_size`` the corpus is a set of shards in the directory ``out_uri``; the ref names its index.
 
     Example:
         ```python
@@ -31,4 +33,4 @@ def score_task(examples_uri: str, out_uri: str, teacher_dir: str | None, teacher
     from kiln_core.engine.stages import score
 
     return score(examples_uri, out_uri, teacher_dir=teacher_dir, teacher_alias=teacher_alias,
-                 registry_root=registry_root, student_dir=student_dir, top_k=top_k)
+                 registry_root=registry_root, student_dir=student_dir, top_k=top_k, shard_size=shard_size)

@@ -5,10 +5,14 @@
           --top-k 16 --out s3://bucket/teacher-data.jsonl
     $ kiln-flows score examples.jsonl --vllm http://127.0.0.1:8000 --served-model teacher \\
           --teacher-manifest manifest.jsonl --student ./student --top-k 16 --out teacher-data.jsonl
+    $ kiln-flows score examples.jsonl --teacher ./teacher --student ./student --top-k 32 \\
+          --out scored/ --shard-size 64MiB
 
 ``--teacher`` is a directory when one exists at that path, else an alias in the local registry
 under ``--registry``. The corpus is published atomically: on any failure nothing appears at ``--out``
-(here the output *file*, as for ``oracle make-request``).
+(here the output *file*, as for ``oracle make-request``). With ``--shard-size`` ``--out`` is a
+directory that receives shards of at most that size and ``index.json`` (``kiln_core.scoring.shards``);
+running the command again resumes an interrupted set, scoring only its unfinished shards.
 Exit codes: 0 written, 2 rejected input (bad example, mismatched teacher, contract violation),
 3 failure (vLLM unreachable or 5xx, storage).
 """
@@ -31,7 +35,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--teacher", metavar="DIR|ALIAS", help="local teacher directory, or an alias registered under --registry")
     parser.add_argument("--student", required=True, metavar="DIR", help="student model directory (tokenizer + chat template)")
     parser.add_argument("--top-k", type=int, required=True, metavar="K", help="candidates per action token")
-    parser.add_argument("--out", required=True, metavar="CORPUS", help="output corpus: a local path or fsspec URI")
+    parser.add_argument("--out", required=True, metavar="CORPUS|DIR",
+                        help="output corpus: a local path or fsspec URI (with --shard-size: a directory)")
+    parser.add_argument("--shard-size", metavar="SIZE",
+                        help="write shards of at most SIZE bytes (e.g. 64MiB, 500KiB, 4096; at most 64MiB) and "
+                             "index.json into the directory --out; a rerun resumes unfinished shards")
+    parser.add_argument("--workers", type=int, default=1, metavar="N",
+                        help="shards scored at once with a vLLM teacher (default 1)")
     add_registry_argument(parser)
     parser.add_argument("--batch-size", type=int, default=8, metavar="N",
                         help="examples per forward pass, or vLLM requests in flight (default 8)")
@@ -69,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
     if (args.teacher is None) == (args.vllm is None):
         print("kiln-flows score: give exactly one of --teacher DIR|ALIAS or --vllm URL", file=sys.stderr)
         return 2
-    progress = None if args.quiet else _ProgressBar()
+    sharded = args.shard_size is not None
+    progress = None if args.quiet else (_SetProgressLine() if sharded else _ProgressBar())
     if args.quiet:
         from transformers.utils import logging as transformers_logging
 
@@ -90,18 +101,26 @@ def run(args: argparse.Namespace) -> int:
             pinned_manifest=pinned,
             on_progress=progress,
             device=args.device,
+            shard_size=args.shard_size,
+            workers=args.workers,
         )
     finally:
         if progress is not None:
             progress.close()
     if args.json:
         print(json.dumps(result.model_dump(mode="json"), ensure_ascii=False))
+    elif sharded:
+        print(
+            f"scored {result.examples} examples, {result.action_tokens} action tokens with teacher "
+            f"{result.identity_revision}\n  {len(result.shards)} shards ({result.resumed_shards} finished by an "
+            f"earlier run) in {result.out_uri}\n  index {result.index_uri} (set {result.set_sha256})"
+        )
     else:
         print(
             f"scored {result.examples} examples, {result.action_tokens} action tokens with teacher "
             f"{result.identity_revision}\n  {result.out_uri} ({result.sha256}, {result.size_bytes} bytes)"
         )
-    if result.size_bytes > KILN_MAX_CORPUS_BYTES:
+    if not sharded and result.size_bytes > KILN_MAX_CORPUS_BYTES:  # a shard never is (the split bounds it)
         print(f"kiln-flows score: warning: the corpus is {result.size_bytes} bytes; Kiln admits at most 64 MiB",
               file=sys.stderr)
     return 0
@@ -121,6 +140,35 @@ class _ProgressBar:
         if self._bar is None:
             self._bar = tqdm(total=total, unit="ex", desc="scoring", file=sys.stderr, dynamic_ncols=True)
         self._bar.update(done - self._bar.n)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+class _SetProgressLine:
+    """Tokens and shards with a rate and an ETA on stderr: ``shards 3/16 · 1.2M/2.7M tokens · 850tok/s · ETA 04:10``.
+
+    The rate and the ETA count only tokens scored by this run (shards an earlier run finished start the
+    bar at their tokens, tqdm's ``initial``), so a resumed run's ETA is not flattered by them.
+    """
+
+    FORMAT = "{desc} · {n_fmt}/{total_fmt} tokens · {rate_noinv_fmt} · ETA {remaining}"
+
+    def __init__(self) -> None:
+        self._bar = None
+
+    def __call__(self, progress) -> None:
+        import sys
+
+        from tqdm import tqdm
+
+        if self._bar is None:
+            self._bar = tqdm(total=progress.tokens_total, initial=progress.tokens_resumed, unit="tok", unit_scale=True,
+                             file=sys.stderr, dynamic_ncols=True, bar_format=self.FORMAT,
+                             desc=f"shards {progress.shards_done}/{progress.shards_total}")
+        self._bar.set_description_str(f"shards {progress.shards_done}/{progress.shards_total}", refresh=False)
+        self._bar.update(progress.tokens_done - self._bar.n)
 
     def close(self) -> None:
         if self._bar is not None:

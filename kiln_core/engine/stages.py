@@ -234,24 +234,37 @@ def _verify_set(corpus: CorpusRef, storage_options: dict | None) -> CorpusRef:
 
 
 def scored_location(storage_root: str, examples_sha256: str, identity_revision: str, student_dir: str,
-                    top_k: int) -> str:
-    """``<root>/scored/<key>.jsonl``, keyed by what decides the scored bytes."""
+                    top_k: int, shard_size: int | None = None) -> str:
+    """``<root>/scored/<key>.jsonl`` (with ``shard_size``: the directory ``<root>/scored/<key>/``), keyed by
+    what decides the scored bytes."""
     from kiln_core.storage import resolve
     from kiln_core.tokenization import load_student_tokenizer
 
     identity = load_student_tokenizer(student_dir).identity()
-    key_text = "|".join([examples_sha256, identity_revision, identity["tokenizer_vocab_sha256"],
-                         identity["chat_template_sha256"], str(top_k)])
-    key = hashlib.sha256(key_text.encode()).hexdigest()[:24]
-    return resolve(storage_root).child("scored", f"{key}.jsonl").uri
+    key_parts = [examples_sha256, identity_revision, identity["tokenizer_vocab_sha256"],
+                 identity["chat_template_sha256"], str(top_k)]
+    if shard_size is not None:
+        key_parts.append(f"shards:{shard_size}")
+    key = hashlib.sha256("|".join(key_parts).encode()).hexdigest()[:24]
+    return resolve(storage_root).child("scored", key if shard_size is not None else f"{key}.jsonl").uri
 
 
 def score(examples_uri: str, out_uri: str, *, teacher_dir: str | None, teacher_alias: str | None, registry_root: str,
-          student_dir: str, top_k: int) -> ScoredRef:
-    """Score unless ``out_uri`` already holds the scored corpus."""
+          student_dir: str, top_k: int, shard_size: int | str | None = None) -> ScoredRef:
+    """Score unless ``out_uri`` already holds the scored corpus.
+
+    With ``shard_size``, ``out_uri`` is a directory of shards (``kiln_core.scoring.shards``): a rerun resumes
+    it, scoring only unfinished shards, and the ref names its ``index.json`` and set digest.
+    """
     from kiln_core.scoring import score_examples
     from kiln_core.storage import resolve
 
+    if shard_size is not None:
+        result = score_examples(examples_uri, teacher_dir=teacher_dir if teacher_alias is None else None,
+                                teacher_alias=teacher_alias, registry_root=registry_root, student_dir=student_dir,
+                                top_k=top_k, out_uri=out_uri, shard_size=shard_size)
+        return ScoredRef(uri=result.index_uri, sha256=result.set_sha256, examples=result.examples,
+                         reused=result.resumed_shards == len(result.shards))
     out = resolve(out_uri)
     if out.exists():
         data = out.read_bytes()

@@ -26,14 +26,15 @@ Example:
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from kiln_core.scoring.examples import ScoreRequest, ScoringError, ScoringExample, batched, count_examples, iter_examples
+from kiln_core.scoring.examples import ScoringError, batched, count_examples, iter_examples
+from kiln_core.scoring.requests import encode_requests as _encode  # the mask builder per batch (tests use it too)
+from kiln_core.scoring.requests import sequence_key as _sequence_key
 
 __all__ = ["ScoreResult", "ScoringError", "score_examples"]
 
@@ -90,8 +91,14 @@ def score_examples(
     on_progress: Callable[[int, int], None] | None = None,
     device: str | None = None,
     storage_options: dict | None = None,
-) -> ScoreResult:
+    shard_size: int | str | None = None,
+    workers: int = 1,
+) -> Any:
     """Score unscored examples with a teacher and publish a corpus Kiln's admission accepts.
+
+    With ``shard_size`` the corpus is a resumable set of shards in the directory ``out_uri`` plus its
+    index (``kiln_core.scoring.shards``), and the result a ``ScoreSetResult``; without it, one file and
+    a ``ScoreResult``.
 
     Args:
         examples_uri: JSONL of examples (``messages``, ``teacher_response``, optional ``trajectory``,
@@ -109,12 +116,16 @@ def score_examples(
         served_model: The vLLM model name (must equal the pinned identity's ``served_model_id``).
         pinned_manifest: The teacher's manifest line. Required with ``vllm_url``; with a local
             teacher, the computed manifest must equal it.
-        on_progress: Called as ``on_progress(done, total)`` after each batch.
+        on_progress: Called as ``on_progress(done, total)`` after each batch; with ``shard_size``, as
+            ``on_progress(SetProgress)`` (tokens and shards).
         device: Local teacher device, ``cpu`` or ``cuda``; default CUDA when available.
         storage_options: fsspec options for the examples and the output.
+        shard_size: Write shards of at most this many bytes (an int, or text such as ``64MiB``; at most
+            64 MiB) into the directory ``out_uri``, resuming a set an earlier run left unfinished.
+        workers: Shards scored at once (a vLLM teacher only; a local teacher's parallelism is the batch).
 
     Returns:
-        A ``ScoreResult``.
+        A ``ScoreResult`` (one file) or a ``ScoreSetResult`` (with ``shard_size``).
 
     Raises:
         ScoringError: the first refused input or failed step (see ``ScoringError`` for the codes).
@@ -122,28 +133,34 @@ def score_examples(
     from kiln_core.scoring.writer import CorpusWriter, TokenTexts
 
     _check_options(top_k, batch_size, dtype, attn_implementation, device, teacher_dir, teacher_alias, vllm_url)
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ScoringError("invalid_option", f"workers must be a positive integer, got {workers!r}")
+    if workers > 1 and vllm_url is None:
+        raise ScoringError("invalid_option", "--workers applies to a vLLM teacher; a local teacher scores one "
+                                             "batch at a time in this process (raise --batch-size instead)")
+    if shard_size is not None:
+        from kiln_core.scoring.shards import check_out_directory, parse_shard_size
+
+        shard_size = parse_shard_size(shard_size)
+        check_out_directory(out_uri, storage_options)
     total = count_examples(examples_uri, storage_options)
     student = _load_student(student_dir)
     if top_k > student.vocab_size:
         raise ScoringError("invalid_option", f"top_k {top_k} exceeds the student's vocab_size {student.vocab_size}")
-    if vllm_url is not None:
-        binding = _bind_vllm(student, top_k, served_model, pinned_manifest)
-        from kiln_core.scoring.vllm import VllmTeacher
+    binding, load_scorer = _bind_teacher(
+        student, top_k, teacher_dir=teacher_dir, teacher_alias=teacher_alias, registry_root=registry_root,
+        dtype=dtype, attn_implementation=attn_implementation, vllm_url=vllm_url, served_model=served_model,
+        pinned_manifest=pinned_manifest, device=device, batch_size=batch_size,
+    )
+    if shard_size is not None:
+        from kiln_core.scoring.shards import score_shard_set
 
-        scorer: Any = VllmTeacher(vllm_url, binding.identity, served_model, concurrency=batch_size)
-    else:
-        from kiln_core.scoring.local import LocalTeacher, default_device, default_dtype
-
-        device = device or default_device()
-        dtype = dtype or default_dtype(device)
-        options = {"dtype": dtype, "attn_implementation": attn_implementation, "device_kind": device}
-        binding = _bind_local(student, top_k, teacher_dir, teacher_alias, registry_root, options)
-        if pinned_manifest is not None and pinned_manifest.rstrip("\r\n") != binding.manifest_line:
-            raise ScoringError("teacher_mismatch", "the teacher's manifest differs from the pinned manifest")
-        scorer = LocalTeacher.load(
-            binding.teacher_dir, vocab_size=student.vocab_size, dtype=dtype,
-            attn_implementation=attn_implementation, device=device,
+        return score_shard_set(
+            examples_uri, student=student, binding=binding, load_scorer=load_scorer, top_k=top_k,
+            out_uri=out_uri, shard_size=shard_size, batch_size=batch_size, workers=workers,
+            on_progress=on_progress, storage_options=storage_options,
         )
+    scorer = load_scorer()
 
     token_text = TokenTexts(student.tokenizer)
     done = action_tokens = reused = 0
@@ -189,6 +206,32 @@ def _check_options(top_k, batch_size, dtype, attn_implementation, device, teache
         raise ScoringError("invalid_option", f"attn_implementation must be one of {list(ATTN_IMPLEMENTATIONS)}")
     if device is not None and device not in ("cpu", "cuda"):
         raise ScoringError("invalid_option", f"device must be 'cpu' or 'cuda', got {device!r}")
+
+
+def _bind_teacher(student, top_k, *, teacher_dir, teacher_alias, registry_root, dtype, attn_implementation, vllm_url,
+                  served_model, pinned_manifest, device, batch_size) -> tuple[_Binding, Callable[[], Any]]:
+    """The teacher's identity (cheap checks first) and a function that loads the scorer (the expensive step)."""
+    if vllm_url is not None:
+        from kiln_core.scoring.vllm import VllmTeacher
+
+        binding = _bind_vllm(student, top_k, served_model, pinned_manifest)
+        # A client is cheap: built now, so a bad URL or served model is refused before any work.
+        teacher = VllmTeacher(vllm_url, binding.identity, served_model, concurrency=batch_size)
+        return binding, lambda: teacher
+    from kiln_core.scoring.local import LocalTeacher, default_device, default_dtype
+
+    device = device or default_device()
+    dtype = dtype or default_dtype(device)
+    options = {"dtype": dtype, "attn_implementation": attn_implementation, "device_kind": device}
+    binding = _bind_local(student, top_k, teacher_dir, teacher_alias, registry_root, options)
+    if pinned_manifest is not None and pinned_manifest.rstrip("\r\n") != binding.manifest_line:
+        raise ScoringError("teacher_mismatch", "the teacher's manifest differs from the pinned manifest")
+
+    def load_local() -> Any:
+        return LocalTeacher.load(binding.teacher_dir, vocab_size=student.vocab_size, dtype=dtype,
+                                 attn_implementation=attn_implementation, device=device)
+
+    return binding, load_local
 
 
 def _load_student(student_dir: str):
@@ -307,36 +350,6 @@ def _config_dir(teacher_dir: str) -> str:
     return str(candidate if candidate.is_dir() else Path(base))
 
 
-def _encode(student, batch: list[ScoringExample], max_model_len: int) -> list[ScoreRequest]:
-    """The admission mask builder over one batch; a failure is traced to its line."""
-    from kiln_core.tokenization import TokenizationError, encode_conversations
-
-    try:
-        encoded = encode_conversations(student, [example.conversation for example in batch])
-    except TokenizationError:
-        encoded = []
-        for example in batch:
-            try:
-                encoded.extend(encode_conversations(student, [example.conversation]))
-            except TokenizationError as error:
-                raise ScoringError("tokenization_failed", str(error), line=example.line) from None
-    requests = []
-    for example, enc in zip(batch, encoded):
-        if enc.problem is not None:  # what admission would refuse, refused before the teacher runs
-            code = "tokenization_failed" if enc.problem.code == "invalid_record" else enc.problem.code
-            raise ScoringError(code, enc.problem.message, line=example.line)
-        if enc.action_positions.shape[0] == 0:
-            raise ScoringError("no_action_tokens", "the example produced no assistant action tokens", line=example.line)
-        if enc.input_ids.shape[0] > max_model_len:
-            raise ScoringError(
-                "context_too_long",
-                f"{enc.input_ids.shape[0]} tokens exceed the teacher's max_model_len {max_model_len}",
-                line=example.line,
-            )
-        requests.append(ScoreRequest(line=example.line, input_ids=enc.input_ids, positions=enc.action_positions))
-    return requests
-
-
 def _score_and_write(scorer, writer, batch, requests, top_k, token_text, seen) -> int:
     """Score one batch (each distinct sequence once) and append its rows; returns rows reused."""
     from kiln_core.scoring.writer import row_head, teacher_tokens_json
@@ -361,10 +374,3 @@ def _score_and_write(scorer, writer, batch, requests, top_k, token_text, seen) -
         tokens_length = len(tokens.encode("utf-8"))
         seen.setdefault(key, (offset + len(head.encode("utf-8")), tokens_length))
     return reused
-
-
-def _sequence_key(request: ScoreRequest) -> bytes:
-    digest = hashlib.sha256(request.input_ids.astype("<i4").tobytes())
-    digest.update(b"|")
-    digest.update(request.positions.astype("<i4").tobytes())
-    return digest.digest()

@@ -51,7 +51,8 @@ class ScoringError(KilnFlowsError):
     ``no_examples``, ``tokenization_failed``, ``no_action_tokens``, ``overlapping_masks``,
     ``target_at_position_zero``, ``context_too_long``, ``teacher_invalid``,
     ``teacher_mismatch``, ``teacher_changed``, ``teacher_output``, ``vllm_request``,
-    ``vllm_response``, ``vllm_unreachable``, ``vllm_http_error``, ``storage_error``. The
+    ``vllm_response``, ``vllm_unreachable``, ``vllm_http_error``, ``storage_error``; scoring into
+    shards adds ``out_not_directory``, ``row_exceeds_shard_size`` and ``scored_set_mismatch``. The
     ``TRANSIENT_CODES`` construct a ``ScoringFailure`` (``EnvironmentFailure``), the rest a
     ``ScoringRejection``.
 
