@@ -132,3 +132,57 @@ def test_shard_bench_refuses_bad_options_before_any_work(tmp_path, argv, message
     done = run_script(ADMISSION_BENCH, *argv, "--work", str(work), timeout=120)
     assert done.returncode == 2 and message in done.stderr, done.stderr
     assert not work.exists()  # nothing generated
+
+
+# ---------------------------------------------------------------------------------------------
+# bench/train_stream_memory.py
+
+
+STREAM_BENCH = REPO / "bench" / "train_stream_memory.py"
+
+
+def test_stream_memory_bench_reads_rss_at_the_steps_asked_for(tiny_student, tmp_path):
+    work = tmp_path / "work"
+    done = run_script(STREAM_BENCH, "--work", str(work), "--student", str(tiny_student), "--mib", "0.5",
+                      "--steps", "6", "--at", "2,6", "--checkpoint-interval", "3", "--threads", "1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+
+    corpus = Path(summary["corpus"])
+    assert corpus.parent == work and summary["corpus_files"] == 1
+    assert summary["examples"] == examples_in(work) > 0
+    assert summary["epochs"] == -(-6 // summary["examples"])  # enough passes for the steps asked for
+    # The run trained exactly the steps asked for: stopped there, or ended there when the corpus did.
+    assert summary["steps"] == 6 and summary["total_steps"] >= 6
+    assert summary["status"] == ("success" if summary["total_steps"] == 6 else "cancelled")
+    rss = summary["rss_mib_at_step"]
+    assert sorted(rss, key=int) == ["0", "1", "2", "6"]  # before training, the first step, and --at
+    assert all(value > 0 for value in rss.values()) and rss["6"] > rss["0"]  # the student loaded in between
+    assert summary["peak_rss_mib"] >= max(rss.values())
+    assert summary["rss_growth_percent"] == pytest.approx(100 * (rss["6"] - rss["2"]) / rss["2"], abs=0.1)
+    assert len(summary["load_average"]["before"]) == 3 and len(summary["load_average"]["after"]) == 3
+    assert "RSS growth from step 2 to step 6" in done.stdout
+
+    # The measured run is its own: one run directory, trained from scratch, checkpointed at the interval.
+    runs = [p for p in (work / "storage" / "runs" / "stream-memory").iterdir() if p.is_dir()]
+    assert len(runs) == 1
+    receipt = json.loads((runs[0] / "train_receipt.json").read_text())
+    assert receipt["status"] == summary["status"] and receipt["data"]["resumed_from_checkpoint"] is None
+    assert receipt["data"]["examples_trained"] == 6 and receipt["data"]["examples_read"] == summary["examples"]
+    assert (runs[0] / "stream-memory-checkpoint-step-00000003.kiln-checkpoint").is_dir()
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--steps", "10", "--at", "5,20"], "every --at step between 1 and --steps"),
+    (["--steps", "0"], "--steps must be at least 1"),
+    (["--at", "five"], "--at: expected comma-separated step numbers"),
+    (["--corpus-dir", "missing-dir"], "missing-dir does not exist"),
+    (["--corpus", "."], "is not a file"),
+    (["--shards", "2", "--shard-mib", "100"], "--shard-mib in (0, 64]"),
+    (["--corpus", "a.jsonl", "--shards", "2"], "not allowed with argument"),
+])
+def test_stream_memory_bench_refuses_bad_options_before_any_work(tmp_path, argv, message):
+    work = tmp_path / "work"
+    done = run_script(STREAM_BENCH, *argv, "--work", str(work), timeout=120)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+    assert not work.exists()
