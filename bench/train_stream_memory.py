@@ -157,7 +157,8 @@ def train_child(args: argparse.Namespace) -> None:
         "total_steps": result.total_steps if result.total_steps is not None else (total_steps or [None])[0],
         "train_seconds": seconds,
         "rss_bytes_at_step": {str(step): rss_at[step] for step in sorted(rss_at)},
-        "peak_rss_bytes": peak_rss_bytes(),
+        # VmHWM is updated lazily by the kernel and may trail a VmRSS read a moment earlier.
+        "peak_rss_bytes": max([peak_rss_bytes(), *rss_at.values()]),
     }))
 
 
