@@ -398,7 +398,8 @@ def compare_sizes(work: Path, student_dir: Path, args: argparse.Namespace) -> di
         }
         sizes.append(figure)
         print(f"  {total_mib:g} MiB ({figure['shards']} shards): peak RSS {figure['peak_rss_mib']:.1f} MiB "
-              f"(this process {figure['maxrss_self_mib']:.1f}, largest worker {figure['maxrss_largest_worker_mib']:.1f}), "
+              f"(this process {figure['maxrss_self_mib']:.1f}, "
+              f"largest worker {figure['maxrss_largest_worker_mib']:.1f}), "
               f"{figure['seconds']:.1f} s, load average {figure['load_average']}")
     smallest, largest = sizes[0], sizes[-1]
     growth = 100.0 * (largest["peak_rss_mib"] - smallest["peak_rss_mib"]) / smallest["peak_rss_mib"]

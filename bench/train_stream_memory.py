@@ -178,7 +178,7 @@ def run_child(spec: Path, steps: int, at: list[int], threads: int) -> dict:
 
 def prepare_corpus(args: argparse.Namespace, work: Path, student_dir: Path) -> Path:
     """The corpus to train on: the one given, or one generated for the bench student (cached under ``work``)."""
-    from admission import generate_corpus, shard_set
+    from admission import generate_corpus, shard_set, shard_target_bytes
 
     if args.corpus:
         return Path(args.corpus).resolve()
@@ -189,7 +189,7 @@ def prepare_corpus(args: argparse.Namespace, work: Path, student_dir: Path) -> P
     path = work / f"corpus-{args.mib:g}mib.jsonl"
     if not path.exists():
         partial = work / f".{path.name}.partial"
-        generate_corpus(student_dir, partial, target_bytes=int(args.mib * 2**20) - min(256 * 1024, int(args.mib * 2**18)))
+        generate_corpus(student_dir, partial, target_bytes=shard_target_bytes(args.mib))  # under --mib MiB
         partial.rename(path)
     return path
 
