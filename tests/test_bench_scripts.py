@@ -172,6 +172,23 @@ def test_stream_memory_bench_reads_rss_at_the_steps_asked_for(tiny_student, tmp_
     assert (runs[0] / "stream-memory-checkpoint-step-00000003.kiln-checkpoint").is_dir()
 
 
+def test_stream_memory_bench_trains_across_the_shards_of_a_set(tiny_student, tmp_path):
+    work = tmp_path / "work"
+    done = run_script(STREAM_BENCH, "--work", str(work), "--student", str(tiny_student), "--shards", "2",
+                      "--shard-mib", "0.5", "--steps", "8", "--at", "2,8", "--checkpoint-interval", "4",
+                      "--threads", "1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+
+    directory = work / "set-2x0.5mib"
+    assert Path(summary["corpus"]) == directory and summary["corpus_files"] == 2
+    assert summary["examples"] == examples_in(directory) and summary["examples"] < 8  # past the last shard
+    assert summary["steps"] == 8 and sorted(summary["rss_mib_at_step"], key=int) == ["0", "1", "2", "8"]
+    assert all(value > 0 for value in summary["rss_mib_at_step"].values())
+    runs = [p for p in (work / "storage" / "runs" / "stream-memory").iterdir() if p.is_dir()]
+    assert len(runs) == 1 and (runs[0] / "stream-memory-checkpoint-step-00000004.kiln-checkpoint").is_dir()
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--steps", "10", "--at", "5,20"], "every --at step between 1 and --steps"),
     (["--steps", "0"], "--steps must be at least 1"),
