@@ -361,6 +361,12 @@ def shards_bench(args: argparse.Namespace) -> None:
         print(f"{name:34} {figure['seconds']:9.3f} {figure['mb_per_s']:9.1f} {figure['ratio_to_raw_parse']:13.3f} "
               f"{figure['peak_rss_mib']:13.1f} {figure['student_load_seconds']:7.2f}  {figure['load_average']}")
 
+    one_worker = next((figure for figure in admissions if figure["workers"] == 1), None)
+    if one_worker is not None:  # issue 20's goal: near N x with N workers on N cores
+        for figure in admissions:
+            figure["speedup_over_one_worker"] = significant(one_worker["seconds"] / figure["seconds"])
+        print("speedup over one worker: " + ", ".join(
+            f"workers={figure['workers']}: {figure['speedup_over_one_worker']:g}x" for figure in admissions))
     summary = {
         "mode": "shards",
         "shards": args.shards,

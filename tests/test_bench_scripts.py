@@ -100,6 +100,8 @@ def test_shard_bench_prints_its_figures_with_the_load_average(tiny_student, tmp_
         assert figure["peak_rss_mib"] >= figure["maxrss_self_mib"] > 0
         assert len(figure["load_average"]) == 3 and all(value >= 0 for value in figure["load_average"])
     one, two = summary["admission"]
+    assert one["speedup_over_one_worker"] == 1
+    assert two["speedup_over_one_worker"] == pytest.approx(one["seconds"] / two["seconds"], rel=0.01)
     # With two workers the shards are admitted in worker processes: their memory is counted too.
     assert two["maxrss_largest_worker_mib"] > 0 and two["peak_rss_mib"] > two["maxrss_self_mib"]
 
