@@ -173,6 +173,15 @@ NOT_FAST = frozenset({  # over 5 CPU-seconds each when measured (they load or tr
     "tests/test_run_lock.py::test_s3_second_process_in_progress_then_released",
     "tests/test_run_lock.py::test_s3_heartbeat_keeps_a_short_lease_alive_and_wait_takes_it_after_release",
     "tests/test_error_model.py::test_a_frozen_s3_endpoint_fails_a_write_in_bounded_time",  # waits out real timeouts
+    # the benches at test size (generate corpora, spawn admission workers, train in a fresh process)
+    "tests/test_bench_scripts.py::test_generated_shards_are_cached_distinct_and_pin_one_teacher",
+    "tests/test_bench_scripts.py::test_shard_bench_prints_its_figures_with_the_load_average",
+    "tests/test_bench_scripts.py::test_stream_memory_bench_reads_rss_at_the_steps_asked_for",
+    "tests/test_bench_scripts.py::test_stream_memory_bench_trains_across_the_shards_of_a_set",
+    # sharded scoring under the Prefect harness and against a fake vLLM server (about 10-20 s of setup each)
+    "tests/test_score_shards.py::test_score_corpus_flow_shards_and_names_the_index",
+    "tests/test_score_shards.py::test_vllm_shards_scored_in_parallel_equal_the_sequential_set_and_are_admitted",
+    "tests/test_score_shards.py::test_a_vllm_failure_mid_set_keeps_the_committed_shards_for_the_rerun",
 })
 
 
