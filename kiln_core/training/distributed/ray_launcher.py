@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterator
 from kiln_core.contracts.opd_config import ConfigError
 from kiln_core.contracts.spec_blocks import RayOptions
 from kiln_core.errors import EnvironmentFailure
-from kiln_core.training.distributed.launcher import DistributedJob, _rebuild_rejection
+from kiln_core.training.distributed.launcher import WORKER_MODULE, DistributedJob, _rebuild_rejection
 from kiln_core.training.distributed.world import ClusterFacts, check_shared_storage
 from kiln_core.training.trainer import TrainResult
 
@@ -299,11 +299,17 @@ def _outcome_result(outcome: dict[str, Any]) -> TrainResult:
 
 
 def _train_loop_per_worker(config: dict[str, Any]) -> None:
-    """Ray Train's worker function: this rank's ``World``, the resume point, then ``run_job``."""
-    from kiln_core.engine.worker import run_job
+    """Ray Train's worker function: this rank's ``World``, the resume point, then ``run_job``.
+
+    ``run_job`` is the torchrun rank's entry point, found by its module's name (``WORKER_MODULE``) as the
+    torchrun launcher names it: the engine's worker sits above this package and is never imported here.
+    """
+    import importlib
+
     from kiln_core.errors import Rejection
     from kiln_core.training.distributed.world import RankFailure
 
+    run_job = importlib.import_module(WORKER_MODULE).run_job
     job = DistributedJob.model_validate_json(config["job"])
     mailbox = config["mailbox"]
     world = _ray_world(job, ClusterFacts(**config["cluster"]))
@@ -354,10 +360,10 @@ def _resume_point(job: DistributedJob, world, attempt: int) -> DistributedJob:
         return job
 
     def newest() -> str:
-        from kiln_core.engine.runs import newest_checkpoint
         from kiln_core.storage import resolve
+        from kiln_core.training.checkpoint import latest_checkpoint
 
-        return newest_checkpoint(resolve(job.plan.run_uri), job.plan.adapter) or ""
+        return latest_checkpoint(resolve(job.plan.run_uri), job.plan.adapter) or ""
 
     name = world.gather_bytes(newest().encode("utf-8") if world.is_main else b"")[0].decode("utf-8")
     if not name:
