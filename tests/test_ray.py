@@ -140,3 +140,26 @@ def test_more_workers_than_the_cluster_has_cpus_is_refused_before_training(ray_i
     assert "64 Ray workers need 64 CPUs" in rejected["message"] and "the cluster has 2" in rejected["message"]
     assert rejected["field"] == "distributed.workers"
     assert not list(tmp_path.rglob("*.kiln-checkpoint")) and not list(tmp_path.rglob("adapter"))  # nothing trained
+
+
+def test_a_cancelled_ray_run_stops_every_worker_at_a_step_boundary_after_a_checkpoint(ray_instance, request_dir,
+                                                                                      tiny_student, tmp_path):
+    from kiln_core.contracts.spec_blocks import RayOptions
+    from kiln_core.engine.run_request import prepare_train_request
+    from kiln_core.training.checkpoint import latest_checkpoint
+    from kiln_core.training.distributed.ray_launcher import launch_on_ray
+
+    request = json.loads((request_dir / "request.json").read_text())
+    request["config"]["epochs"] = 25  # 100 steps: far more than pass before the cancel reaches rank 0
+    (tmp_path / "request.json").write_text(json.dumps({**request, "dataset_path": str(request_dir / "corpus.jsonl"),
+                                                       "teacher": str(request_dir / "teacher-manifest.jsonl")}))
+    job = prepare_train_request(str(tmp_path / "request.json"), adapter="demo", student_dir=str(tiny_student),
+                                out_root=str(tmp_path / "out")).job(world_size=2, device="cpu")
+    seen: list[int] = []
+    result = launch_on_ray(job, RayOptions(), on_progress=lambda step, total, loss: seen.append(step),
+                           should_cancel=lambda: bool(seen))  # Prefect's "the flow run is cancelling", here
+    assert result.status == "cancelled" and result.failure_reason == "cancelled"
+    assert 1 <= result.steps < result.total_steps == 100
+    assert seen == list(range(1, result.steps + 1))  # rank 0's progress lines all reached the driver, in order
+    assert result.latest_checkpoint == latest_checkpoint(job.plan.run_uri, "demo") == (
+        f"demo-checkpoint-step-{result.steps:08d}.kiln-checkpoint")

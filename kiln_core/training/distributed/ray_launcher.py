@@ -276,10 +276,11 @@ def _fit_relaying(ray, trainer, mailbox, on_progress, should_cancel, poll_second
     cancelled = False
     while True:
         thread.join(poll_seconds)
+        finished = not thread.is_alive()  # looked at before draining: every line sent before the end is relayed
         for step, total, loss in ray.get(mailbox.take_progress.remote()):
             if on_progress is not None:
                 on_progress(step, total, loss)
-        if not thread.is_alive():
+        if finished:
             return failure["error"]
         if not cancelled and should_cancel is not None and should_cancel():
             cancelled = True

@@ -19,7 +19,8 @@ How a W-process run relates to a single process (docs/architecture.md, decisions
   ``kiln_core.training.student.load_student``: shard the frozen base weights per decoder layer after
   the LoRA wrap, keep the LoRA parameters replicated and all-reduce their gradients exactly as here.
 
-The launcher (``launcher``) starts ranks under torchrun; each rank runs ``worker``.
+The launcher (``launcher``) starts ranks under torchrun, ``ray_launcher`` as Ray Train workers; each rank
+runs the engine's ``worker.run_job``.
 """
 
 from __future__ import annotations
