@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -25,17 +26,21 @@ import ray  # a missing Ray fails the module (CI installs .[test], which include
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
+EPOCHS = 25
+STEPS = 8 * EPOCHS // 2  # two ranks, one candidate each per step
+
 
 @pytest.fixture(scope="module")
 def request_dir(tmp_path_factory, tiny_student) -> Path:
-    """8 examples, 2 per optimizer step with two ranks → 4 steps, a checkpoint after each."""
+    """8 examples × 25 epochs, 2 per optimizer step with two ranks → 100 steps (long enough for a worker to be
+    killed part-way), a checkpoint every 2."""
     from kiln_core.synthetic import synthesize_corpus
 
     directory = tmp_path_factory.mktemp("ray-request")
     synthesize_corpus(tiny_student, directory / "corpus.jsonl", n_examples=8, top_k=16, seed=0)
     (directory / "teacher-manifest.jsonl").write_text((directory / "corpus.jsonl").read_text().splitlines()[0] + "\n")
     config = {"training_mode": "off_policy", "top_k": 16, "lora_rank": 4, "lora_alpha": 8.0, "seed": 3,
-              "learning_rate": 0.02, "checkpoint_interval": 1, "epochs": 1}
+              "learning_rate": 0.02, "checkpoint_interval": 2, "epochs": EPOCHS}
     (directory / "request.json").write_text(json.dumps({"dataset_path": "corpus.jsonl",
                                                         "teacher": "teacher-manifest.jsonl", "config": config}))
     return directory
@@ -106,7 +111,8 @@ def test_two_ray_workers_train_the_torchrun_adapter_byte_for_byte(two_workers, r
     assert code == 0, torchrun
     assert Path(two_workers["run"]).name == Path(torchrun["run"]).name  # the world size decides the run, not the engine
     assert adapter_bytes(two_workers) == adapter_bytes(torchrun)
-    assert (two_workers["steps"], two_workers["latest_checkpoint"]) == (4, "demo-checkpoint-step-00000003.kiln-checkpoint")
+    assert two_workers["steps"] == torchrun["steps"] == STEPS
+    assert two_workers["latest_checkpoint"] == torchrun["latest_checkpoint"] is not None
     on_ray, on_torchrun = receipt(two_workers), receipt(torchrun)
     assert on_ray["loss_history"] == on_torchrun["loss_history"]
     assert on_torchrun["distributed"] == {"world_size": 2, "backend": "gloo", "strategy": "ddp",
@@ -115,8 +121,25 @@ def test_two_ray_workers_train_the_torchrun_adapter_byte_for_byte(two_workers, r
                                      "address": "local"}
 
 
+def ray_train_workers() -> list:
+    """The processes of Ray Train's workers (Ray titles them ``ray::RayTrainWorker…``), children of this
+    process's local Ray instance."""
+    import psutil
+
+    found = []
+    for process in psutil.Process().children(recursive=True):
+        try:
+            if "RayTrainWorker" in " ".join(process.cmdline()):
+                found.append(process)
+        except psutil.Error:
+            pass
+    return found
+
+
 def test_a_killed_worker_is_restarted_by_ray_and_the_run_ends_with_the_uninterrupted_adapter(
         two_workers, request_dir, tiny_student, tmp_path):
+    import signal
+
     from kiln_core.contracts.spec_blocks import RayOptions
     from kiln_core.engine.run_request import prepare_train_request
     from kiln_core.training.distributed.ray_launcher import launch_on_ray
@@ -124,10 +147,21 @@ def test_a_killed_worker_is_restarted_by_ray_and_the_run_ends_with_the_uninterru
     prepared = prepare_train_request(str(request_dir / "request.json"), adapter="demo", student_dir=str(tiny_student),
                                      out_root=str(tmp_path))
     job = prepared.job(world_size=2, device="cpu")
-    # rank 1's process exits abruptly right after step 2 is committed, in the first worker group only
-    result = launch_on_ray(job, RayOptions(address="local", max_failures=1), exit_rank_after_step=(1, 2))
-    assert result.status == "success" and result.steps == 4
-    assert result.resumed_from == "demo-checkpoint-step-00000002.kiln-checkpoint"  # the restarted group resumed there
+    killed: list[int] = []
+
+    def kill_a_worker_once(step: int, total: int, loss: float) -> None:
+        """Once a checkpoint is committed, SIGKILL one worker process, as an OOM killer or a lost node would."""
+        if not killed and step >= 2:
+            victims = ray_train_workers()
+            assert len(victims) == 2, victims
+            victims[-1].send_signal(signal.SIGKILL)
+            killed.append(step)
+
+    result = launch_on_ray(job, RayOptions(address="local", max_failures=1), on_progress=kill_a_worker_once)
+    assert killed and killed[0] < result.total_steps, "the run ended before a worker could be killed"
+    assert result.status == "success" and result.steps == result.total_steps == STEPS
+    assert result.resumed_from is not None  # the group Ray restarted resumed from a committed checkpoint
+    assert int(re.search(r"-step-(\d{8})\.", result.resumed_from).group(1)) >= 2
     restarted = (Path(result.adapter) / "adapter_model.safetensors").read_bytes()
     assert restarted == adapter_bytes(two_workers)
     assert json.loads(Path(result.receipt).read_text())["loss_history"] == receipt(two_workers)["loss_history"]
@@ -150,7 +184,7 @@ def test_a_cancelled_ray_run_stops_every_worker_at_a_step_boundary_after_a_check
     from kiln_core.training.distributed.ray_launcher import launch_on_ray
 
     request = json.loads((request_dir / "request.json").read_text())
-    request["config"]["epochs"] = 25  # 100 steps: far more than pass before the cancel reaches rank 0
+    request["config"]["epochs"] = 4 * EPOCHS  # 400 steps: far more than pass before the cancel reaches rank 0
     (tmp_path / "request.json").write_text(json.dumps({**request, "dataset_path": str(request_dir / "corpus.jsonl"),
                                                        "teacher": str(request_dir / "teacher-manifest.jsonl")}))
     job = prepare_train_request(str(tmp_path / "request.json"), adapter="demo", student_dir=str(tiny_student),
@@ -159,7 +193,7 @@ def test_a_cancelled_ray_run_stops_every_worker_at_a_step_boundary_after_a_check
     result = launch_on_ray(job, RayOptions(), on_progress=lambda step, total, loss: seen.append(step),
                            should_cancel=lambda: bool(seen))  # Prefect's "the flow run is cancelling", here
     assert result.status == "cancelled" and result.failure_reason == "cancelled"
-    assert 1 <= result.steps < result.total_steps == 100
+    assert 1 <= result.steps < result.total_steps == 4 * STEPS
     assert seen == list(range(1, result.steps + 1))  # rank 0's progress lines all reached the driver, in order
     assert result.latest_checkpoint == latest_checkpoint(job.plan.run_uri, "demo") == (
         f"demo-checkpoint-step-{result.steps:08d}.kiln-checkpoint")

@@ -15,11 +15,12 @@ How a Ray run relates to a torchrun run (docs/distributed.md, "Ray"):
   not Ray's business: the Prefect task retry (``options.train_retries``) starts the stage again, which
   resumes from the newest checkpoint as on every engine. Rejections (bad input) are never retried:
   rank 0 reports them and every worker returns normally.
-* **The driver's side.** Results, progress lines and the cancel flag travel through one small actor
-  (``_Mailbox``, no CPU), never through files, so the workers may sit on other machines; the run's
-  storage (corpus materialization and run directory) must then be shared by every node.
+* **The driver's side** is this module; each worker runs ``ray_worker.train_loop_per_worker``. Results,
+  progress lines and the cancel flag travel through one small actor (``_Mailbox``, no CPU), never
+  through files, so the workers may sit on other machines; the run's storage (corpus materialization
+  and run directory) must then be shared by every node.
 
-Every ``ray`` import is inside this module's functions: importing it (or the engine) needs no Ray.
+Every ``ray`` import is inside the functions of both modules: importing them (or the engine) needs no Ray.
 """
 
 from __future__ import annotations
@@ -30,14 +31,14 @@ import os
 import socket
 import tempfile
 import threading
-import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 from kiln_core.contracts.opd_config import ConfigError
 from kiln_core.contracts.spec_blocks import RayOptions
 from kiln_core.errors import EnvironmentFailure
-from kiln_core.training.distributed.launcher import WORKER_MODULE, DistributedJob, _rebuild_rejection
+from kiln_core.training.distributed.launcher import DistributedJob, _rebuild_rejection
+from kiln_core.training.distributed.ray_worker import train_loop_per_worker
 from kiln_core.training.distributed.world import ClusterFacts, check_shared_storage
 from kiln_core.training.trainer import TrainResult
 
@@ -209,8 +210,7 @@ class _Mailbox:
 
 def launch_on_ray(job: DistributedJob, options: RayOptions, *,
                   on_progress: Callable[[int, int, float], None] | None = None,
-                  should_cancel: Callable[[], bool] | None = None, poll_seconds: float = 0.5,
-                  exit_rank_after_step: tuple[int, int] | None = None) -> TrainResult:
+                  should_cancel: Callable[[], bool] | None = None, poll_seconds: float = 0.5) -> TrainResult:
     """Run ``job`` on ``job.plan.nproc`` Ray workers and return rank 0's ``TrainResult``.
 
     Args:
@@ -220,8 +220,6 @@ def launch_on_ray(job: DistributedJob, options: RayOptions, *,
         should_cancel: Polled here; once True every rank stops at the next step boundary after a checkpoint
             and the result says ``cancelled``.
         poll_seconds: How often progress and ``should_cancel`` are looked at.
-        exit_rank_after_step: A fault drill: ``(rank, step)`` makes that rank's process exit abruptly once,
-            in the first worker group, right after ``step`` is committed (tests and drills only).
 
     Raises:
         ConfigError: ``ray_package_missing``, ``unshared_storage``, ``ray_cluster_too_small``, or the
@@ -243,11 +241,10 @@ def launch_on_ray(job: DistributedJob, options: RayOptions, *,
         backend = job.plan.backend if job.plan.backend != "auto" else ("nccl" if use_gpu else "gloo")
         if not use_gpu and job.plan.device is None:  # a CPU worker on a GPU node still trains on its CPU
             job = job.model_copy(update={"plan": job.plan.model_copy(update={"device": "cpu"})})
-        config = {"job": job.model_dump_json(), "mailbox": mailbox, "cluster": dataclasses.asdict(facts),
-                  "exit_rank_after_step": list(exit_rank_after_step) if exit_rank_after_step else None}
+        config = {"job": job.model_dump_json(), "mailbox": mailbox, "cluster": dataclasses.asdict(facts)}
         with tempfile.TemporaryDirectory(prefix="kiln-ray-") as scratch:
             trainer = TorchTrainer(
-                _train_loop_per_worker, train_loop_config=config, torch_config=TorchConfig(backend=backend),
+                train_loop_per_worker, train_loop_config=config, torch_config=TorchConfig(backend=backend),
                 scaling_config=ScalingConfig(num_workers=workers, use_gpu=use_gpu,
                                              resources_per_worker={"CPU": 1, **({"GPU": options.gpus_per_worker} if use_gpu else {})}),
                 run_config=RunConfig(name=f"kiln-{job.plan.adapter}-{job.plan.run_key[:12]}",
@@ -293,115 +290,3 @@ def _outcome_result(outcome: dict[str, Any]) -> TrainResult:
     if outcome["kind"] == "rejected":
         raise _rebuild_rejection(outcome["error"], outcome["payload"])
     raise RayFailure("ray_run_failed", f"rank 0 failed: {outcome['message']}")
-
-
-# ---------------------------------------------------------------------------------------------
-# One worker (runs in a Ray worker process, on any node of the cluster)
-
-
-def _train_loop_per_worker(config: dict[str, Any]) -> None:
-    """Ray Train's worker function: this rank's ``World``, the resume point, then ``run_job``.
-
-    ``run_job`` is the torchrun rank's entry point, found by its module's name (``WORKER_MODULE``) as the
-    torchrun launcher names it: the engine's worker sits above this package and is never imported here.
-    """
-    import importlib
-
-    from kiln_core.errors import Rejection
-    from kiln_core.training.distributed.world import RankFailure
-
-    run_job = importlib.import_module(WORKER_MODULE).run_job
-    job = DistributedJob.model_validate_json(config["job"])
-    mailbox = config["mailbox"]
-    world = _ray_world(job, ClusterFacts(**config["cluster"]))
-    import ray
-
-    attempt = world.broadcast_int(ray.get(mailbox.start_attempt.remote()) if world.is_main else 0)
-    try:
-        job = _resume_point(job, world, attempt)
-        hook = _exit_once(config["exit_rank_after_step"], world, attempt)
-        result = run_job(job, world, on_progress=_relay(mailbox) if world.is_main else None,
-                         on_step_committed=hook, handle_signals=False,
-                         should_cancel=_cancel_flag(mailbox) if world.is_main else None)
-    except Rejection as error:  # bad input: told to the driver, never worth a restart
-        if world.is_main:
-            ray.get(mailbox.put_outcome.remote(json.dumps({"kind": "rejected", "error": type(error).__name__,
-                                                           "payload": error.to_json()})))
-        return
-    except RankFailure:  # rank 0 failed to publish: its own error decides (a restart, or its rejection)
-        return
-    if world.is_main:
-        ray.get(mailbox.put_outcome.remote(json.dumps({"kind": "result", "result": result.model_dump(mode="json")})))
-
-
-def _ray_world(job: DistributedJob, facts: ClusterFacts):
-    """This worker's ``World`` from the process group Ray's torch backend initialized."""
-    import ray.train
-    import torch
-
-    from kiln_core.training.distributed.world import World
-
-    context = ray.train.get_context()
-    size = context.get_world_size()
-    if size == 1:  # one worker trains exactly as one process does (no collectives, no backend recorded)
-        return World(strategy=job.plan.strategy, cluster=facts)
-    backend = str(torch.distributed.get_backend())
-    if backend == "nccl":
-        import ray.train.torch
-
-        torch.cuda.set_device(ray.train.torch.get_device())
-    return World(rank=context.get_world_rank(), size=size, local_rank=context.get_local_rank(), backend=backend,
-                 strategy=job.plan.strategy, cluster=facts)
-
-
-def _resume_point(job: DistributedJob, world, attempt: int) -> DistributedJob:
-    """The first group resumes where the driver planned; a group Ray restarted resumes from the newest
-    committed checkpoint of the run directory, as rank 0 sees it (every rank takes rank 0's answer)."""
-    if attempt == 0:
-        return job
-
-    def newest() -> str:
-        from kiln_core.storage import resolve
-        from kiln_core.training.checkpoint import latest_checkpoint
-
-        return latest_checkpoint(resolve(job.plan.run_uri), job.plan.adapter) or ""
-
-    name = world.gather_bytes(newest().encode("utf-8") if world.is_main else b"")[0].decode("utf-8")
-    if not name:
-        return job
-    print(f"rank {world.rank}: Ray restarted the worker group (attempt {attempt}); resuming from {name}", flush=True)
-    return job.model_copy(update={"plan": job.plan.model_copy(update={"resume": name})})
-
-
-def _exit_once(drill: list[int] | None, world, attempt: int) -> Callable[[int], None] | None:
-    """The fault drill of ``launch_on_ray(exit_rank_after_step=...)``: a hard exit, first group only."""
-    if drill is None or attempt != 0 or world.rank != drill[0]:
-        return None
-
-    def hook(step: int) -> None:
-        if step == drill[1]:
-            os._exit(1)
-
-    return hook
-
-
-def _relay(mailbox) -> Callable[[int, int, float], None]:
-    def send(step: int, total: int, loss: float) -> None:
-        mailbox.progress.remote(step, total, loss)
-    return send
-
-
-def _cancel_flag(mailbox, every_seconds: float = 1.0) -> Callable[[], bool]:
-    """Rank 0 asks the driver's flag at most once a second (the trainer shares it with every rank)."""
-    import ray
-
-    state = {"at": 0.0, "value": False}
-
-    def cancelled() -> bool:
-        now = time.monotonic()
-        if not state["value"] and now - state["at"] >= every_seconds:
-            state["at"] = now
-            state["value"] = bool(ray.get(mailbox.cancelled.remote()))
-        return state["value"]
-
-    return cancelled
