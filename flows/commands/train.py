@@ -53,6 +53,15 @@ validates and admits here, then launches ``python -m torch.distributed.run --sta
 --nproc-per-node 4 -m kiln_core.engine.worker`` (gloo on CPU, nccl on CUDA: one GPU per rank).
 Each optimizer step takes ``4 × sequences_per_step`` candidates; rank 0 publishes checkpoints, the
 adapter and the receipt. A checkpoint resumes only with the ``--nproc`` that wrote it.
+
+On a Ray cluster (``pip install 'kiln-flows[ray]'``; docs/distributed.md)::
+
+    $ kiln-flows train --request opd-request.json --adapter demo --student ./student --ray local --workers 2
+    $ kiln-flows train ... --out s3://bucket/kiln --ray auto --workers 8 --gpus-per-worker 1 --max-failures 3
+
+validates and admits here, then runs the same job on ``--workers`` Ray Train workers (``local`` starts a
+Ray instance for the run and stops it after). A worker that dies makes Ray restart the group from the
+newest checkpoint (up to ``--max-failures`` times); an unreachable cluster exits 3.
 """
 
 from __future__ import annotations
@@ -81,6 +90,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "optimizer step takes N × sequences_per_step candidates")
     parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
                         help="torch.distributed backend with --nproc > 1 (default: gloo on cpu, nccl on cuda)")
+    parser.add_argument("--ray", metavar="ADDRESS",
+                        help="train on a Ray cluster instead: local (a Ray instance on this machine for the run), "
+                        "auto (the running cluster, RAY_ADDRESS) or ray://host:10001; needs kiln-flows[ray]")
+    parser.add_argument("--workers", type=int, metavar="N", help="with --ray: training workers (ranks); each "
+                        "optimizer step takes N × sequences_per_step candidates (default 1)")
+    parser.add_argument("--gpus-per-worker", type=float, metavar="G",
+                        help="with --ray: GPUs per worker (default 0: CPU, gloo)")
+    parser.add_argument("--max-failures", type=int, metavar="F",
+                        help="with --ray: worker-group restarts after a worker dies, each resuming from the newest "
+                        "checkpoint (default 3)")
     parser.add_argument("--eval-corpus", metavar="FILE",
                         help="held-out teacher-scored JSONL to score during training (the watch; off by default)")
     parser.add_argument("--eval-every", type=int, metavar="N", help="score the held-out slice every N optimizer steps")
@@ -137,6 +156,12 @@ def resume_command(args: argparse.Namespace, checkpoint: str) -> str:
             argv.append("--stop-on-divergence")
     if args.nproc != 1:
         argv += ["--nproc", str(args.nproc), "--backend", args.backend]
+    if args.ray is not None:
+        argv += ["--ray", args.ray]
+        for flag, value in (("--workers", args.workers), ("--gpus-per-worker", args.gpus_per_worker),
+                            ("--max-failures", args.max_failures)):
+            if value is not None:
+                argv += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
     for flag, value in (("--vllm-rollouts", args.vllm_rollouts), ("--vllm-teacher", args.vllm_teacher),
                         ("--vllm-sync-dir", args.vllm_sync_dir)):
         if value:
@@ -154,7 +179,8 @@ def run(args: argparse.Namespace) -> int:
     prepared = spec_from_request(args.request, adapter=args.adapter, student_dir=args.student, out_root=args.out,
                                  resume_checkpoint=args.resume_checkpoint, nproc=args.nproc, backend=args.backend,
                                  eval_watch=watch_from_arguments(args), vllm=vllm_from_arguments(args),
-                                 kiln_lenient=args.kiln_lenient, admit_workers=args.admit_workers)
+                                 kiln_lenient=args.kiln_lenient, admit_workers=args.admit_workers,
+                                 ray=ray_from_arguments(args))
     for warning in prepared.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     bar = _ProgressBar(enabled=not (args.quiet or args.json), config=prepared.spec.config)
@@ -213,6 +239,25 @@ def watch_from_arguments(args: argparse.Namespace) -> dict | None:
     if args.eval_every is None:
         raise ConfigError("--eval-corpus needs --eval-every N", "eval.every_steps")
     return {"corpus": args.eval_corpus, "every_steps": args.eval_every, "stop_on_divergence": args.stop_on_divergence}
+
+
+def ray_from_arguments(args: argparse.Namespace) -> dict | None:
+    """The Ray fields of the spec's ``distributed:`` block from ``--ray/--workers/--gpus-per-worker/--max-failures``
+    (None: no Ray).
+
+    Raises:
+        ConfigError: ``--workers``, ``--gpus-per-worker`` or ``--max-failures`` without ``--ray``.
+    """
+    from kiln_core.contracts.opd_config import ConfigError
+
+    given = {"workers": args.workers, "gpus_per_worker": args.gpus_per_worker, "max_failures": args.max_failures}
+    if args.ray is None:
+        for name, value in given.items():
+            if value is not None:
+                raise ConfigError(f"--{name.replace('_', '-')} needs --ray ADDRESS (local, auto or ray://host:port)",
+                                  f"distributed.{name}")
+        return None
+    return {"address": args.ray, **given, "workers": 1 if args.workers is None else args.workers}
 
 
 def vllm_from_arguments(args: argparse.Namespace) -> dict | None:

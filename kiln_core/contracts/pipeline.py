@@ -126,8 +126,8 @@ class PipelineSpec(BaseModel):
     distributed: DistributedOptions | None = Field(
         default=None,
         title="Distributed training",
-        description="Train on several processes of one machine with torch.distributed (nproc, backend); "
-        "empty = one process.",
+        description="Train on several processes with torch.distributed: on this machine (torchrun: nproc, "
+        "backend) or on a Ray cluster (engine ray: address, workers); empty = one process.",
         json_schema_extra={"position": 8},
     )
     post_eval: PostEvalConfig | None = Field(
@@ -264,7 +264,8 @@ class PipelineSpec(BaseModel):
             validate_post_eval_config(self.post_eval, None)  # the installed-suite check needs storage: engine
         except PostEvalRejection as error:
             raise ValueError(f"`{error.field}`: {error.message}") from None
-        if self.eval is not None and self.distributed is not None and self.distributed.nproc > 1:
+        if self.eval is not None and self.distributed is not None and (
+                self.distributed.world_size > 1 or self.distributed.engine == "ray"):
             raise ValueError("`eval`: held-out evaluation during training runs in a single process; "
                              "remove `distributed` or the `eval` block")
 
@@ -297,6 +298,8 @@ class PipelineSpec(BaseModel):
         if self.config.training_mode != "on_policy":
             raise ValueError("`config.training_mode` must be on_policy for `prompts` (off_policy trains from a "
                              "teacher-scored `corpus`)")
+        if self.distributed is not None and self.distributed.engine == "ray":
+            raise ValueError("`distributed.engine`: on-policy training runs in one process, not on Ray")
         if self.distributed is not None and self.distributed.nproc > 1:
             raise ValueError("`distributed.nproc`: on-policy training runs in one process (one candidate per step)")
         self._check_gates()  # `eval` and `quality_gate` measure against a held-out corpus, as off-policy

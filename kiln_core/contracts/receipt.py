@@ -231,13 +231,19 @@ class LoraGradNormSummary(_Receipt):
 
 
 class DistributedReceipt(_Receipt):
-    """Ours: present only for a multi-process run; runtime figures above are rank 0's."""
+    """Ours: present only for a multi-process run (or any run on Ray); runtime figures above are rank 0's."""
 
     world_size: int
     backend: str | None
     strategy: str
     sequences_per_step_per_rank: int
     sequences_per_optimizer_step: int
+    engine: str | None = Field(default=None, exclude_if=_omit_none)
+    """``ray`` when a Ray cluster started the ranks; absent for torchrun (its receipts are unchanged)."""
+    ray_version: str | None = Field(default=None, exclude_if=_omit_none)
+    address: str | None = Field(default=None, exclude_if=_omit_none)
+    """The Ray cluster address as the run was given it (``local``, ``auto``, ``ray://host:port``); never
+    credentials (the spec refuses a ``user:password@`` part)."""
 
 
 class TrainReceipt(_Receipt):

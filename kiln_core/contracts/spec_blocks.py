@@ -12,11 +12,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kiln_core.contracts.names import NAME_RULE, is_valid_name
 
-__all__ = ["TeacherSource", "RunOptions", "DistributedOptions", "VllmBackends"]
+__all__ = ["TeacherSource", "RunOptions", "DistributedOptions", "RayOptions", "VllmBackends", "check_ray_address"]
 
 
 class TeacherSource(BaseModel):
@@ -101,21 +101,63 @@ class RunOptions(BaseModel):
     )
 
 
-class DistributedOptions(BaseModel):
-    """Data-parallel training on several processes of one machine (``torch.distributed``, via torchrun).
+def _is_torchrun(value: str) -> bool:
+    return value == "torchrun"
 
-    Each optimizer step takes ``nproc × config.sequences_per_step`` consecutive candidates (rank r
-    trains the r-th block of them) and the LoRA gradients are summed across ranks, so the result
-    equals a one-process run with ``sequences_per_step × nproc``. Checkpoints resume only with the
-    same ``nproc``. Storage must be reachable from every process (not ``memory://``).
+
+def _is_none(value: object) -> bool:
+    return value is None
+
+
+RAY_DEFAULT_MAX_FAILURES = 3
+
+
+class RayOptions(BaseModel):
+    """Where and how a Ray run trains (``distributed: {engine: ray}``; the world size is ``workers``).
+
+    The plan carries this block to the train stage (``kiln_core.training.distributed.ray_launcher``);
+    none of it is part of the run's identity: the same inputs on torchrun or on Ray with the same world
+    size train the same run.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, title="Ray cluster")
+
+    address: str = Field(default="local", description="local: start a Ray instance on this machine for the run; "
+                         "auto: the running cluster (RAY_ADDRESS); or ray://host:10001. Default: local.")
+    gpus_per_worker: float = Field(default=0, ge=0, description="GPUs each Ray worker takes (0 = CPU, gloo). Default: 0.")
+    max_failures: int = Field(default=RAY_DEFAULT_MAX_FAILURES, ge=0, le=100,
+                              description="Worker-group restarts Ray makes after a worker dies, each resuming from "
+                              "the newest checkpoint (0-100). Default: 3.")
+
+    @property
+    def is_local(self) -> bool:
+        """True when the run starts its own Ray instance on this machine."""
+        return self.address == "local"
+
+
+class DistributedOptions(BaseModel):
+    """Data-parallel training on several processes: on one machine through ``torchrun`` (``engine:
+    torchrun``, ``nproc`` ranks), or on a Ray cluster (``engine: ray``, ``workers`` ranks).
+
+    Each optimizer step takes ``W × config.sequences_per_step`` consecutive candidates (rank r trains
+    the r-th block of them, W the world size) and the LoRA gradients are summed across ranks, so the
+    result equals a one-process run with ``sequences_per_step × W``, whichever engine started the ranks.
+    Checkpoints resume only with the same world size. Storage must be reachable from every process
+    (not ``memory://``; on a Ray cluster of several machines, not a local path).
     """
 
     model_config = ConfigDict(extra="forbid", title="Distributed training",
                               json_schema_extra={"description": "Data-parallel training on several processes "
-                                                 "of one machine (torch.distributed via torchrun)."})
+                                                 "of one machine (torchrun) or on a Ray cluster."})
 
+    engine: Literal["torchrun", "ray"] = Field(
+        default="torchrun", exclude_if=_is_torchrun,
+        description="torchrun: nproc processes on this machine; ray: workers on a Ray cluster (address). "
+        "Default: torchrun.",
+    )
     nproc: int = Field(default=1, ge=1, le=1024,
-                       description="Processes (ranks) on the training machine, 1-1024; 1 = no torchrun. Default: 1.")
+                       description="torchrun only: processes (ranks) on the training machine, 1-1024; 1 = no "
+                       "torchrun. Default: 1.")
     backend: Literal["auto", "gloo", "nccl"] = Field(
         default="auto",
         description="torch.distributed backend: auto = gloo on CPU, nccl on CUDA (one GPU per rank). Default: auto.",
@@ -123,16 +165,79 @@ class DistributedOptions(BaseModel):
     strategy: Literal["ddp", "fsdp"] = Field(
         default="ddp",
         description="ddp: the LoRA adapter is replicated and its gradients all-reduced; fsdp is not implemented "
-        "yet. Default: ddp.",
+        "yet (and refused on CPU). Default: ddp.",
     )
+    address: str | None = Field(
+        default=None, exclude_if=_is_none,
+        description="ray only: local (a Ray instance for this run), auto (the running cluster, RAY_ADDRESS) or "
+        "ray://host:10001. Default: local.",
+    )
+    workers: int | None = Field(default=None, ge=1, le=1024, exclude_if=_is_none,
+                                description="ray only: training workers (ranks), 1-1024. Required for ray.")
+    gpus_per_worker: float | None = Field(default=None, ge=0, exclude_if=_is_none,
+                                          description="ray only: GPUs per worker; 0 trains on CPU with gloo. Default: 0.")
+    max_failures: int | None = Field(default=None, ge=0, le=100, exclude_if=_is_none,
+                                     description="ray only: worker-group restarts after a worker dies (0-100), each "
+                                     "resuming from the newest checkpoint. Default: 3.")
 
-    @field_validator("strategy")
-    @classmethod
-    def _implemented(cls, value: str) -> str:
-        # Where FSDP would plug in: kiln_core/training/distributed/world.py (module docstring).
-        if value == "fsdp":
-            raise ValueError("fsdp is not implemented; use ddp")
-        return value
+    @model_validator(mode="after")
+    def _engine_fields(self) -> "DistributedOptions":
+        ray_fields = [name for name in ("address", "workers", "gpus_per_worker", "max_failures")
+                      if getattr(self, name) is not None]
+        if self.engine == "torchrun":
+            if ray_fields:
+                raise ValueError(f"`distributed.{ray_fields[0]}`: only for engine ray (torchrun uses nproc); "
+                                 "add `engine: ray` or remove it")
+            if self.strategy == "fsdp":
+                # Where FSDP would plug in: kiln_core/training/distributed/world.py (module docstring).
+                raise ValueError("`distributed.strategy`: fsdp is not implemented; use ddp")
+            return self
+        if self.nproc != 1:
+            raise ValueError("`distributed.nproc`: engine ray counts ranks with `workers`, not nproc")
+        if self.workers is None:
+            raise ValueError("`distributed.workers`: required for engine ray (the number of training workers)")
+        gpus = self.gpus_per_worker or 0
+        if self.strategy == "fsdp":
+            if gpus == 0:
+                raise ValueError("`distributed.strategy`: fsdp shards the student across GPUs and is refused on CPU "
+                                 "(gpus_per_worker: 0); use ddp")
+            raise ValueError("`distributed.strategy`: fsdp is not implemented; use ddp")
+        if self.backend == "nccl" and gpus == 0:
+            raise ValueError("`distributed.backend`: nccl needs GPUs (gpus_per_worker: 0 trains on CPU); use gloo or auto")
+        if self.address is not None:
+            check_ray_address(self.address)
+        return self
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks: ``workers`` on Ray, ``nproc`` on torchrun."""
+        return self.workers if self.engine == "ray" else self.nproc
+
+    def ray_options(self) -> RayOptions | None:
+        """The Ray block the plan carries (None for torchrun)."""
+        if self.engine != "ray":
+            return None
+        return RayOptions(address=self.address or "local", gpus_per_worker=self.gpus_per_worker or 0,
+                          max_failures=RAY_DEFAULT_MAX_FAILURES if self.max_failures is None else self.max_failures)
+
+
+def check_ray_address(address: str) -> str:
+    """``local``, ``auto``, ``ray://host:port`` or ``host:port`` (a GCS address); refuses credentials in it.
+
+    Raises:
+        ValueError: another form, or a ``user:password@`` part (secrets never go in a spec or a receipt).
+    """
+    if address in ("local", "auto"):
+        return address
+    rest = address.split("://", 1)[1] if "://" in address else address
+    if "://" in address and not address.startswith("ray://"):
+        raise ValueError(f"`distributed.address`: {address!r} must be local, auto, ray://host:port or host:port")
+    if "@" in rest:
+        raise ValueError("`distributed.address`: credentials do not go in the address (use the cluster's own "
+                         "authentication)")
+    if not rest or rest.startswith(":"):
+        raise ValueError(f"`distributed.address`: {address!r} names no host")
+    return address
 
 
 class VllmBackends(BaseModel):

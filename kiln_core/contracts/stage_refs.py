@@ -9,14 +9,14 @@ from __future__ import annotations
 from functools import cached_property
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kiln_core.contracts.base_adapter import BaseAdapter
 from kiln_core.contracts.eval_watch import EvalWatch
 from kiln_core.contracts.identity import TeacherIdentity, parse_manifest_line
 from kiln_core.contracts.opd_config import (OpdConfig, effective_samples_per_prompt, resolve_learning_rate,
                                              resolve_top_k)
-from kiln_core.contracts.spec_blocks import VllmBackends
+from kiln_core.contracts.spec_blocks import RayOptions, VllmBackends
 
 
 class _Ref(BaseModel):
@@ -140,6 +140,9 @@ class TrainPlan(_Ref):
     base_adapter: BaseAdapter | None = None
     """The resolved ``config.base_adapter``: the directory and weights digest the run warm-starts from;
     its digest is part of the run key."""
+    ray: RayOptions | None = Field(default=None, exclude_if=lambda value: value is None)
+    """Train on a Ray cluster (``distributed: {engine: ray}``) with ``nproc`` workers; None: torchrun or this
+    process. Not part of the run's identity (the world size is); absent from the JSON of other plans."""
 
     @model_validator(mode="after")
     def _watch_has_its_corpus(self) -> "TrainPlan":

@@ -167,7 +167,7 @@ def teacher_source(teacher: str, request_path: str, registry_root: str) -> Teach
 def spec_from_request(request_path: str, *, adapter: str, student_dir: str, out_root: str = "./kiln-data",
                       resume_checkpoint: str | None = None, nproc: int = 1, backend: str = "auto",
                       eval_watch: dict | None = None, vllm: dict | None = None,
-                      kiln_lenient: bool = False, admit_workers: int = 1) -> RequestRun:
+                      kiln_lenient: bool = False, admit_workers: int = 1, ray: dict | None = None) -> RequestRun:
     """Validate a request file and build the spec ``run_pipeline`` trains (nothing is read but the request;
     an on-policy request's inline prompts are written to ``<out_root>/prompts/<digest>.jsonl``).
 
@@ -176,7 +176,9 @@ def spec_from_request(request_path: str, *, adapter: str, student_dir: str, out_
     ``vllm:`` block (``VllmBackends`` fields, from ``--vllm-rollouts``/``--vllm-teacher``): on-policy only.
     ``kiln_lenient`` (``--kiln-lenient``) ignores unknown request keys as Kiln does, naming each in a warning
     and in ``RequestRun.ignored_keys``. ``admit_workers`` (``--admit-workers``): shards admitted at once when
-    ``dataset_path`` names a set of shards (a directory or an index).
+    ``dataset_path`` names a set of shards (a directory or an index). ``ray`` (``--ray ADDRESS --workers N``):
+    the Ray fields of the spec's ``distributed`` block (``address``, ``workers``, ``gpus_per_worker``,
+    ``max_failures``); training then runs on that Ray cluster instead of here or under torchrun.
 
     Raises:
         ConfigError: the request (``invalid_request`` for an unknown key), the adapter name (``invalid_adapter_name``), ``nproc``, the watch
@@ -195,6 +197,9 @@ def spec_from_request(request_path: str, *, adapter: str, student_dir: str, out_
     check_name(adapter, field="adapter")
     if nproc < 1:
         raise ConfigError(f"nproc must be at least 1; got {nproc}", "nproc")
+    if ray is not None and nproc != 1:
+        raise ConfigError(f"--nproc {nproc} and --ray do not go together: on Ray, --workers counts the ranks", "nproc",
+                          code="unsupported")
     config = request.config
     if config.output_name is not None and config.output_name != adapter:
         warnings.append(f"config.output_name {config.output_name!r} is replaced by --adapter {adapter!r}")
@@ -205,6 +210,8 @@ def spec_from_request(request_path: str, *, adapter: str, student_dir: str, out_
     validate_post_eval_config(post_eval, SuiteRegistry.for_storage_root(out_root) if post_eval else None)
     teacher = teacher_source(request.teacher, request_path, out_root)
     watch = parse_eval_watch(eval_watch) if eval_watch is not None else None
+    if request.prompts and ray is not None:
+        raise ConfigError("on-policy training runs in one process, not on Ray; remove --ray", "ray", code="unsupported")
     if request.prompts:
         return RequestRun(spec=_on_policy_spec(request, teacher, post_eval, watch, adapter=adapter,
                                                student_dir=student_dir, out_root=out_root, nproc=nproc,
@@ -217,13 +224,20 @@ def spec_from_request(request_path: str, *, adapter: str, student_dir: str, out_
         "storage_root": out_root,
         "adapter": adapter,
         "config": config,  # already validated with Kiln's rules
-        "distributed": DistributedOptions(nproc=nproc, backend=backend) if nproc > 1 else None,
+        "distributed": _distributed_block(nproc, backend, ray),
         "post_eval": post_eval,
         "eval": watch,
         "vllm": vllm,  # refused (invalid_spec): a corpus is already scored
         "options": {"admit_workers": admit_workers},
     }, file=request_path)
     return RequestRun(spec=spec, resume=resume, warnings=warnings, ignored_keys=ignored)
+
+
+def _distributed_block(nproc: int, backend: str, ray: dict | None) -> dict | None:
+    """The spec's ``distributed`` block: Ray's fields with ``--ray``, torchrun's above one process, else none."""
+    if ray is not None:
+        return {"engine": "ray", "backend": backend, **{key: value for key, value in ray.items() if value is not None}}
+    return DistributedOptions(nproc=nproc, backend=backend) if nproc > 1 else None
 
 
 def _on_policy_spec(request: OpdRequest, teacher: TeacherSource, post_eval: PostEvalConfig | None,

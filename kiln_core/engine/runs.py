@@ -100,7 +100,7 @@ def plan_run(spec: PipelineSpec, corpus: CorpusRef, manifest: ManifestRef, stude
     config: OpdConfig = spec.config.model_copy(update={"output_name": spec.adapter, "resume_checkpoint": None})
     decides = config.model_dump(mode="json", by_alias=True)
     decides.pop("publish_guard")  # it decides whether the result is published, not what trains
-    nproc = spec.distributed.nproc if spec.distributed else 1
+    nproc = spec.distributed.world_size if spec.distributed else 1  # torchrun's nproc or Ray's workers
     if nproc > 1:
         # The world size decides which candidates share a step, so it decides the run (and its checkpoints).
         decides["world_size"] = nproc
@@ -126,6 +126,7 @@ def plan_run(spec: PipelineSpec, corpus: CorpusRef, manifest: ManifestRef, stude
                      learning_rate=resolve_learning_rate(config),
                      samples_per_prompt=corpus.samples_per_prompt or effective_samples_per_prompt(config),
                      resume=resume, nproc=nproc, backend=distributed.backend if distributed else "auto",
+                     ray=distributed.ray_options() if distributed else None,
                      device=device, precision=precision, gradient_checkpointing=gradient_checkpointing,
                      eval_watch=spec.eval, held_out=held_out, base_adapter=base_adapter, vllm=spec.vllm)
 

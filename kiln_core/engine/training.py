@@ -9,6 +9,8 @@
    ``kiln_core.engine.prompts.train_prompts``, always here, with the same watch); above 1
    the job is launched under ``torchrun`` (``kiln_core.training.distributed.launcher.launch``): the
    ranks read the committed materialization and write into the same run directory, rank 0 publishes;
+   with ``plan.ray`` the same job runs on a Ray cluster's workers instead
+   (``kiln_core.training.distributed.ray_launcher.launch_on_ray``; one worker included);
 4. Ctrl-C / SIGTERM (``kiln_core.training.interrupt``) and ``should_cancel`` stop the run at the next
    step boundary after a checkpoint; the result then says ``cancelled``.
 
@@ -66,12 +68,19 @@ def train(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir
         def cancel_requested() -> bool:
             return stop.is_set() or (should_cancel is not None and should_cancel())
 
+        if corpus.kind == "prompts" and plan.ray is not None:
+            from kiln_core.contracts.opd_config import ConfigError
+
+            raise ConfigError("on-policy training runs in one process, not on Ray", "distributed.engine",
+                              code="unsupported")
         if corpus.kind == "prompts":  # on-policy: rollouts, teacher scoring and steps, in this process
             from kiln_core.engine.prompts import train_prompts
 
             result = train_prompts(plan, corpus, manifest, student_dir, on_progress=on_progress,
                                    should_cancel=cancel_requested, on_step_committed=on_step_committed,
                                    eval_watch=held_out_slice(plan))
+        elif plan.ray is not None:
+            result = _launch_on_ray(plan, corpus, manifest, student_dir, on_progress, cancel_requested)
         elif plan.nproc > 1:
             result = _launch(plan, corpus, manifest, student_dir, on_progress, cancel_requested)
         else:
@@ -133,7 +142,8 @@ def distributed_job(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, s
     from kiln_core.training.student import resolve_device
 
     check_strategy(plan.strategy)
-    resolve_backend(plan.backend, resolve_device(plan.device))
+    if plan.ray is None:  # on Ray the workers' devices decide (the spec refused nccl without GPUs)
+        resolve_backend(plan.backend, resolve_device(plan.device))
     check_shared_storage(plan.run_uri, corpus.uri)
     if plan.resume is not None:  # another number of ranks than the checkpoint's is a rejection
         check_world_size(load_checkpoint(plan.run_uri, plan.resume), plan.nproc)
@@ -149,3 +159,14 @@ def _launch(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_d
     # Prefect's cancellation (launch then passes SIGTERM on to torchrun).
     return launch(job, plan.nproc, on_progress=on_progress, should_cancel=should_cancel,
                   forward_signals=False)
+
+
+def _launch_on_ray(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir: str,
+                   on_progress: Progress | None, should_cancel: Callable[[], bool]):
+    from kiln_core.training.distributed.ray_launcher import import_ray, launch_on_ray
+
+    import_ray()  # a missing package is the first thing a user hears about, before any other check
+    job = distributed_job(plan, corpus, manifest, student_dir)
+    # Ray restarts a failed worker group itself (plan.ray.max_failures); should_cancel covers Ctrl-C,
+    # SIGTERM and Prefect's cancellation: every rank stops at the next step boundary after a checkpoint.
+    return launch_on_ray(job, plan.ray, on_progress=on_progress, should_cancel=should_cancel)

@@ -24,15 +24,19 @@ __all__ = ["run_job", "main"]
 
 
 def run_job(job: DistributedJob, world: World, *, on_progress: Callable[[int, int, float], None] | None = None,
-            on_step_committed: Callable[[int], None] | None = None, handle_signals: bool = True) -> TrainResult:
-    """Train one job on this rank (called on every rank)."""
+            on_step_committed: Callable[[int], None] | None = None, handle_signals: bool = True,
+            should_cancel: Callable[[], bool] | None = None) -> TrainResult:
+    """Train one job on this rank (called on every rank: by a torchrun rank's ``main`` or a Ray worker).
+
+    ``should_cancel`` may be given on one rank only (rank 0 under Ray): the trainer asks every rank at
+    each step boundary whether any of them wants to stop."""
     from kiln_core.corpus_set import training_corpus
 
     return train_opd(job.plan, training_corpus(job.corpus), dataset_sha256=job.corpus.dataset_sha256,
                      dataset_path=job.corpus.source_uri, student_dir=job.student_dir,
                      teacher_alias=job.manifest.teacher, teacher_identity=job.manifest.teacher_identity,
                      on_progress=on_progress, on_step_committed=on_step_committed, handle_signals=handle_signals,
-                     world=world)
+                     should_cancel=should_cancel, world=world)
 
 
 def _worker_parser() -> argparse.ArgumentParser:

@@ -268,9 +268,10 @@ def build_plan(plan: TrainPlan, *, data: DataPlan, run_dir: Location, basename: 
         examples_filtered=data.examples_filtered, candidates_per_epoch=schedule.candidates_per_epoch,
         total_steps=schedule.total_steps, device=dev.type, library_versions=versions,
         base_adapter=base_adapter.receipt_record() if base_adapter is not None else None,
-        distributed=None if world.size == 1 else DistributedReceipt(
+        distributed=None if world.size == 1 and world.cluster is None else DistributedReceipt(
             world_size=world.size, backend=world.backend, strategy=world.strategy,
-            sequences_per_step_per_rank=config.sequences_per_step, sequences_per_optimizer_step=schedule.sequences_per_step))
+            sequences_per_step_per_rank=config.sequences_per_step, sequences_per_optimizer_step=schedule.sequences_per_step,
+            **(world.cluster.receipt_fields() if world.cluster is not None else {})))
     run_plan = RunPlan(run_dir=run_dir, adapter_name=adapter_name, config=config, schedule=schedule,
                        seed=contract.init_seed, learning_rate=lr, device=dev, precision=prec, contract=contract,
                        facts=facts, loaded=loaded, world=world, base_adapter=base_adapter, shards=data.shards)

@@ -19,7 +19,8 @@ How a W-process run relates to a single process (docs/architecture.md, decisions
   ``kiln_core.training.student.load_student``: shard the frozen base weights per decoder layer after
   the LoRA wrap, keep the LoRA parameters replicated and all-reduce their gradients exactly as here.
 
-The launcher (``launcher``) starts ranks under torchrun; each rank runs ``worker``.
+The launcher (``launcher``) starts ranks under torchrun, ``ray_launcher`` as Ray Train workers; each rank
+runs the engine's ``worker.run_job``.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Callable, Sequence, TypeVar
 
 import torch
 
-__all__ = ["World", "RankFailure", "init_world", "shutdown_world", "resolve_backend", "check_strategy",
+__all__ = ["World", "ClusterFacts", "RankFailure", "init_world", "shutdown_world", "resolve_backend", "check_strategy",
            "check_shared_storage", "BACKENDS"]
 
 T = TypeVar("T")
@@ -47,6 +48,24 @@ class RankFailure(RuntimeError):
 
 
 @dataclass(frozen=True)
+class ClusterFacts:
+    """Who started the ranks when it was not torchrun (the receipt's ``distributed`` block records it).
+
+    Attributes:
+        engine: ``ray``.
+        version: The engine's version (``ray.__version__``).
+        address: The cluster address the run was given, without credentials.
+    """
+
+    engine: str
+    version: str
+    address: str
+
+    def receipt_fields(self) -> dict[str, str]:
+        return {"engine": self.engine, "ray_version": self.version, "address": self.address}
+
+
+@dataclass(frozen=True)
 class World:
     """This process's place in a ``torch.distributed`` run (``World()`` = one process).
 
@@ -56,6 +75,7 @@ class World:
         local_rank: Rank on this machine (the CUDA device index under nccl).
         backend: ``gloo``/``nccl``, or None for a single process.
         strategy: ``ddp`` (replicated LoRA, all-reduced gradients).
+        cluster: The Ray cluster that started the ranks; None under torchrun or in one process.
     """
 
     rank: int = 0
@@ -63,6 +83,7 @@ class World:
     local_rank: int = 0
     backend: str | None = None
     strategy: str = "ddp"
+    cluster: ClusterFacts | None = None
 
     @property
     def is_main(self) -> bool:
