@@ -47,8 +47,7 @@ from dataclasses import dataclass
 from itertools import islice
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
-
+from kiln_core.contracts.scored_set import ScoredShard, ScoreSetResult
 from kiln_core.scoring.examples import ScoringError, ScoringExample, iter_examples
 from kiln_core.scoring.requests import encode_requests
 from kiln_core.scoring.shard_plan import (
@@ -70,44 +69,6 @@ __all__ = [
 STATE_DIR = ".kiln-flows-score"
 INDEX_NAME = "index.json"
 RECORD_FORMAT = "kiln-flows.scored-shard.v1"
-
-
-class ScoredShard(BaseModel):
-    """One shard of a scored set."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    uri: str
-    sha256: str
-    size_bytes: int
-    examples: int
-    action_tokens: int
-    first_line: int
-    """Physical line of the examples file its first example came from."""
-    resumed: bool
-    """Finished by an earlier run and kept as it was (not scored again)."""
-
-
-class ScoreSetResult(BaseModel):
-    """What a sharded scoring run wrote."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    out_uri: str
-    """The set's directory."""
-    index_uri: str
-    """The ``kiln-flows.corpus-shards.v1`` index (what ``admit`` and ``score_corpus`` name)."""
-    set_sha256: str
-    """The set digest over the ordered shard digests (``kiln_core.contracts.corpus_shards.set_sha256``)."""
-    examples: int
-    action_tokens: int
-    manifest_line: str
-    identity_revision: str
-    shard_size: int
-    shards: list[ScoredShard]
-    resumed_shards: int
-    reused_rows: int
-    """Examples whose rows were copied from an identical earlier example (this run's shards only)."""
 
 
 @dataclass(frozen=True)
