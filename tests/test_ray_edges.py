@@ -262,3 +262,41 @@ def test_importing_the_engine_and_the_cli_does_not_import_ray():
     code = ("import sys, flows.cli, flows.commands.train, kiln_core.engine.training, "
             "kiln_core.training.distributed.ray_launcher, kiln_core.training.distributed.ray_worker; print(any(m == 'ray' or m.startswith('ray.') for m in sys.modules))")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+
+
+# --- the worker's resume point (no Ray needed: one process is a World of one) ------------------------------
+
+
+def test_a_restarted_worker_group_resumes_from_the_newest_committed_checkpoint(tiny_student, tmp_path):
+    """Attempt 0 keeps the plan's resume point; a group Ray restarted takes the newest checkpoint whose
+    manifest is committed, and none when there is none."""
+    from kiln_core.contracts.checkpoint import MANIFEST_FILE
+    from kiln_core.contracts.identity import build_manifest_line
+    from kiln_core.contracts.opd_config import OpdConfig
+    from kiln_core.contracts.stage_refs import CorpusRef, ManifestRef, TrainPlan
+    from kiln_core.synthetic import synthetic_identity
+    from kiln_core.training.checkpoint import checkpoint_basename
+    from kiln_core.training.distributed.launcher import DistributedJob
+    from kiln_core.training.distributed.ray_worker import _resume_point
+    from kiln_core.training.distributed.world import World
+
+    run_dir = tmp_path / "run"
+    plan = TrainPlan.for_config(OpdConfig.model_validate({"training_mode": "off_policy", "top_k": 16}), str(run_dir),
+                                "demo")
+    identity = synthetic_identity(tiny_student)
+    corpus = CorpusRef(uri=str(tmp_path / "corpora" / "ab"), dataset_sha256="sha256:" + "0" * 64, source_uri="c.jsonl",
+                       examples=4, action_tokens=8, env_tokens=0, effective_top_k=16, teacher_identity_revision=None)
+    manifest = ManifestRef(manifest_line=build_manifest_line(identity), identity_revision="r", teacher="t",
+                           source="manifest_file")
+    job = DistributedJob(plan=plan, corpus=corpus, manifest=manifest, student_dir="student")
+    world = World()
+
+    assert _resume_point(job, world, attempt=1).plan.resume == plan.resume  # nothing committed yet
+    for step, committed in ((2, True), (4, True), (6, False)):  # step 6: written, its manifest not yet
+        directory = run_dir / checkpoint_basename("demo", step)
+        directory.mkdir(parents=True)
+        if committed:
+            (directory / MANIFEST_FILE).write_text("{}")
+    assert _resume_point(job, world, attempt=0).plan.resume == plan.resume
+    assert _resume_point(job, world, attempt=1).plan.resume == checkpoint_basename("demo", 4)
+    assert _resume_point(job, world, attempt=3).plan.resume == checkpoint_basename("demo", 4)
