@@ -197,9 +197,20 @@ def is_fast(item: pytest.Item) -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    slow_tests_per_file: dict[str, int] = {}
     for item in items:
         if is_fast(item):
             item.add_marker(pytest.mark.fast)
+        else:
+            slow_tests_per_file[str(item.path)] = slow_tests_per_file.get(str(item.path), 0) + 1
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # A parallel run hands out whole files in collection order (--dist loadfile). The files with the most
+        # slow tests go first, so the run does not end with one worker on a long file while the other idles;
+        # a file's own tests keep their order, and a one-process run keeps the plain order.
+        first_seen: dict[str, int] = {}
+        for index, item in enumerate(items):
+            first_seen.setdefault(str(item.path), index)
+        items.sort(key=lambda item: (-slow_tests_per_file.get(str(item.path), 0), first_seen[str(item.path)]))
 
 
 # ------------------------------------------------------------------------------------------ parallel workers
