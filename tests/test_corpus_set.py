@@ -19,6 +19,7 @@ from kiln_core.admission.shards import admit_shard_set, build_index
 from kiln_core.contracts.corpus_shards import set_sha256
 from kiln_core.corpus_set import ShardedCorpus, ShardLayout, combined_revision
 from kiln_core.synthetic import synthesize_corpus
+from shard_support import write_file, write_set
 
 CUTS = (3, 1, 3)
 
@@ -30,24 +31,10 @@ def corpus_lines(tiny_student, tmp_path_factory) -> list[str]:
     return path.read_text(encoding="utf-8").splitlines()
 
 
-def write_file(path: Path, lines: list[str]) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return path
-
-
-def write_set(directory: Path, lines: list[str]) -> Path:
-    start = 1
-    for number, count in enumerate(CUTS):
-        write_file(directory / f"part-{number:02d}.jsonl", [lines[0], *lines[start:start + count]])
-        start += count
-    return directory
-
-
 @pytest.fixture
 def admitted(tiny_student, corpus_lines, tmp_path):
     """(the set on disk, its admission result, the single file's tables)."""
-    directory = write_set(tmp_path / "corpus", corpus_lines)
+    directory = write_set(tmp_path / "corpus", corpus_lines, CUTS)
     result = admit_shard_set(str(directory), str(tiny_student), top_k=16, out_root=str(tmp_path / "root"))
     whole = admit_corpus(str(write_file(tmp_path / "whole.jsonl", corpus_lines)), str(tiny_student), top_k=16)
     return directory, result, whole.tables
@@ -154,7 +141,7 @@ def test_a_set_that_changed_since_it_was_fingerprinted_is_corpus_changed(admitte
 def test_fingerprint_of_a_set_is_its_set_digest_for_a_directory_and_an_index(tiny_student, corpus_lines, tmp_path):
     from kiln_core.engine.stages import fingerprint
 
-    directory = write_set(tmp_path / "corpus", corpus_lines)
+    directory = write_set(tmp_path / "corpus", corpus_lines, CUTS)
     index = directory / "corpus.index.json"
     build_index(str(index), [f"part-{n:02d}.jsonl" for n in range(3)])
     expected = set_sha256(["sha256:" + hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.glob("*.jsonl"))])
@@ -166,7 +153,7 @@ def test_fingerprint_refuses_an_index_whose_shard_is_missing_or_changed(tiny_stu
     from kiln_core.engine.stages import fingerprint
     from kiln_core.errors import AdmissionError
 
-    directory = write_set(tmp_path / "corpus", corpus_lines)
+    directory = write_set(tmp_path / "corpus", corpus_lines, CUTS)
     index = directory / "corpus.index.json"
     build_index(str(index), [f"part-{n:02d}.jsonl" for n in range(3)])
     (directory / "part-02.jsonl").write_text((directory / "part-02.jsonl").read_text() + "\n")
@@ -184,7 +171,7 @@ def test_a_held_out_corpus_sharing_a_prompt_with_any_shard_is_refused_naming_the
     from kiln_core.evaluation.corpus import check_no_overlap
     from kiln_core.evaluation.models import EvalInputError
 
-    directory = write_set(tmp_path / "corpus", corpus_lines)
+    directory = write_set(tmp_path / "corpus", corpus_lines, CUTS)
     held_out = write_file(tmp_path / "held-out.jsonl", [corpus_lines[0], corpus_lines[6]])  # shard 2's 2nd example
     with pytest.raises(EvalInputError) as refused:
         check_no_overlap(str(held_out), str(directory))

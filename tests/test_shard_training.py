@@ -18,6 +18,7 @@ import pytest
 
 from kiln_core.contracts.corpus_shards import set_sha256
 from kiln_core.synthetic import synthesize_corpus
+from shard_support import write_file, write_set
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -35,21 +36,6 @@ def corpus_lines(tiny_student, tmp_path_factory) -> list[str]:
     path = synthesize_corpus(tiny_student, tmp_path_factory.mktemp("whole") / "whole.jsonl", n_examples=sum(CUTS),
                              top_k=16, seed=7)
     return path.read_text(encoding="utf-8").splitlines()
-
-
-def write_file(path: Path, lines: list[str]) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return path
-
-
-def write_set(directory: Path, corpus_lines: list[str], cuts=CUTS) -> Path:
-    manifest, examples = corpus_lines[0], corpus_lines[1:]
-    start = 0
-    for number, count in enumerate(cuts):
-        write_file(directory / f"part-{number:02d}.jsonl", [manifest, *examples[start:start + count]])
-        start += count
-    return directory
 
 
 def spec_for(corpus: Path, root: Path, tiny_student, adapter: str = "set-run", **config):
@@ -86,7 +72,7 @@ def checkpoint_state(run_dir: Path, step: int) -> dict:
 
 def test_a_set_cut_from_one_file_trains_exactly_as_the_file(tiny_student, corpus_lines, tmp_path):
     whole = write_file(tmp_path / "whole.jsonl", corpus_lines)
-    shards = write_set(tmp_path / "corpus", corpus_lines)
+    shards = write_set(tmp_path / "corpus", corpus_lines, CUTS)
     from_file = run(spec_for(whole, tmp_path / "file-root", tiny_student))
     from_set = run(spec_for(shards, tmp_path / "set-root", tiny_student))
     assert from_file.status == from_set.status == "success"
@@ -103,7 +89,7 @@ def test_a_set_cut_from_one_file_trains_exactly_as_the_file(tiny_student, corpus
 
 
 def test_checkpoints_name_the_shard_and_row_of_the_next_candidate(tiny_student, corpus_lines, tmp_path):
-    shards = write_set(tmp_path / "corpus", corpus_lines)
+    shards = write_set(tmp_path / "corpus", corpus_lines, CUTS)
     result = run(spec_for(shards, tmp_path / "root", tiny_student))
     run_dir = Path(result.run)
     shard_digests = ["sha256:" + hashlib.sha256(p.read_bytes()).hexdigest()
@@ -118,7 +104,7 @@ def test_checkpoints_name_the_shard_and_row_of_the_next_candidate(tiny_student, 
 
 def test_a_run_interrupted_inside_a_shard_resumes_across_the_boundary_to_the_same_bytes(tiny_student, corpus_lines,
                                                                                        tmp_path):
-    shards = write_set(tmp_path / "corpus", corpus_lines)
+    shards = write_set(tmp_path / "corpus", corpus_lines, CUTS)
     straight = run(spec_for(shards, tmp_path / "straight", tiny_student))
     spec = spec_for(shards, tmp_path / "stopped", tiny_student)
     with pytest.raises(StopAt):
@@ -133,7 +119,7 @@ def test_a_run_interrupted_inside_a_shard_resumes_across_the_boundary_to_the_sam
 def test_a_set_given_by_an_index_trains_as_the_directory_does(tiny_student, corpus_lines, tmp_path):
     from kiln_core.admission.shards import build_index
 
-    shards = write_set(tmp_path / "corpus", corpus_lines)
+    shards = write_set(tmp_path / "corpus", corpus_lines, CUTS)
     index = tmp_path / "corpus" / "corpus.index.json"
     build_index(str(index), [p.name for p in sorted(shards.glob("*.jsonl"))])
     by_directory = run(spec_for(shards, tmp_path / "dir-root", tiny_student, epochs=1))
@@ -147,7 +133,7 @@ def test_a_checkpoint_whose_cursor_disagrees_with_the_set_is_refused(tiny_studen
     from kiln_core.contracts.checkpoint import ResumeError
     from kiln_core.corpus_set import ShardLayout
 
-    shards = write_set(tmp_path / "corpus", corpus_lines)
+    shards = write_set(tmp_path / "corpus", corpus_lines, CUTS)
     spec = spec_for(shards, tmp_path / "root", tiny_student)
     real_cursor = ShardLayout.cursor
     with monkeypatch.context() as patched:  # a writer that put the wrong row into its checkpoints
@@ -165,7 +151,7 @@ def test_a_shard_that_no_longer_matches_its_index_stops_the_run_before_training(
     from kiln_core.admission.shards import build_index
     from kiln_core.errors import AdmissionError
 
-    shards = write_set(tmp_path / "corpus", corpus_lines)
+    shards = write_set(tmp_path / "corpus", corpus_lines, CUTS)
     index = tmp_path / "corpus" / "corpus.index.json"
     build_index(str(index), [p.name for p in sorted(shards.glob("*.jsonl"))])
     part = shards / "part-01.jsonl"
@@ -180,7 +166,7 @@ def test_kiln_flows_train_takes_a_request_whose_dataset_path_is_a_shard_director
                                                                                   capsys):
     from flows.cli import main
 
-    write_set(tmp_path / "corpus", corpus_lines)
+    write_set(tmp_path / "corpus", corpus_lines, CUTS)
     whole = write_file(tmp_path / "whole.jsonl", corpus_lines)
     write_file(tmp_path / "teacher-manifest.jsonl", corpus_lines[:1])
     request = tmp_path / "request.json"
@@ -204,7 +190,7 @@ def test_the_opd_distill_flow_admits_a_set_with_one_task_per_shard(prefect_harne
 
     from flows.opd_distill import opd_distill
 
-    shards = write_set(tmp_path / "corpus", corpus_lines)
+    shards = write_set(tmp_path / "corpus", corpus_lines, CUTS)
     spec = spec_for(shards, tmp_path / "root", tiny_student, epochs=1)
     spec = spec.model_copy(update={"options": spec.options.model_copy(update={"admit_workers": 2})})
     state = opd_distill(spec, return_state=True)
@@ -223,7 +209,7 @@ def spec_set_digest(directory: Path) -> str:
 
 def test_two_torchrun_ranks_read_the_set_as_they_read_the_file(tiny_student, corpus_lines, tmp_path):
     """Every rank opens the set and reads the shard its block falls in: the same bytes as the file's 2-rank run."""
-    shards = write_set(tmp_path / "corpus", corpus_lines)
+    shards = write_set(tmp_path / "corpus", corpus_lines, CUTS)
     whole = write_file(tmp_path / "whole.jsonl", corpus_lines)
 
     def two_ranks(corpus: Path, root: Path):
