@@ -14,6 +14,7 @@ order (only the run's data digests differ: a set is bound by its set digest).
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import hashlib
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -140,12 +141,7 @@ class ShardedCorpus:
     def example(self, i: int) -> TrainingExample:
         """The set's example ``i`` (its ``index`` is ``i``; its ``line`` the line in its shard)."""
         shard, row = self.layout.locate(i)
-        example = self.shard(shard).example(row)
-        return TrainingExample(index=i, line=example.line, input_ids=example.input_ids,
-                               action_positions=example.action_positions, env_positions=example.env_positions,
-                               env_in_warning_prefix=example.env_in_warning_prefix, teacher_ids=example.teacher_ids,
-                               teacher_logprobs=example.teacher_logprobs,
-                               observation_tokens=example.observation_tokens)
+        return dataclasses.replace(self.shard(shard).example(row), index=i)
 
     def shards(self) -> Iterator[CorpusTables]:
         """Every shard's tables in set order, one in memory at a time."""
