@@ -142,6 +142,8 @@ def test_a_killed_worker_is_restarted_by_ray_and_the_run_ends_with_the_uninterru
 
     from kiln_core.contracts.spec_blocks import RayOptions
     from kiln_core.engine.run_request import prepare_train_request
+    from kiln_core.storage import resolve
+    from kiln_core.training.checkpoint import latest_checkpoint
     from kiln_core.training.distributed.ray_launcher import launch_on_ray
 
     prepared = prepare_train_request(str(request_dir / "request.json"), adapter="demo", student_dir=str(tiny_student),
@@ -150,8 +152,12 @@ def test_a_killed_worker_is_restarted_by_ray_and_the_run_ends_with_the_uninterru
     killed: list[int] = []
 
     def kill_a_worker_once(step: int, total: int, loss: float) -> None:
-        """Once a checkpoint is committed, SIGKILL one worker process, as an OOM killer or a lost node would."""
-        if not killed and step >= 2:
+        """Once a checkpoint is committed, SIGKILL one worker process, as an OOM killer or a lost node would.
+
+        Rank 0 reports a step before that step's checkpoint is written, so the step number alone does not say a
+        checkpoint is committed (CI once killed rank 0 while it wrote its first one): the run directory does.
+        """
+        if not killed and latest_checkpoint(resolve(job.plan.run_uri), job.plan.adapter) is not None:
             victims = ray_train_workers()
             assert len(victims) == 2, victims
             victims[-1].send_signal(signal.SIGKILL)
