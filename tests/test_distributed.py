@@ -239,17 +239,17 @@ def test_fsdp_and_nccl_on_cpu_are_refused():
     from kiln_core.contracts.opd_config import ConfigError
     from kiln_core.training.distributed.world import check_strategy, resolve_backend
 
-    with pytest.raises(ConfigError, match="fsdp is not implemented") as caught:
-        check_strategy("fsdp")
-    assert caught.value.code == "unsupported_strategy"
+    with pytest.raises(ConfigError, match="fsdp shards the student across GPUs and is refused on CPU") as caught:
+        check_strategy("fsdp", torch.device("cpu"), 2)
+    assert (caught.value.code, caught.value.field) == ("unsupported_strategy", "distributed.strategy")
     with pytest.raises(ConfigError, match="nccl backend needs CUDA"):
         resolve_backend("nccl", torch.device("cpu"))
     assert resolve_backend("auto", torch.device("cpu")) == "gloo" and resolve_backend("auto", torch.device("cuda")) == "nccl"
     base = {"teacher": {"kind": "local_dir", "path": "./teacher"}, "corpus": "c.jsonl", "student": "s", "adapter": "a"}
     assert parse_spec(base).distributed is None
     assert parse_spec({**base, "distributed": {"nproc": 4}}).distributed.model_dump() == {"nproc": 4, "backend": "auto", "strategy": "ddp"}
-    with pytest.raises(SpecError, match="`distributed.strategy`: fsdp is not implemented"):
-        parse_spec({**base, "distributed": {"nproc": 2, "strategy": "fsdp"}})
+    with pytest.raises(SpecError, match="`distributed.strategy`: fsdp shards the student across two or more ranks"):
+        parse_spec({**base, "distributed": {"nproc": 1, "strategy": "fsdp"}})
 
 
 def test_cli_nproc_2_end_to_end(tiny_student, tmp_path, capsys):

@@ -52,7 +52,9 @@ Several processes on this machine (data parallel on ``torch.distributed``)::
 validates and admits here, then launches ``python -m torch.distributed.run --standalone
 --nproc-per-node 4 -m kiln_core.engine.worker`` (gloo on CPU, nccl on CUDA: one GPU per rank).
 Each optimizer step takes ``4 × sequences_per_step`` candidates; rank 0 publishes checkpoints, the
-adapter and the receipt. A checkpoint resumes only with the ``--nproc`` that wrote it.
+adapter and the receipt. A checkpoint resumes only with the ``--nproc`` that wrote it. With
+``--strategy fsdp`` (GPUs only) the student's base weights are sharded across the ranks instead of
+copied to each, for students that do not fit one GPU; the adapter is the one ddp trains.
 
 On a Ray cluster (``pip install 'kiln-flows[ray]'``; docs/distributed.md)::
 
@@ -90,6 +92,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "optimizer step takes N × sequences_per_step candidates")
     parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
                         help="torch.distributed backend with --nproc > 1 (default: gloo on cpu, nccl on cuda)")
+    parser.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp",
+                        help="with --nproc > 1 or --ray: ddp (every rank holds the whole student) or fsdp (the "
+                        "student's base weights sharded across the ranks' GPUs; same adapter; needs GPUs)")
     parser.add_argument("--ray", metavar="ADDRESS",
                         help="train on a Ray cluster instead: local (a Ray instance on this machine for the run), "
                         "auto (the running cluster, RAY_ADDRESS) or ray://host:10001; needs kiln-flows[ray]")
@@ -156,6 +161,8 @@ def resume_command(args: argparse.Namespace, checkpoint: str) -> str:
             argv.append("--stop-on-divergence")
     if args.nproc != 1:
         argv += ["--nproc", str(args.nproc), "--backend", args.backend]
+    if getattr(args, "strategy", "ddp") != "ddp":
+        argv += ["--strategy", args.strategy]
     if args.ray is not None:
         argv += ["--ray", args.ray]
         for flag, value in (("--workers", args.workers), ("--gpus-per-worker", args.gpus_per_worker),
@@ -180,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
                                  resume_checkpoint=args.resume_checkpoint, nproc=args.nproc, backend=args.backend,
                                  eval_watch=watch_from_arguments(args), vllm=vllm_from_arguments(args),
                                  kiln_lenient=args.kiln_lenient, admit_workers=args.admit_workers,
-                                 ray=ray_from_arguments(args))
+                                 ray=ray_from_arguments(args), strategy=args.strategy)
     for warning in prepared.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     bar = _ProgressBar(enabled=not (args.quiet or args.json), config=prepared.spec.config)

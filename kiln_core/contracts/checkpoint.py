@@ -336,6 +336,8 @@ class KilnFlowsState(BaseModel):
     Attributes:
         world_size: Processes that wrote the checkpoint; each optimizer step takes
             ``world_size × sequences_per_step`` candidates, so a resume needs the same number.
+        strategy: ``ddp`` or ``fsdp``, for people: both write the same files (the LoRA is replicated
+            under either), so a checkpoint of one resumes under the other.
         sequences_per_step: Candidates per rank per optimizer step (our extension; Kiln: 1).
         loss: The loss actually trained (``teacher_top_k_tail`` is our extension; the manifest's
             effective config names the Kiln loss it extends).
@@ -352,7 +354,7 @@ class KilnFlowsState(BaseModel):
     kiln_flows_version: str
     world_size: int = Field(ge=1)
     backend: str | None
-    strategy: Literal["ddp"] = "ddp"
+    strategy: Literal["ddp", "fsdp"] = "ddp"
     sequences_per_step: int = Field(ge=1)
     optimizer_steps_total: int = Field(ge=1)
     loss: Literal["teacher_top_k", "teacher_top_k_tail"]

@@ -328,6 +328,9 @@ def unknown_config_keys(value: Any) -> list[UnknownKey]:
     return find_unknown_keys(value, OpdConfig, prefix="config.", owners={OpdConfig: "Kiln's OpdConfig"})
 
 
+_RULE_CODES = {"adapter": "invalid_adapter_name", "distributed.strategy": "unsupported_strategy"}
+
+
 def parse_spec(value: Any, *, file: str | None = None) -> PipelineSpec:
     """Validate a spec from a dict, naming the first invalid field.
 
@@ -346,8 +349,8 @@ def parse_spec(value: Any, *, file: str | None = None) -> PipelineSpec:
             named = message[1:message.index("`", 1)]
             field = named if not where or named.startswith(where) else f"{where}.{named}"
             rest = message[len(named) + 2:]
-            # one code for the one name rule, whether a request, a spec or the CLI breaks it
-            code = "invalid_adapter_name" if field == "adapter" else "invalid_spec"
+            # one code for one rule, whether a request, a spec, the CLI or the training stage breaks it
+            code = _RULE_CODES.get(field, "invalid_spec")
             raise SpecError(f"invalid pipeline spec: `{field}`{rest}", field, code=code, file=file) from None
         raise SpecError(f"invalid pipeline spec: `{where or 'spec'}`: {message}", where or None, file=file) from None
 

@@ -230,12 +230,26 @@ class LoraGradNormSummary(_Receipt):
     max: float
 
 
+class ShardingReceipt(_Receipt):
+    """Ours, ``strategy: fsdp``: what FSDP sharded, as rank 0 saw it (parameter element counts)."""
+
+    sharded_modules: int
+    """FSDP units: every decoder layer, plus the decoder itself (embeddings, final norm)."""
+    sharded_parameters: int
+    """Base weight elements split across the ranks (the whole model's count)."""
+    sharded_parameters_on_rank_0: int
+    """Of those, the elements rank 0 held: about ``sharded_parameters / world_size``."""
+    replicated_parameters: int
+    """Elements every rank holds whole: the LoRA parameters and the LM head."""
+
+
 class DistributedReceipt(_Receipt):
     """Ours: present only for a multi-process run (or any run on Ray); runtime figures above are rank 0's."""
 
     world_size: int
     backend: str | None
     strategy: str
+    """``ddp`` or ``fsdp`` (``kiln_core.training.distributed.fsdp``)."""
     sequences_per_step_per_rank: int
     sequences_per_optimizer_step: int
     engine: str | None = Field(default=None, exclude_if=_omit_none)
@@ -244,6 +258,8 @@ class DistributedReceipt(_Receipt):
     address: str | None = Field(default=None, exclude_if=_omit_none)
     """The Ray cluster address as the run was given it (``local``, ``auto``, ``ray://host:port``); never
     credentials (the spec refuses a ``user:password@`` part)."""
+    fsdp: ShardingReceipt | None = Field(default=None, exclude_if=_omit_none)
+    """What FSDP sharded (``strategy: fsdp`` only; absent for ddp, whose receipts are unchanged)."""
 
 
 class TrainReceipt(_Receipt):

@@ -135,6 +135,10 @@ class RayOptions(BaseModel):
         return self.address == "local"
 
 
+_FSDP_ONE_RANK = ("`distributed.strategy`: fsdp shards the student across two or more ranks; with one there is "
+                  "nothing to shard: use ddp, or more ranks")
+
+
 class DistributedOptions(BaseModel):
     """Data-parallel training on several processes: on one machine through ``torchrun`` (``engine:
     torchrun``, ``nproc`` ranks), or on a Ray cluster (``engine: ray``, ``workers`` ranks).
@@ -164,8 +168,9 @@ class DistributedOptions(BaseModel):
     )
     strategy: Literal["ddp", "fsdp"] = Field(
         default="ddp",
-        description="ddp: the LoRA adapter is replicated and its gradients all-reduced; fsdp is not implemented "
-        "yet (and refused on CPU). Default: ddp.",
+        description="ddp: every rank holds the whole student, the LoRA gradients are all-reduced; fsdp: the "
+        "student's base weights are sharded across the ranks' GPUs (for students that do not fit one GPU), the "
+        "LoRA replicated as under ddp — same adapter; needs GPUs and two or more ranks. Default: ddp.",
     )
     address: str | None = Field(
         default=None, exclude_if=_is_none,
@@ -188,9 +193,9 @@ class DistributedOptions(BaseModel):
             if ray_fields:
                 raise ValueError(f"`distributed.{ray_fields[0]}`: only for engine ray (torchrun uses nproc); "
                                  "add `engine: ray` or remove it")
-            if self.strategy == "fsdp":
-                # Where FSDP would plug in: kiln_core/training/distributed/world.py (module docstring).
-                raise ValueError("`distributed.strategy`: fsdp is not implemented; use ddp")
+            if self.strategy == "fsdp" and self.nproc < 2:
+                raise ValueError(_FSDP_ONE_RANK)
+            # fsdp on CPU: the training stage refuses it once the device is resolved (check_strategy).
             return self
         if self.nproc != 1:
             raise ValueError("`distributed.nproc`: engine ray counts ranks with `workers`, not nproc")
@@ -200,8 +205,9 @@ class DistributedOptions(BaseModel):
         if self.strategy == "fsdp":
             if gpus == 0:
                 raise ValueError("`distributed.strategy`: fsdp shards the student across GPUs and is refused on CPU "
-                                 "(gpus_per_worker: 0); use ddp")
-            raise ValueError("`distributed.strategy`: fsdp is not implemented; use ddp")
+                                 "(gpus_per_worker: 0); use ddp (it trains the same adapter)")
+            if self.workers < 2:
+                raise ValueError(_FSDP_ONE_RANK)
         if self.backend == "nccl" and gpus == 0:
             raise ValueError("`distributed.backend`: nccl needs GPUs (gpus_per_worker: 0 trains on CPU); use gloo or auto")
         if self.address is not None:

@@ -125,7 +125,11 @@ class TrainPlan(_Ref):
     resume: str | None = "latest"
     nproc: int = 1
     backend: Literal["auto", "gloo", "nccl"] = "auto"
-    strategy: Literal["ddp"] = "ddp"
+    strategy: Literal["ddp", "fsdp"] = "ddp"
+    """``distributed.strategy``: ``fsdp`` shards the student's base weights across the ranks
+    (``kiln_core.training.distributed.fsdp``). Not part of the run's identity: it trains the same bytes as
+    ddp of the same world size (the world size is in the run key), and a checkpoint of either resumes
+    under the other (same files: the LoRA, its optimizer state and the generator states are replicated)."""
     device: Literal["cpu", "cuda"] | None = None
     precision: Literal["fp32", "bf16"] | None = None
     gradient_checkpointing: bool = False

@@ -167,7 +167,8 @@ def teacher_source(teacher: str, request_path: str, registry_root: str) -> Teach
 def spec_from_request(request_path: str, *, adapter: str, student_dir: str, out_root: str = "./kiln-data",
                       resume_checkpoint: str | None = None, nproc: int = 1, backend: str = "auto",
                       eval_watch: dict | None = None, vllm: dict | None = None,
-                      kiln_lenient: bool = False, admit_workers: int = 1, ray: dict | None = None) -> RequestRun:
+                      kiln_lenient: bool = False, admit_workers: int = 1, ray: dict | None = None,
+                      strategy: str = "ddp") -> RequestRun:
     """Validate a request file and build the spec ``run_pipeline`` trains (nothing is read but the request;
     an on-policy request's inline prompts are written to ``<out_root>/prompts/<digest>.jsonl``).
 
@@ -179,6 +180,7 @@ def spec_from_request(request_path: str, *, adapter: str, student_dir: str, out_
     ``dataset_path`` names a set of shards (a directory or an index). ``ray`` (``--ray ADDRESS --workers N``):
     the Ray fields of the spec's ``distributed`` block (``address``, ``workers``, ``gpus_per_worker``,
     ``max_failures``); training then runs on that Ray cluster instead of here or under torchrun.
+    ``strategy`` (``--strategy``): ``distributed.strategy`` (``fsdp``: two or more ranks on GPUs).
 
     Raises:
         ConfigError: the request (``invalid_request`` for an unknown key), the adapter name (``invalid_adapter_name``), ``nproc``, the watch
@@ -212,6 +214,9 @@ def spec_from_request(request_path: str, *, adapter: str, student_dir: str, out_
     watch = parse_eval_watch(eval_watch) if eval_watch is not None else None
     if request.prompts and ray is not None:
         raise ConfigError("on-policy training runs in one process, not on Ray; remove --ray", "ray", code="unsupported")
+    if request.prompts and strategy != "ddp":
+        raise ConfigError(f"on-policy training runs in one process; --strategy {strategy} needs several",
+                          "distributed.strategy", code="unsupported_strategy")
     if request.prompts:
         return RequestRun(spec=_on_policy_spec(request, teacher, post_eval, watch, adapter=adapter,
                                                student_dir=student_dir, out_root=out_root, nproc=nproc,
@@ -224,7 +229,7 @@ def spec_from_request(request_path: str, *, adapter: str, student_dir: str, out_
         "storage_root": out_root,
         "adapter": adapter,
         "config": config,  # already validated with Kiln's rules
-        "distributed": _distributed_block(nproc, backend, ray),
+        "distributed": _distributed_block(nproc, backend, ray, strategy),
         "post_eval": post_eval,
         "eval": watch,
         "vllm": vllm,  # refused (invalid_spec): a corpus is already scored
@@ -233,10 +238,14 @@ def spec_from_request(request_path: str, *, adapter: str, student_dir: str, out_
     return RequestRun(spec=spec, resume=resume, warnings=warnings, ignored_keys=ignored)
 
 
-def _distributed_block(nproc: int, backend: str, ray: dict | None) -> dict | None:
-    """The spec's ``distributed`` block: Ray's fields with ``--ray``, torchrun's above one process, else none."""
+def _distributed_block(nproc: int, backend: str, ray: dict | None, strategy: str = "ddp") -> dict | None:
+    """The spec's ``distributed`` block: Ray's fields with ``--ray``, torchrun's above one process or with a
+    strategy other than ddp (validated with the spec: fsdp with one process is refused there), else none."""
     if ray is not None:
-        return {"engine": "ray", "backend": backend, **{key: value for key, value in ray.items() if value is not None}}
+        return {"engine": "ray", "backend": backend, "strategy": strategy,
+                **{key: value for key, value in ray.items() if value is not None}}
+    if strategy != "ddp":
+        return {"nproc": nproc, "backend": backend, "strategy": strategy}
     return DistributedOptions(nproc=nproc, backend=backend) if nproc > 1 else None
 
 

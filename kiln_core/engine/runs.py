@@ -103,6 +103,8 @@ def plan_run(spec: PipelineSpec, corpus: CorpusRef, manifest: ManifestRef, stude
     nproc = spec.distributed.world_size if spec.distributed else 1  # torchrun's nproc or Ray's workers
     if nproc > 1:
         # The world size decides which candidates share a step, so it decides the run (and its checkpoints).
+        # The strategy does not: fsdp trains the bytes ddp trains at the same world size, and a checkpoint
+        # of either resumes under the other (kiln_core.training.distributed.fsdp).
         decides["world_size"] = nproc
     if base_adapter is not None:
         # The warm start's content, not just its name: a base adapter re-published under the same name
@@ -126,6 +128,7 @@ def plan_run(spec: PipelineSpec, corpus: CorpusRef, manifest: ManifestRef, stude
                      learning_rate=resolve_learning_rate(config),
                      samples_per_prompt=corpus.samples_per_prompt or effective_samples_per_prompt(config),
                      resume=resume, nproc=nproc, backend=distributed.backend if distributed else "auto",
+                     strategy=distributed.strategy if distributed else "ddp",
                      ray=distributed.ray_options() if distributed else None,
                      device=device, precision=precision, gradient_checkpointing=gradient_checkpointing,
                      eval_watch=spec.eval, held_out=held_out, base_adapter=base_adapter, vllm=spec.vllm)

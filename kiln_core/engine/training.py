@@ -58,6 +58,9 @@ def train(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir
         >>> ref.status  # doctest: +SKIP
         'success'
     """
+    from kiln_core.training.distributed.world import check_strategy
+
+    check_strategy(plan.strategy, world_size=plan.nproc)  # fsdp with one process: nothing to shard
     run = resolve(plan.run_uri)
     finished = finished_run(run, plan.adapter) if plan.run_key == plan.inputs_key else None
     if finished is not None:
@@ -141,9 +144,13 @@ def distributed_job(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, s
     from kiln_core.training.distributed.world import check_shared_storage, check_strategy, resolve_backend
     from kiln_core.training.student import resolve_device
 
-    check_strategy(plan.strategy)
+    # The workers' device: on Ray, GPUs per worker decide; under torchrun, the plan's device (else CUDA when
+    # this machine has it). fsdp on CPU is refused here, not on the ranks, which stay able to run it (tests).
+    device = (resolve_device("cuda" if plan.ray.gpus_per_worker > 0 else "cpu") if plan.ray is not None
+              else resolve_device(plan.device))
+    check_strategy(plan.strategy, device, plan.nproc)
     if plan.ray is None:  # on Ray the workers' devices decide (the spec refused nccl without GPUs)
-        resolve_backend(plan.backend, resolve_device(plan.device))
+        resolve_backend(plan.backend, device)
     check_shared_storage(plan.run_uri, corpus.uri)
     if plan.resume is not None:  # another number of ranks than the checkpoint's is a rejection
         check_world_size(load_checkpoint(plan.run_uri, plan.resume), plan.nproc)

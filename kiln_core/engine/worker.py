@@ -79,8 +79,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     job = DistributedJob.model_validate_json(Path(args.job).read_text(encoding="utf-8")) if args.job else None
     device = job.plan.device if job else args.device
     backend = job.plan.backend if job else args.backend
+    strategy = job.plan.strategy if job else "ddp"  # the request form has no strategy flag: ddp
     try:
-        world = init_world(backend, device)
+        world = init_world(backend, device, strategy)
     except Exception as error:  # noqa: BLE001 - reported like any other rejection
         return _report(World(rank=int(os.environ.get("RANK", "0"))), args.result, error)
     try:

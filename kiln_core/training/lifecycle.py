@@ -72,7 +72,8 @@ def new_progress(plan: RunPlan) -> LoopProgress:
 
 def start_student(plan: RunPlan, student_dir: str, progress: LoopProgress, *, gradient_checkpointing: bool,
                   clock: Clock) -> tuple[Student, torch.optim.Optimizer]:
-    """Load the student with its seeded LoRA and build the optimizer; on resume, restore every state
+    """Load the student with its seeded LoRA (its base weights sharded under ``strategy: fsdp``) and build
+    the optimizer; on resume, restore every state
     (``progress`` takes the checkpoint's loop counters in place); on a fresh warm-started run, copy the
     base adapter's LoRA weights in (weights only: the optimizer state and RNG streams start fresh, as
     Kiln's warm start does). A resumed run never reloads the base adapter: the checkpoint holds the LoRA.
@@ -86,6 +87,12 @@ def start_student(plan: RunPlan, student_dir: str, progress: LoopProgress, *, gr
         student = load_student(student_dir, rank=config.lora_rank, alpha=config.lora_alpha, seed=plan.seed,
                                device=plan.device.type, precision=plan.precision,
                                gradient_checkpointing=gradient_checkpointing)
+        if plan.world.strategy == "fsdp" and plan.world.size > 1:
+            # Shard the frozen base weights across the ranks; the LoRA parameters stay plain replicated
+            # tensors, so everything below (resume, warm start, optimizer) is the same as under ddp.
+            from kiln_core.training.distributed.fsdp import shard_student
+
+            student.sharding = shard_student(student, plan.world).receipt_fields()
         optimizer = build_optimizer(config.optimizer, student.lora_parameters, plan.learning_rate)
         _seed_everything(plan.seed)
         loaded = plan.loaded
@@ -167,7 +174,7 @@ def write_checkpoint(plan: RunPlan, student: Student, optimizer: torch.optim.Opt
         from kiln_core import __version__
 
         extension = KilnFlowsState(
-            kiln_flows_version=__version__, world_size=world.size, backend=world.backend,
+            kiln_flows_version=__version__, world_size=world.size, backend=world.backend, strategy=world.strategy,
             sequences_per_step=contract.sequences_per_step, optimizer_steps_total=contract.optimizer_steps_total,
             loss=contract.loss, rank_rng=[RankRngState.model_validate_json(state) for state in states],
             eval_curve=eval_curve, data_cursor=plan.data_cursor(progress.global_step))

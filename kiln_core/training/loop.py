@@ -120,6 +120,7 @@ def run_training(plan: RunPlan, source: CandidateSource, *, student_dir: str, cl
         # ---- 1. setup: fresh seeded student and optimizer; a resume then overwrites every state
         student, optimizer = start_student(plan, student_dir, progress, gradient_checkpointing=gradient_checkpointing,
                                            clock=clock)
+        outcome.sharding = student.sharding
         watch = None
         if eval_watch is not None:  # a baseline evaluation now, or the curve of the checkpoint resumed
             watch = HeldOutWatch.start(eval_watch, plan.loaded, outcome, student, progress, clock, on_eval)

@@ -47,6 +47,7 @@ from kiln_core.contracts.receipt import (
     OpdReceipt,
     PhaseTimingsReceipt,
     RuntimeReceipt,
+    ShardingReceipt,
     TokenizerReceipt,
     TrainingDataReceipt,
     TrainReceipt,
@@ -142,6 +143,8 @@ class RunOutcome:
     """Ours, on-policy: what scored them (``local``; ``vllm``)."""
     publish_guard: dict[str, Any] | None = None
     """Ours: the publish guard's block (``kiln_core.training.publish_guard``), once it ran or was turned off."""
+    sharding: dict[str, int] | None = None
+    """Ours, ``strategy: fsdp``: rank 0's view of the sharded base weights (the receipt's ``distributed.fsdp``)."""
 
 
 def _prefixed(raw_hex: str | None) -> str | None:
@@ -214,11 +217,18 @@ def build_receipt(facts: RunFacts, outcome: RunOutcome) -> TrainReceipt:
         loss_history=list(outcome.loss_history),
         phase_timings_ms={key: round(value, 3) for key, value in timings.items()},
         library_versions=dict(facts.library_versions),
-        distributed=facts.distributed,
+        distributed=_distributed_receipt(facts.distributed, outcome.sharding),
         stop_reason=outcome.stop_reason,
         eval_curve=outcome.eval_curve,
         publish_guard=outcome.publish_guard,
     )
+
+
+def _distributed_receipt(planned: DistributedReceipt | None, sharding: dict[str, int] | None) -> DistributedReceipt | None:
+    """The planned ``distributed`` block, with what FSDP sharded once the student loaded (``fsdp`` only)."""
+    if planned is None or sharding is None:
+        return planned
+    return planned.model_copy(update={"fsdp": ShardingReceipt(**sharding)})
 
 
 def _echo_receipt(echo: EchoConfig | None, outcome: RunOutcome) -> EchoReceipt:

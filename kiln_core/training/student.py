@@ -81,12 +81,15 @@ class Student:
         device: Where it runs.
         precision: ``fp32`` or ``bf16``.
         lora_parameters: Trainable parameters by stable name, in sorted name order.
+        sharding: With ``strategy: fsdp``, this rank's view of the sharded base weights
+            (``distributed.fsdp.ShardingReport.receipt_fields``); None when the student is whole.
     """
 
     model: Any
     device: torch.device
     precision: str
     lora_parameters: dict[str, torch.nn.Parameter]
+    sharding: dict[str, int] | None = None
 
     @property
     def head(self) -> torch.nn.Module:

@@ -15,9 +15,11 @@ How a W-process run relates to a single process (docs/architecture.md, decisions
 * **Rank 0 publishes** checkpoints, the adapter and the receipt (``publish_on_main``); every rank's
   generator states go into the checkpoint's extension file and are restored per rank.
 * **Backends**: ``gloo`` on CPU, ``nccl`` on CUDA (each rank uses ``cuda:<LOCAL_RANK>``).
-* **FSDP** is not implemented (``strategy: fsdp`` is refused). It would plug in at
-  ``kiln_core.training.student.load_student``: shard the frozen base weights per decoder layer after
-  the LoRA wrap, keep the LoRA parameters replicated and all-reduce their gradients exactly as here.
+* **FSDP** (``strategy: fsdp``, ``distributed.fsdp.shard_student``): for students that do not fit one
+  GPU, the frozen base weights are sharded per decoder layer after the LoRA wrap (FSDP2
+  ``fully_shard``); the LoRA parameters stay replicated and their gradients are all-reduced exactly as
+  here, so the step's math, the checkpoint files and the adapter are those of ``ddp``. Refused on CPU
+  and with one rank at the front (``check_strategy``).
 
 The launcher (``launcher``) starts ranks under torchrun, ``ray_launcher`` as Ray Train workers; each rank
 runs the engine's ``worker.run_job``.
@@ -74,7 +76,8 @@ class World:
         size: World size W.
         local_rank: Rank on this machine (the CUDA device index under nccl).
         backend: ``gloo``/``nccl``, or None for a single process.
-        strategy: ``ddp`` (replicated LoRA, all-reduced gradients).
+        strategy: ``ddp`` (replicated student, all-reduced LoRA gradients) or ``fsdp`` (base weights
+            sharded across the ranks, the LoRA replicated as under ddp).
         cluster: The Ray cluster that started the ranks; None under torchrun or in one process.
     """
 
@@ -221,16 +224,30 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
     return backend
 
 
-def check_strategy(strategy: str | None) -> str:
-    """``ddp`` is implemented; ``fsdp`` is refused with a clear error (see the module docstring)."""
+def check_strategy(strategy: str | None, device: torch.device | None = None, world_size: int | None = None) -> str:
+    """The strategy name, checked; ``fsdp`` is refused where there is nothing to gain from it.
+
+    The front of a run (spec validation, the training stage) passes the resolved ``device`` and the
+    ``world_size``; a rank (``init_world``) checks the name only, so the fsdp code path stays reachable
+    on CPU for tests below the front refusal.
+
+    Raises:
+        ConfigError: ``unsupported_strategy`` on ``distributed.strategy`` — fsdp on CPU (sharding saves
+            GPU memory; on CPU ddp trains the same adapter), fsdp with one rank (nothing to shard);
+            ``invalid_config`` for an unknown name.
+    """
     from kiln_core.contracts.opd_config import ConfigError
 
     strategy = strategy or "ddp"
-    if strategy == "fsdp":
-        raise ConfigError("distributed strategy fsdp is not implemented; use ddp (the LoRA adapter is replicated on "
-                          "every rank and its gradients all-reduced)", "distributed.strategy", code="unsupported_strategy")
-    if strategy != "ddp":
+    if strategy not in STRATEGIES:
         raise ConfigError(f"distributed strategy must be ddp or fsdp; got {strategy!r}", "distributed.strategy")
+    if strategy == "fsdp" and device is not None and device.type != "cuda":
+        raise ConfigError("distributed strategy fsdp shards the student across GPUs and is refused on CPU; use ddp "
+                          "(it trains the same adapter)", "distributed.strategy", code="unsupported_strategy")
+    if strategy == "fsdp" and world_size is not None and world_size < 2:
+        raise ConfigError("distributed strategy fsdp needs two or more ranks to shard the student across; with one "
+                          "process use ddp (or more processes/workers)", "distributed.strategy",
+                          code="unsupported_strategy")
     return strategy
 
 
@@ -238,13 +255,14 @@ def init_world(backend: str | None = "auto", device: str | None = None, strategy
     """Join the process group described by torchrun's environment (``RANK``, ``WORLD_SIZE``,
     ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``); one process without it.
 
-    Under nccl the rank's CUDA device is set to ``cuda:<LOCAL_RANK>`` first.
+    Under nccl the rank's CUDA device is set to ``cuda:<LOCAL_RANK>`` first. ``strategy`` is the plan's
+    (``fsdp`` needs two or more ranks; its device is checked at the front, not here).
     """
     from kiln_core.contracts.opd_config import ConfigError
     from kiln_core.training.student import resolve_device
 
     size = int(os.environ.get("WORLD_SIZE", "1"))
-    check_strategy(strategy)
+    check_strategy(strategy, world_size=size)
     if size <= 1:
         return World()
     dev = resolve_device(device)
