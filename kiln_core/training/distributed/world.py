@@ -245,8 +245,8 @@ def check_strategy(strategy: str | None, device: torch.device | None = None, wor
         raise ConfigError("distributed strategy fsdp shards the student across GPUs and is refused on CPU; use ddp "
                           "(it trains the same adapter)", "distributed.strategy", code="unsupported_strategy")
     if strategy == "fsdp" and world_size is not None and world_size < 2:
-        raise ConfigError("distributed strategy fsdp needs two or more ranks to shard the student across; with one "
-                          "process use ddp (or more processes/workers)", "distributed.strategy",
+        raise ConfigError("distributed strategy fsdp shards the student across two or more ranks; with one there is "
+                          "nothing to shard: use ddp, or more processes/workers", "distributed.strategy",
                           code="unsupported_strategy")
     return strategy
 
