@@ -136,9 +136,14 @@ def train_step_distributed(student: Student, optimizer: torch.optim.Optimizer,
     Per-candidate losses, token counts and ECHO values are gathered first, so every rank checks and
     records them in candidate order, exactly as one process would (a non-finite loss stops every rank
     at the same candidate, before any update).
+
+    Under ``strategy: fsdp`` every forward and backward all-gathers the sharded base weights, so every
+    rank runs ``sequences_per_step`` of each: a slot without a candidate (the short last group) and a
+    non-finite loss still run one, whose LoRA gradients are discarded (``_collective_pass``).
     """
     world = plan.world
     per_rank = plan.config.sequences_per_step
+    sharded = world.strategy == "fsdp" and world.size > 1
     optimizer.zero_grad(set_to_none=True)
     rows = torch.zeros(per_rank, _STAT_COLUMNS, dtype=torch.float64)
     block = world.shard(range(len(examples)), per_rank)
@@ -147,8 +152,13 @@ def train_step_distributed(student: Student, optimizer: torch.optim.Optimizer,
         value = float(loss.detach())
         if math.isfinite(value):  # a non-finite loss is reported below, on every rank alike
             _backward(loss, len(examples), plan.config, clock, student.device)
+        elif sharded:
+            _collective_pass(student, loss, clock)
         rows[slot] = torch.tensor([1.0, value, 0.0 if env_ce is None else 1.0, env_ce or 0.0,
                                    *(counts[key] for key in TOKEN_COUNT_KEYS)], dtype=torch.float64)
+    for _ in range(per_rank - len(block) if sharded else 0):  # an idle slot joins the all-gathers all the same
+        loss, _, _ = _forward(student, examples[0][1], plan, clock)
+        _collective_pass(student, loss, clock)
     with clock.phase("all_reduce"):
         gathered = world.all_gather_rows(rows)  # [W, sequences_per_step, columns], rank-major = candidate order
     losses = []
@@ -162,6 +172,19 @@ def train_step_distributed(student: Student, optimizer: torch.optim.Optimizer,
     with clock.phase("all_reduce"):
         world.all_reduce_gradients_(list(student.lora_parameters.values()))
     return _apply_update(student, optimizer, progress, losses, clock)
+
+
+def _collective_pass(student: Student, loss: torch.Tensor, clock: Clock) -> None:
+    """Backward through ``loss`` for its collectives only (FSDP's all-gathers): the LoRA gradients it would
+    add are discarded, so the gradients already accumulated stay bit for bit what they were."""
+    params = list(student.lora_parameters.values())
+    kept = [param.grad for param in params]
+    for param in params:
+        param.grad = None
+    with clock.phase("backward"):
+        loss.backward()
+    for param, grad in zip(params, kept):
+        param.grad = grad
 
 
 def module_grad_norms(parameters: dict[str, torch.nn.Parameter]) -> dict[str, float]:
