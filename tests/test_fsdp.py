@@ -184,6 +184,20 @@ def test_the_training_stage_refuses_an_fsdp_plan_on_cpu_before_any_launch(prepar
     assert not run_dir.exists()
 
 
+def test_a_multi_node_rank_given_a_request_refuses_fsdp_on_cpu(request_dir, tiny_student, tmp_path):
+    # the torchrun worker's --request mode (torchrun by hand on every node, --strategy fsdp): the job is
+    # refused as the CLI's is
+    from kiln_core.contracts.opd_config import ConfigError
+    from kiln_core.engine.run_request import prepare_train_request
+
+    prepared = prepare_train_request(str(request_dir / "request.json"), adapter=ADAPTER, student_dir=str(tiny_student),
+                                     out_root=str(tmp_path))
+    with pytest.raises(ConfigError) as caught:
+        prepared.job(world_size=2, device="cpu", strategy="fsdp")
+    assert (caught.value.code, caught.value.field) == ("unsupported_strategy", "distributed.strategy")
+    assert prepared.job(world_size=2, device="cpu").plan.strategy == "ddp"
+
+
 def test_check_strategy_accepts_fsdp_on_gpus_with_two_ranks_and_refuses_the_rest():
     from kiln_core.contracts.opd_config import ConfigError
     from kiln_core.training.distributed.world import check_strategy
@@ -211,3 +225,18 @@ def test_the_spec_takes_fsdp_with_several_ranks_and_refuses_it_with_one():
         with pytest.raises(SpecError) as caught:
             parse_spec({**base, "distributed": block})
         assert (caught.value.code, caught.value.field) == ("unsupported_strategy", "distributed.strategy")
+
+
+def test_the_resume_command_of_an_fsdp_run_repeats_its_strategy():
+    import argparse
+
+    from flows.commands.train import add_arguments, resume_command
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--request", "r.json", "--adapter", "demo", "--student", "s", "--nproc", "4",
+                              "--strategy", "fsdp"])
+    command = resume_command(args, "demo-checkpoint-step-00000002.kiln-checkpoint")
+    assert "--nproc 4 --backend auto --strategy fsdp --resume-checkpoint" in command
+    ddp = resume_command(parser.parse_args(["--request", "r.json", "--adapter", "demo", "--student", "s"]), "c")
+    assert "--strategy" not in ddp

@@ -161,7 +161,7 @@ def resume_command(args: argparse.Namespace, checkpoint: str) -> str:
             argv.append("--stop-on-divergence")
     if args.nproc != 1:
         argv += ["--nproc", str(args.nproc), "--backend", args.backend]
-    if getattr(args, "strategy", "ddp") != "ddp":
+    if args.strategy != "ddp":
         argv += ["--strategy", args.strategy]
     if args.ray is not None:
         argv += ["--ray", args.ray]

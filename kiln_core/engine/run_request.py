@@ -25,8 +25,9 @@ class PreparedRequest:
     kiln_lenient: bool = False
 
     def job(self, *, world_size: int, device: str | None = None, precision: str | None = None,
-            gradient_checkpointing: bool = False, backend: str = "auto"):
-        """The ``DistributedJob`` every rank of a ``world_size``-process run executes."""
+            gradient_checkpointing: bool = False, backend: str = "auto", strategy: str = "ddp"):
+        """The ``DistributedJob`` every rank of a ``world_size``-process run executes (refused like
+        ``kiln-flows train --nproc``'s: e.g. ``strategy: fsdp`` on CPU)."""
         from kiln_core.engine.pipeline import prepare
         from kiln_core.engine.request import spec_from_request
         from kiln_core.engine.runs import newest_checkpoint
@@ -34,7 +35,8 @@ class PreparedRequest:
 
         run = spec_from_request(self.request_path, adapter=self.adapter, student_dir=self.student_dir,
                                 out_root=self.out_root, resume_checkpoint=self.resume_checkpoint,
-                                nproc=world_size, backend=backend, kiln_lenient=self.kiln_lenient)
+                                nproc=world_size, backend=backend, kiln_lenient=self.kiln_lenient,
+                                strategy=strategy)
         ready = prepare(run.spec, resume=run.resume, device=device, precision=precision,
                         gradient_checkpointing=gradient_checkpointing)
         plan = ready.plan

@@ -17,7 +17,14 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from kiln_core.training.distributed.launcher import WORKER_MODULE, DistributedJob
-from kiln_core.training.distributed.world import BACKENDS, RankFailure, World, init_world, shutdown_world
+from kiln_core.training.distributed.world import (
+    BACKENDS,
+    STRATEGIES,
+    RankFailure,
+    World,
+    init_world,
+    shutdown_world,
+)
 from kiln_core.training.trainer import TrainResult, train_opd
 
 __all__ = ["run_job", "main"]
@@ -57,6 +64,8 @@ def _worker_parser() -> argparse.ArgumentParser:
     parser.add_argument("--precision", choices=("fp32", "bf16"))
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--backend", choices=BACKENDS, default="auto")
+    parser.add_argument("--strategy", choices=STRATEGIES, default="ddp",
+                        help="ddp, or fsdp: the student's base weights sharded across the ranks' GPUs")
     parser.add_argument("--kiln-lenient", action="store_true",
                         help="--request: ignore unknown request keys as Kiln does (printed, recorded in the receipt)")
     return parser
@@ -79,7 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     job = DistributedJob.model_validate_json(Path(args.job).read_text(encoding="utf-8")) if args.job else None
     device = job.plan.device if job else args.device
     backend = job.plan.backend if job else args.backend
-    strategy = job.plan.strategy if job else "ddp"  # the request form has no strategy flag: ddp
+    strategy = job.plan.strategy if job else args.strategy
     try:
         world = init_world(backend, device, strategy)
     except Exception as error:  # noqa: BLE001 - reported like any other rejection
@@ -112,7 +121,8 @@ def _job_from_request(args: argparse.Namespace, world: World) -> DistributedJob:
             resume_checkpoint=args.resume_checkpoint, kiln_lenient=args.kiln_lenient,
             on_warning=(lambda message: print(f"warning: {message}", file=sys.stderr)) if world.is_main else None)
         return prepared.job(world_size=world.size, device=args.device, precision=args.precision,
-                            gradient_checkpointing=args.gradient_checkpointing, backend=args.backend)
+                            gradient_checkpointing=args.gradient_checkpointing, backend=args.backend,
+                            strategy=args.strategy)
 
     job = world.publish_on_main(prepare)
     return job if job is not None else prepare()

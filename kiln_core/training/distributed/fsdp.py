@@ -16,9 +16,12 @@ LoRA wrap:
   embeddings the input embedding is that same tensor and stays replicated with it).
 * **Same values, same kernels**: an all-gather reassembles the exact fp32/bf16 weights, so on CPU the
   fsdp adapter equals the ddp adapter of the same world size byte for byte.
-* **Every forward is collective**: all ranks must run the student together. The trainer's forward
-  passes already do (every rank trains its block of every step); what runs the student on one rank
-  only — the held-out watch, on-policy sampling — is refused before training (``check_strategy``).
+* **Every forward is collective**: all ranks must run the student together. Every rank trains its
+  block of every step, and a rank without a candidate in the short last group runs a forward and
+  backward whose gradients it discards (``step.train_step_distributed``). What would run the student on
+  some ranks only is refused with several ranks whatever the strategy: the held-out watch
+  (``eval_watch_distributed``) and on-policy sampling (one process only). Rank 0 alone saves the PEFT
+  adapter, which reads only the replicated LoRA tensors (no collective).
 
 On CUDA the mesh is ``cuda`` (each rank on ``cuda:<local_rank>``, nccl); on CPU ``cpu`` with gloo —
 the device type is the only difference. CPU runs are refused at the front (``check_strategy``: the
@@ -29,8 +32,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
-
-import torch
 
 if TYPE_CHECKING:
     from kiln_core.training.distributed.world import World
@@ -93,10 +94,3 @@ def shard_student(student: "Student", world: "World") -> ShardingReport:
     return ShardingReport(sharded_modules=len(layers) + 1, sharded_parameters=sharded, local_parameters=local,
                           replicated_parameters=whole)
 
-
-def sharded_placements(model: torch.nn.Module) -> dict[str, str]:
-    """Each parameter's placement: ``Shard(dim=0)`` for an FSDP shard, ``replicated`` for a plain tensor."""
-    from torch.distributed.tensor import DTensor
-
-    return {name: (str(param.placements[0]) if isinstance(param, DTensor) else "replicated")
-            for name, param in model.named_parameters()}

@@ -34,7 +34,7 @@ from typing import Callable, Sequence, TypeVar
 import torch
 
 __all__ = ["World", "ClusterFacts", "RankFailure", "init_world", "shutdown_world", "resolve_backend", "check_strategy",
-           "check_shared_storage", "BACKENDS"]
+           "check_shared_storage", "BACKENDS", "STRATEGIES"]
 
 T = TypeVar("T")
 BACKENDS = ("auto", "gloo", "nccl")
