@@ -39,19 +39,24 @@ class FanOut:
     Attributes:
         ray: The cluster to admit on, or None for the flow's thread pool.
         reason: Why a Ray run's shards stay on this machine (for the run's log), else None.
+        worker_student: The student as Ray workers open it: its fsspec URI (each node copies it), or None
+            for this machine's local path (which every node must then have).
     """
 
     ray: RayOptions | None
     reason: str | None = None
+    worker_student: str | None = None
 
 
-def plan_fan_out(distributed: DistributedOptions | None, corpus_uri: str, storage_root: str) -> FanOut:
+def plan_fan_out(distributed: DistributedOptions | None, corpus_uri: str, storage_root: str,
+                 student: str = "") -> FanOut:
     """Decide where a set of shards is admitted for a spec's ``distributed`` block.
 
     Args:
         distributed: The spec's block (None, torchrun or Ray).
         corpus_uri: The set (a directory or an index).
         storage_root: Where the shards are materialized.
+        student: The student as the spec names it (a local path or an fsspec URI).
 
     Returns:
         ``FanOut(ray=...)`` for a Ray spec whose workers can read the shards and write the storage root.
@@ -69,7 +74,7 @@ def plan_fan_out(distributed: DistributedOptions | None, corpus_uri: str, storag
     if not options.is_local and _is_local(corpus_uri):
         return FanOut(ray=None, reason=f"the shards are local paths on this machine; the Ray cluster at "
                                        f"{options.address} cannot read them")
-    return FanOut(ray=options)
+    return FanOut(ray=options, worker_student=None if _is_local(student) else student)
 
 
 def ray_task_runner(options: RayOptions):

@@ -83,10 +83,9 @@ class PrefectStages:
         """A set of shards: one mapped ``admit-shard`` task per shard, ``options.admit_workers`` at once."""
         from kiln_core.engine.stages import set_ref
         from tasks.admit_shards import admit_set_with_tasks
-
         from tasks.ray_fan_out import plan_fan_out
 
-        fan_out = plan_fan_out(spec.distributed, inputs.corpus_uri, spec.storage_root)
+        fan_out = plan_fan_out(spec.distributed, inputs.corpus_uri, spec.storage_root, spec.student)
         if fan_out.reason:
             _log().info("admit: shards admitted on this machine: %s", fan_out.reason)
         _log().info("admit: checking set %s shard by shard against every Kiln admission rule%s", inputs.dataset_sha256,
@@ -97,11 +96,9 @@ class PrefectStages:
         if fan_out.ray is None:
             result = admit_set_with_tasks(inputs.corpus_uri, inputs.student_dir, **arguments)
         else:
-            # A remote student is opened by each worker from its URI; a local one by its absolute path.
-            worker_student = spec.student if "://" in spec.student and not spec.student.startswith("file://") else None
             with self._ray_task_runner(fan_out.ray) as runner:
                 result = admit_set_with_tasks(inputs.corpus_uri, inputs.student_dir, task_runner=runner,
-                                              worker_student=worker_student, **arguments)
+                                              worker_student=fan_out.worker_student, **arguments)
             workers = sorted({shard.worker for shard in result.shards if shard.worker})
             _log().info("admit: shards admitted on Ray by %d worker process(es): %s", len(workers), ", ".join(workers))
         corpus = set_ref(result, inputs)

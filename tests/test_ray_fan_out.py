@@ -6,8 +6,11 @@ set digest, each shard materialized under its own digest, an unchanged shard reu
 trains on it; a bad shard is rejected through Ray with the rule, the shard and the line, and nothing is
 recorded for the set.
 
-Cost: one local Ray instance for the module (``ray_instance``; the flow uses a session already open, as
-``address: local`` does after the shard admission opened it), three tiny shards, one 1-worker Ray training.
+With ``address: local`` the flow starts one Ray instance for the run when it admits the shards, trains on
+it (``ray_session`` uses a session already open) and stops it when the run ends.
+
+Cost: two local Ray starts (the rejection test's own, then ``ray_instance`` for the training test's two
+runs), three tiny shards, one 1-worker Ray training.
 """
 
 from __future__ import annotations
@@ -82,6 +85,35 @@ def ran_elsewhere(worker: str) -> bool:
     return int(worker.rsplit(":", 1)[1]) != os.getpid()
 
 
+def test_a_bad_shard_is_rejected_through_ray_naming_shard_and_line(prefect_harness, tiny_student, corpus_lines,
+                                                                  tmp_path, monkeypatch):
+    """First in the module, before ``ray_instance``: the flow starts its own ``local`` instance for the
+    shard admission (once) and stops it when the run ends."""
+    from flows.opd_distill import opd_distill
+    from kiln_core.errors import AdmissionError
+
+    assert not ray.is_initialized()
+    starts = []
+    real_init = ray.init
+    monkeypatch.setattr(ray, "init", lambda *args, **kwargs: starts.append(kwargs) or real_init(*args, **kwargs))
+
+    shards = write_set(tmp_path / "corpus", corpus_lines, CUTS)
+    lines = (shards / "part-01.jsonl").read_text().splitlines()
+    write_file(shards / "part-01.jsonl", [lines[0], lines[1], lines[2][: len(lines[2]) // 2]])  # line 3 cut short
+    admitted = AdmittedSets(monkeypatch)
+
+    state = opd_distill(ray_spec(shards, tmp_path / "root", tiny_student), return_state=True)
+    assert state.is_failed()
+    error = state.result(raise_on_failure=False)
+    assert isinstance(error, AdmissionError), error
+    assert (error.code, error.file, error.line) == ("invalid_json", "part-01.jsonl", 3)
+    assert "part-01.jsonl line 3" in state.message
+    assert admitted.runners == ["RayTaskRunner"]
+    assert len(starts) == 1 and not ray.is_initialized()  # one local instance for the run, stopped at its end
+    assert not (tmp_path / "root" / "corpora" / "sets").exists()  # no set record for a rejected set
+    assert not (tmp_path / "root" / "runs").exists()  # nothing trained
+
+
 def test_the_flow_admits_every_shard_on_ray_and_trains(prefect_harness, ray_instance, tiny_student, corpus_lines,
                                                        tmp_path, monkeypatch):
     from prefect import get_client
@@ -125,24 +157,3 @@ def test_the_flow_admits_every_shard_on_ray_and_trains(prefect_harness, ray_inst
     assert again.is_completed(), f"{again.type}: {again.message}"
     assert again.result()["dataset_sha256"] == summary["dataset_sha256"]
     assert all(shard.reused and ran_elsewhere(shard.worker) for shard in admitted.results[1].shards)
-
-
-def test_a_bad_shard_is_rejected_through_ray_naming_shard_and_line(prefect_harness, ray_instance, tiny_student,
-                                                                  corpus_lines, tmp_path, monkeypatch):
-    from flows.opd_distill import opd_distill
-    from kiln_core.errors import AdmissionError
-
-    shards = write_set(tmp_path / "corpus", corpus_lines, CUTS)
-    lines = (shards / "part-01.jsonl").read_text().splitlines()
-    write_file(shards / "part-01.jsonl", [lines[0], lines[1], lines[2][: len(lines[2]) // 2]])  # line 3 cut short
-    admitted = AdmittedSets(monkeypatch)
-
-    state = opd_distill(ray_spec(shards, tmp_path / "root", tiny_student), return_state=True)
-    assert state.is_failed()
-    error = state.result(raise_on_failure=False)
-    assert isinstance(error, AdmissionError), error
-    assert (error.code, error.file, error.line) == ("invalid_json", "part-01.jsonl", 3)
-    assert "part-01.jsonl line 3" in state.message
-    assert admitted.runners == ["RayTaskRunner"]
-    assert not (tmp_path / "root" / "corpora" / "sets").exists()  # no set record for a rejected set
-    assert not (tmp_path / "root" / "runs").exists()  # nothing trained

@@ -36,6 +36,14 @@ def test_a_cluster_admits_shards_on_shared_storage():
     assert (fan_out.ray.address, fan_out.reason) == ("ray://head:10001", None)
 
 
+@pytest.mark.parametrize(("student", "on_workers"), [("s3://bucket/student", "s3://bucket/student"),
+                                                     ("/models/student", None), ("file:///models/student", None)])
+def test_the_workers_open_a_remote_student_from_its_uri(student, on_workers):
+    """A student URI goes to the workers (each node copies it); a local one is the path this machine uses."""
+    fan_out = plan_fan_out(ray_block("auto"), "s3://bucket/shards/", "s3://bucket/kiln", student)
+    assert fan_out.worker_student == on_workers
+
+
 @pytest.mark.parametrize("root", ["/data/kiln", "file:///data/kiln"])
 def test_a_cluster_with_a_local_storage_root_is_refused_naming_the_rule(root):
     with pytest.raises(ConfigError) as caught:
