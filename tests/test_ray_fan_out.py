@@ -16,6 +16,7 @@ runs), three tiny shards, one 1-worker Ray training.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -133,6 +134,8 @@ def test_the_flow_admits_every_shard_on_ray_and_trains(prefect_harness, ray_inst
     digests = ["sha256:" + hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(shards.glob("*.jsonl"))]
     assert summary["status"] == "success" and summary["dataset_sha256"] == set_sha256(digests)
     assert ray.is_initialized()  # the flow used the module's instance and left it open
+    trained_on = json.loads(Path(summary["receipt"]).read_text())["distributed"]
+    assert (trained_on["engine"], trained_on["world_size"]) == ("ray", 1)
 
     [result] = admitted.results
     assert admitted.runners == ["RayTaskRunner"]
