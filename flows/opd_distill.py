@@ -101,7 +101,8 @@ def opd_distill(spec: PipelineSpec) -> dict[str, Any]:
     try:
         spec = validate_spec(spec)
         with storage_credentials(spec.options.storage_block):
-            result = run_pipeline(spec, PrefectStages(spec))
+            with PrefectStages(spec) as stages:  # closes the Ray session a shard admission opened, if any
+                result = run_pipeline(spec, stages)
     except Rejection as error:
         # Bad input, not a crash: one line as the run's state (what the UI and the log show), a short
         # artifact, and the exception kept in the state so `kiln-flows run` still exits 2 with it.

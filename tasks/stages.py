@@ -2,10 +2,14 @@
 
 ``kiln_core.engine.run_pipeline`` decides the order; this class only says how each stage runs here:
 as a task with its retries, cache policy and artifacts, and training either in this flow run or on a
-training deployment (``options.train_deployment``, e.g. a GPU work pool).
+training deployment (``options.train_deployment``, e.g. a GPU work pool). With a Ray spec, a set of
+shards is admitted on the Ray cluster (``tasks.ray_fan_out``); the connection made for it is kept for the
+train stage and closed when the stages are (``with PrefectStages(spec) as stages``).
 """
 
 from __future__ import annotations
+
+from contextlib import ExitStack
 
 from kiln_core.contracts.pipeline import PipelineSpec, TeacherSource
 from kiln_core.contracts.stage_refs import CorpusRef, GateRef, InputsRef, ManifestRef, PublishRef, TrainPlan, TrainRef
@@ -24,6 +28,13 @@ class PrefectStages:
 
     def __init__(self, spec: PipelineSpec) -> None:
         self.spec = spec
+        self._cluster = ExitStack()  # the Ray session the shard admission opened, if any
+
+    def __enter__(self) -> "PrefectStages":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._cluster.close()  # a `local` Ray instance stops here, after training used it too
 
     def manifest(self, teacher: TeacherSource, storage_root: str, max_top_k: int) -> ManifestRef:
         from tasks.manifest import fetch_manifest
@@ -72,16 +83,39 @@ class PrefectStages:
         """A set of shards: one mapped ``admit-shard`` task per shard, ``options.admit_workers`` at once."""
         from kiln_core.engine.stages import set_ref
         from tasks.admit_shards import admit_set_with_tasks
+        from tasks.ray_fan_out import plan_fan_out
 
-        _log().info("admit: checking set %s shard by shard against every Kiln admission rule", inputs.dataset_sha256)
-        result = admit_set_with_tasks(inputs.corpus_uri, inputs.student_dir, top_k=inputs.effective_top_k,
-                                      pinned_manifest=manifest.manifest_line, kiln_strict=spec.options.kiln_strict,
-                                      out_root=spec.storage_root, concurrency=spec.options.admit_workers)
+        fan_out = plan_fan_out(spec.distributed, inputs.corpus_uri, spec.storage_root, spec.student)
+        if fan_out.reason:
+            _log().info("admit: shards admitted on this machine: %s", fan_out.reason)
+        _log().info("admit: checking set %s shard by shard against every Kiln admission rule%s", inputs.dataset_sha256,
+                    f" on the Ray cluster at {fan_out.ray.address}" if fan_out.ray else "")
+        arguments = dict(top_k=inputs.effective_top_k, pinned_manifest=manifest.manifest_line,
+                         kiln_strict=spec.options.kiln_strict, out_root=spec.storage_root,
+                         concurrency=spec.options.admit_workers)
+        if fan_out.ray is None:
+            result = admit_set_with_tasks(inputs.corpus_uri, inputs.student_dir, **arguments)
+        else:
+            with self._ray_task_runner(fan_out.ray) as runner:
+                result = admit_set_with_tasks(inputs.corpus_uri, inputs.student_dir, task_runner=runner,
+                                              worker_student=fan_out.worker_student, **arguments)
+            workers = sorted({shard.worker for shard in result.shards if shard.worker})
+            _log().info("admit: shards admitted on Ray by %d worker process(es): %s", len(workers), ", ".join(workers))
         corpus = set_ref(result, inputs)
         reused = sum(shard.reused for shard in result.shards)
         _log().info("admit: %d shards (%d already materialized), %d examples, %d action tokens admitted; set record %s",
                     len(result.shards), reused, corpus.examples, corpus.action_tokens, corpus.uri)
         return corpus
+
+    def _ray_task_runner(self, options):
+        """prefect-ray's task runner on the run's cluster, joined once for the flow run (``ray_session``: a
+        ``local`` instance is started here and stopped when the stages close, after training used it)."""
+        from kiln_core.training.distributed.ray_launcher import ray_session
+        from tasks.ray_fan_out import ray_task_runner
+
+        runner = ray_task_runner(options)  # prefect-ray missing: refused before Ray starts
+        self._cluster.enter_context(ray_session(options, self.spec.distributed.world_size))
+        return runner
 
     def verify(self, corpus: CorpusRef) -> CorpusRef:
         from tasks.materialize import materialize_task

@@ -27,6 +27,8 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import multiprocessing
+import os
+import socket
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,6 +72,9 @@ class ShardOutcome:
     lines: np.ndarray = field(repr=False)
     sequence_keys: np.ndarray = field(repr=False)
     row_keys: np.ndarray = field(repr=False)
+    worker: str | None = None
+    """``host:pid`` of the process that admitted the shard (this one, a pool process or a Ray worker): the
+    flow's log says where its shards went. Not part of the verdict or the set record."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -184,6 +189,7 @@ def admit_shard(job: ShardJob, student: StudentTokenizer | None = None) -> Shard
         teacher_identity_revision=identity.identity_revision() if identity is not None else None,
         materialized=result.materialized, reused=result.reused,
         lines=lines, sequence_keys=sequence_keys, row_keys=row_keys,
+        worker=f"{socket.gethostname()}:{os.getpid()}",
     )
 
 

@@ -1,0 +1,77 @@
+"""Where a flow admits a set of shards for a spec's ``distributed`` block (``tasks.ray_fan_out.plan_fan_out``).
+
+What a user depends on: a Ray spec sends the shard tasks to its cluster; without Ray they stay on the flow's
+threads; a cluster other than ``local`` with a local storage root is refused before any admission
+(``unshared_storage``, the rule training applies), and shards given as local paths stay on this machine
+(the cluster's nodes could not read them), with the reason for the run's log. A shard task that Ray itself
+lost (its worker died, its node could not import kiln-flows) is an environment failure naming the shard
+(exit 3), while the task's own rejection stays what it is. No Ray is started here.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kiln_core.contracts.opd_config import ConfigError
+from kiln_core.contracts.spec_blocks import DistributedOptions
+from tasks.ray_fan_out import plan_fan_out, runner_failure
+
+
+def ray_block(address: str = "local") -> DistributedOptions:
+    return DistributedOptions(engine="ray", address=address, workers=2)
+
+
+def test_without_ray_the_shards_stay_on_the_flows_threads():
+    assert plan_fan_out(None, "/data/shards", "/data/kiln").ray is None
+    assert plan_fan_out(DistributedOptions(nproc=2), "/data/shards", "/data/kiln").ray is None
+
+
+def test_a_local_ray_instance_admits_local_shards_into_a_local_root():
+    fan_out = plan_fan_out(ray_block("local"), "/data/shards", "/data/kiln")
+    assert (fan_out.ray.address, fan_out.reason) == ("local", None)
+
+
+def test_a_cluster_admits_shards_on_shared_storage():
+    fan_out = plan_fan_out(ray_block("ray://head:10001"), "s3://bucket/shards/", "s3://bucket/kiln")
+    assert (fan_out.ray.address, fan_out.reason) == ("ray://head:10001", None)
+
+
+@pytest.mark.parametrize(("student", "on_workers"), [("s3://bucket/student", "s3://bucket/student"),
+                                                     ("/models/student", None), ("file:///models/student", None)])
+def test_the_workers_open_a_remote_student_from_its_uri(student, on_workers):
+    """A student URI goes to the workers (each node copies it); a local one is the path this machine uses."""
+    fan_out = plan_fan_out(ray_block("auto"), "s3://bucket/shards/", "s3://bucket/kiln", student)
+    assert fan_out.worker_student == on_workers
+
+
+@pytest.mark.parametrize("root", ["/data/kiln", "file:///data/kiln"])
+def test_a_cluster_with_a_local_storage_root_is_refused_naming_the_rule(root):
+    with pytest.raises(ConfigError) as caught:
+        plan_fan_out(ray_block("auto"), "s3://bucket/shards/", root)
+    assert (caught.value.code, caught.value.field) == ("unshared_storage", "storage_root")
+    assert "shared by every node" in caught.value.message
+
+
+def test_memory_storage_is_refused_even_on_a_local_instance():
+    with pytest.raises(ConfigError) as caught:
+        plan_fan_out(ray_block("local"), "/data/shards", "memory://kiln")
+    assert caught.value.code == "unshared_storage"
+
+
+def test_local_shards_with_a_cluster_are_admitted_here_and_the_log_says_why():
+    fan_out = plan_fan_out(ray_block("ray://head:10001"), "/data/shards", "s3://bucket/kiln")
+    assert fan_out.ray is None
+    assert "local paths" in fan_out.reason and "ray://head:10001" in fan_out.reason
+
+
+def test_a_shard_task_ray_lost_is_an_environment_failure_naming_the_shard():
+    from ray.exceptions import WorkerCrashedError
+
+    from kiln_core.errors import AdmissionError, EnvironmentFailure
+
+    failure = runner_failure(WorkerCrashedError(), "part-02.jsonl")
+    assert isinstance(failure, EnvironmentFailure) and failure.exit_code == 3
+    assert (failure.code, failure.file) == ("ray_task_failed", "part-02.jsonl")
+    assert "WorkerCrashedError" in failure.message and "kiln-flows installed" in failure.message
+    rejection = AdmissionError("invalid_json", 3, "line 3 is not JSON", file="part-02.jsonl")
+    assert runner_failure(rejection, "part-02.jsonl") is rejection
