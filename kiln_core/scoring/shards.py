@@ -63,7 +63,8 @@ from kiln_core.scoring.shard_plan import (
 
 __all__ = [
     "KILN_MAX_SHARD_BYTES", "MAX_LOGPROB_CHARS", "ScoreSetResult", "ScoredShard", "SetProgress",
-    "check_out_directory", "parse_shard_size", "row_size_bound", "score_shard_set",
+    "check_out_directory", "finish_shard_set", "open_shard_set", "parse_shard_size", "row_size_bound",
+    "score_planned_shard", "score_shard_set", "shard_dependencies",
 ]
 
 STATE_DIR = ".kiln-flows-score"
@@ -166,6 +167,20 @@ class _SetRun:
             return None
         return _ShardDone(shard, record["sha256"], record["size_bytes"], rows, reused, True)
 
+    def take_earlier(self, shard: ShardPlan) -> bool:
+        """Count ``shard`` as finished if an earlier run committed it (``finished_earlier``)."""
+        earlier = self.finished_earlier(shard)
+        if earlier is None:
+            return False
+        self.done[shard.number] = earlier
+        self.committed[shard.number].set()
+        self.tokens_done += shard.action_tokens
+        return True
+
+    def todo(self) -> list[ShardPlan]:
+        """The shards left to score, in set order."""
+        return [shard for shard in self.plan.shards if shard.number not in self.done]
+
     # --- scoring one shard
 
     def earlier_rows(self, shard: ShardPlan, keys: list[bytes]) -> dict[bytes, str]:
@@ -267,13 +282,40 @@ def score_shard_set(
     """Score examples into a set of shards plus ``index.json`` in ``out_uri``, resuming an unfinished set.
 
     Called by ``kiln_core.scoring.score_examples`` once the options, the student and the teacher's
-    identity have been checked; ``load_scorer`` is called only if some shard still needs scoring.
+    identity have been checked; ``load_scorer`` is called only if some shard still needs scoring. The
+    same three steps run a set whose shards are scored elsewhere, one task per shard (a flow on a Ray
+    cluster): ``open_shard_set``, ``score_planned_shard`` for each of ``run.todo()``, ``finish_shard_set``.
 
     Raises:
         ScoringError: ``scored_set_mismatch`` when ``out_uri`` holds another run's set or foreign
             ``*.jsonl`` files, ``row_exceeds_shard_size``, or any scoring code.
     """
-    from kiln_core.contracts.corpus_shards import INDEX_FORMAT, CorpusShardIndex, set_sha256
+    run = open_shard_set(examples_uri, student=student, binding=binding, top_k=top_k, out_uri=out_uri,
+                         shard_size=shard_size, batch_size=batch_size, on_progress=on_progress,
+                         storage_options=storage_options)
+    todo = run.todo()
+    if not todo:
+        run.report()
+    else:
+        scorer = load_scorer()
+        run.report()  # after the teacher loaded: a rate and ETA measured from here are the scoring's own
+        try:
+            _score_all(run, todo, _shard_examples(examples_uri, run.plan, storage_options), scorer, workers)
+        finally:
+            if hasattr(scorer, "close"):
+                scorer.close()
+    return finish_shard_set(run)
+
+
+def open_shard_set(examples_uri: str, *, student, binding, top_k: int, out_uri: str, shard_size: int,
+                   batch_size: int, on_progress: Callable[[SetProgress], None] | None = None,
+                   storage_options: dict | None = None) -> _SetRun:
+    """Plan the split, refuse another run's directory, write ``plan.json`` and find the shards an earlier
+    run finished: the run whose ``todo()`` shards are left to score.
+
+    Raises:
+        ScoringError: ``scored_set_mismatch`` or ``row_exceeds_shard_size`` (see ``score_shard_set``).
+    """
     from kiln_core.storage import resolve, write_bytes_atomic
 
     out = resolve(out_uri, storage_options)
@@ -291,44 +333,70 @@ def score_shard_set(
 
     run = _SetRun(out, plan, binding, student, top_k, shard_size, batch_size, on_progress, storage_options)
     for shard in plan.shards:
-        earlier = run.finished_earlier(shard)
-        if earlier is not None:
-            run.done[shard.number] = earlier
-            run.committed[shard.number].set()
-            run.tokens_done += shard.action_tokens
+        run.take_earlier(shard)
     run.tokens_resumed = run.tokens_done
-    todo = [shard for shard in plan.shards if shard.number not in run.done]
-    if not todo:
-        run.report()
-    else:
-        scorer = load_scorer()
-        run.report()  # after the teacher loaded: a rate and ETA measured from here are the scoring's own
-        try:
-            _score_all(run, todo, _shard_examples(examples_uri, plan, storage_options), scorer, workers)
-        finally:
-            if hasattr(scorer, "close"):
-                scorer.close()
+    return run
 
-    shards = [run.done[shard.number] for shard in plan.shards]
+
+def finish_shard_set(run: _SetRun) -> ScoreSetResult:
+    """Write ``index.json`` (last: the set is whole) once every shard of ``run`` is finished; the result."""
+    from kiln_core.contracts.corpus_shards import INDEX_FORMAT, CorpusShardIndex, set_sha256
+    from kiln_core.storage import write_bytes_atomic
+
+    shards = [run.done[shard.number] for shard in run.plan.shards]
     index = CorpusShardIndex.model_validate({"format": INDEX_FORMAT, "shards": [
         {"uri": done.plan.name, "sha256": done.sha256, "size_bytes": done.size_bytes} for done in shards]})
-    index_location = out.child(INDEX_NAME)
-    write_bytes_atomic(index_location, index.model_dump_json(indent=2).encode("utf-8") + b"\n")  # last: the set is whole
+    index_location = run.out.child(INDEX_NAME)
+    write_bytes_atomic(index_location, index.model_dump_json(indent=2).encode("utf-8") + b"\n")
     return ScoreSetResult(
-        out_uri=out.uri,
+        out_uri=run.out.uri,
         index_uri=index_location.uri,
         set_sha256=set_sha256([done.sha256 for done in shards]),
         examples=sum(done.plan.count for done in shards),
         action_tokens=run.tokens_total,
-        manifest_line=binding.manifest_line,
-        identity_revision=binding.identity.identity_revision(),
-        shard_size=shard_size,
+        manifest_line=run.binding.manifest_line,
+        identity_revision=run.binding.identity.identity_revision(),
+        shard_size=run.shard_size,
         shards=[ScoredShard(uri=run.shard_location(done.plan).uri, sha256=done.sha256, size_bytes=done.size_bytes,
                             examples=done.plan.count, action_tokens=done.plan.action_tokens,
                             first_line=done.plan.first_line, resumed=done.resumed) for done in shards],
         resumed_shards=sum(done.resumed for done in shards),
         reused_rows=sum(done.reused_rows for done in shards if not done.resumed),
     )
+
+
+def score_planned_shard(examples_uri: str, shard: ShardPlan, *, plan: SetPlan, student, binding, scorer,
+                        top_k: int, out_uri: str, shard_size: int, batch_size: int,
+                        storage_options: dict | None = None) -> _ShardDone:
+    """Score one shard of ``plan`` on its own (in another process, e.g. a Ray worker), as ``score_shard_set``
+    scores it: its shard file and completion record are written; the caller hands the result to
+    ``run.finish`` of the run that planned it.
+
+    The shards whose rows this one copies (``shard_dependencies``) must be committed already: they are read
+    back from their records, as a resumed run reads them.
+
+    Raises:
+        ScoringError: ``scored_set_mismatch`` when such a shard is not committed (the directory changed
+            underneath the run), or any scoring code.
+    """
+    from kiln_core.storage import resolve
+
+    run = _SetRun(resolve(out_uri, storage_options), plan, binding, student, top_k, shard_size, batch_size, None,
+                  storage_options)
+    for number in sorted(shard_dependencies(plan, shard)):
+        if not run.take_earlier(plan.shards[number]):
+            raise ScoringError("scored_set_mismatch", f"{shard.name} repeats rows of {plan.shards[number].name}, "
+                                                      f"which is not committed in {run.out.uri}")
+    stream = iter_examples(examples_uri, storage_options)
+    examples = list(islice(stream, shard.first, shard.first + shard.count))
+    return run.score_shard(shard, examples, scorer)
+
+
+def shard_dependencies(plan: SetPlan, shard: ShardPlan) -> set[int]:
+    """The earlier shards whose ``teacher_tokens`` this shard copies (sequences they scored first): they
+    must be committed before it is scored elsewhere."""
+    keys = plan.keys[shard.first : shard.first + shard.count]
+    return {plan.first_shard[key] for key in keys if plan.first_shard[key] < shard.number}
 
 
 def _score_all(run: _SetRun, todo: list[ShardPlan], examples: Iterator[tuple[ShardPlan, list]], scorer,
