@@ -94,7 +94,7 @@ def ray_task_runner(options: RayOptions):
     return RayTaskRunner(address=options.address)
 
 
-def runner_failure(error: BaseException, shard: str) -> BaseException:
+def runner_failure(error: BaseException, shard: str, doing: str = "admitting") -> BaseException:
     """What a shard task's failure means: a rejection or a storage error raised by the task is returned as
     it is; a failure of Ray itself (the worker process died, a node could not unpickle the task because
     kiln-flows is not installed there) is the environment failure it is: ``ray_task_failed``, exit 3.
@@ -108,6 +108,6 @@ def runner_failure(error: BaseException, shard: str) -> BaseException:
     from kiln_core.training.distributed.ray_launcher import RayFailure
 
     summary = (str(error).strip().splitlines() or [""])[-1][:300]  # Ray's last line names the cause
-    return RayFailure("ray_task_failed", f"shard {shard}: the Ray task admitting it failed: {type(error).__name__}: "
+    return RayFailure("ray_task_failed", f"shard {shard}: the Ray task {doing} it failed: {type(error).__name__}: "
                       f"{summary} (a worker that died, or a node without kiln-flows installed: docs/distributed.md)",
                       file=shard)

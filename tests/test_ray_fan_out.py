@@ -160,3 +160,70 @@ def test_the_flow_admits_every_shard_on_ray_and_trains(prefect_harness, ray_inst
     assert again.is_completed(), f"{again.type}: {again.message}"
     assert again.result()["dataset_sha256"] == summary["dataset_sha256"]
     assert all(shard.reused and ran_elsewhere(shard.worker) for shard in admitted.results[1].shards)
+
+
+# --- scoring: one ``score-shard`` task per shard on Ray (score_corpus(..., ray_address=...)) ---------------
+
+# The tiny models' six examples at 40,000-byte shards: [1, 2], [3], [4, 5, 6]; example 6 repeats example 1,
+# so shard 2 copies shard 0's rows and is started only once shard 0 is committed (see test_score_shards.py).
+SCORE_SHARD_SIZE = 40_000
+
+
+class ScoredSets:
+    """Every set ``score_corpus`` scores on Ray, with the workers that scored its shards (a spy here)."""
+
+    def __init__(self, monkeypatch) -> None:
+        import tasks.score_shards
+
+        self.results, self.workers = [], []
+        real = tasks.score_shards.score_set_with_tasks
+
+        def spy(*args, **kwargs):
+            result, workers = real(*args, **kwargs)
+            self.results.append(result)
+            self.workers.append(workers)
+            return result, workers
+
+        monkeypatch.setattr(tasks.score_shards, "score_set_with_tasks", spy)
+
+
+def files_of(directory: Path) -> dict[str, bytes]:
+    """Every file under ``directory`` (the scoring plan and shard records included) by relative path."""
+    return {str(path.relative_to(directory)): path.read_bytes() for path in sorted(directory.rglob("*")) if path.is_file()}
+
+
+def test_score_corpus_scores_each_shard_on_ray_byte_for_byte_as_the_thread_path(
+        prefect_harness, ray_instance, tiny_teacher, tiny_student, tmp_path, monkeypatch):
+    from test_scoring import EXAMPLES, TOP_K, write_jsonl
+
+    from flows.score_corpus import score_corpus
+
+    examples = write_jsonl(tmp_path / "examples.jsonl", EXAMPLES)
+
+    def score(out: Path, **ray) -> dict:
+        return score_corpus(str(examples), str(tiny_student), teacher_dir=str(tiny_teacher),
+                            storage_root=str(tmp_path / "root"), top_k=TOP_K, out=str(out),
+                            shard_size=SCORE_SHARD_SIZE, **ray)
+
+    threads = score(tmp_path / "threads")
+    scored = ScoredSets(monkeypatch)
+    on_ray = score(tmp_path / "ray", ray_address="local")
+
+    assert ray.is_initialized()  # the flow used the module's instance and left it open
+    assert files_of(tmp_path / "ray") == files_of(tmp_path / "threads")  # shards, records, plan and index
+    assert (on_ray["sha256"], on_ray["examples"], on_ray["reused"]) == (threads["sha256"], len(EXAMPLES), False)
+    assert on_ray["uri"] == str(tmp_path / "ray" / "index.json")
+    [result], [workers] = scored.results, scored.workers
+    assert [Path(shard.uri).name for shard in result.shards] == \
+        ["shard-00000.jsonl", "shard-00001.jsonl", "shard-00002.jsonl"]
+    assert len(workers) == 3 and all(ran_elsewhere(worker) for worker in workers), workers
+
+    # Resume: a run that lost its last shard scores only that one on Ray (copying shard 0's rows from its
+    # committed file) and ends with the same bytes.
+    (tmp_path / "ray" / "shard-00002.jsonl").unlink()
+    (tmp_path / "ray" / "index.json").unlink()
+    again = score(tmp_path / "ray", ray_address="local")
+    assert files_of(tmp_path / "ray") == files_of(tmp_path / "threads")
+    assert again["sha256"] == threads["sha256"] and again["reused"] is False
+    assert scored.results[1].resumed_shards == 2 and len(scored.workers[1]) == 1
+    assert ran_elsewhere(scored.workers[1][0])

@@ -75,3 +75,56 @@ def test_a_shard_task_ray_lost_is_an_environment_failure_naming_the_shard():
     assert "WorkerCrashedError" in failure.message and "kiln-flows installed" in failure.message
     rejection = AdmissionError("invalid_json", 3, "line 3 is not JSON", file="part-02.jsonl")
     assert runner_failure(rejection, "part-02.jsonl") is rejection
+
+
+# --- scoring on Ray: what score_corpus and ``kiln-flows score --ray`` refuse before reading anything --------
+
+
+def score_on_ray(tmp_path, **options):
+    """The flow's body, with inputs that do not exist: every refusal here comes before anything is read."""
+    from flows.score_corpus import score_corpus
+
+    options = {"shard_size": "1MiB", "ray_address": "local", **options}
+    return score_corpus.fn(str(tmp_path / "examples.jsonl"), str(tmp_path / "student"), teacher_dir=str(tmp_path),
+                           storage_root=str(tmp_path / "root"), **options)
+
+
+def test_scoring_on_ray_needs_a_shard_size(tmp_path):
+    with pytest.raises(ConfigError) as caught:
+        score_on_ray(tmp_path, shard_size=None)
+    assert (caught.value.code, caught.value.field) == ("ray_needs_shard_size", "shard_size")
+    assert not (tmp_path / "root").exists()
+
+
+@pytest.mark.parametrize("address", ["http://head:8265", "ray://", "ray://user:secret@head:10001"])
+def test_scoring_on_ray_refuses_a_bad_address_naming_the_field(tmp_path, address):
+    with pytest.raises(ConfigError) as caught:
+        score_on_ray(tmp_path, ray_address=address)
+    assert (caught.value.code, caught.value.field) == ("invalid_ray_address", "ray_address")
+    assert "secret" not in caught.value.message
+    assert not (tmp_path / "root").exists()
+
+
+def test_scoring_on_a_cluster_into_a_local_directory_is_refused(tmp_path):
+    with pytest.raises(ConfigError) as caught:
+        score_on_ray(tmp_path, ray_address="ray://head:10001", out=str(tmp_path / "scored"))
+    assert caught.value.code == "unshared_storage" and "shared by every node" in caught.value.message
+
+
+def test_scoring_on_a_cluster_refuses_local_examples_naming_them(tmp_path):
+    with pytest.raises(ConfigError) as caught:
+        score_on_ray(tmp_path, ray_address="auto", out="s3://bucket/scored/")
+    assert (caught.value.code, caught.value.field) == ("unshared_storage", "examples")
+    assert str(tmp_path / "examples.jsonl") in caught.value.message
+
+
+def test_a_scoring_task_ray_lost_names_the_shard_and_says_scoring():
+    from ray.exceptions import WorkerCrashedError
+
+    from kiln_core.scoring import ScoringError
+
+    failure = runner_failure(WorkerCrashedError(), "shard-00001.jsonl", doing="scoring")
+    assert (failure.code, failure.file, failure.exit_code) == ("ray_task_failed", "shard-00001.jsonl", 3)
+    assert "task scoring it failed" in failure.message
+    rejection = ScoringError("teacher_mismatch", "the teacher's manifest differs from the pinned manifest")
+    assert runner_failure(rejection, "shard-00001.jsonl", doing="scoring") is rejection
