@@ -193,7 +193,7 @@ def files_of(directory: Path) -> dict[str, bytes]:
 
 
 def test_score_corpus_scores_each_shard_on_ray_byte_for_byte_as_the_thread_path(
-        prefect_harness, ray_instance, tiny_teacher, tiny_student, tmp_path, monkeypatch):
+        prefect_harness, ray_instance, tiny_teacher, tiny_student, tmp_path, monkeypatch, capsys):
     from test_scoring import EXAMPLES, TOP_K, write_jsonl
 
     from flows.score_corpus import score_corpus
@@ -218,12 +218,17 @@ def test_score_corpus_scores_each_shard_on_ray_byte_for_byte_as_the_thread_path(
         ["shard-00000.jsonl", "shard-00001.jsonl", "shard-00002.jsonl"]
     assert len(workers) == 3 and all(ran_elsewhere(worker) for worker in workers), workers
 
-    # Resume: a run that lost its last shard scores only that one on Ray (copying shard 0's rows from its
-    # committed file) and ends with the same bytes.
+    # Resume, through ``kiln-flows score --ray`` (which runs this flow): a run that lost its last shard
+    # scores only that one on Ray (copying shard 0's rows from its committed file), ending with the same bytes.
+    from flows.cli import main
+
     (tmp_path / "ray" / "shard-00002.jsonl").unlink()
     (tmp_path / "ray" / "index.json").unlink()
-    again = score(tmp_path / "ray", ray_address="local")
-    assert files_of(tmp_path / "ray") == files_of(tmp_path / "threads")
+    code = main(["score", str(examples), "--teacher", str(tiny_teacher), "--student", str(tiny_student), "--top-k",
+                 str(TOP_K), "--out", str(tmp_path / "ray"), "--shard-size", str(SCORE_SHARD_SIZE), "--ray", "local",
+                 "--json"])
+    again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0 and files_of(tmp_path / "ray") == files_of(tmp_path / "threads")
     assert again["sha256"] == threads["sha256"] and again["reused"] is False
     assert scored.results[1].resumed_shards == 2 and len(scored.workers[1]) == 1
     assert ran_elsewhere(scored.workers[1][0])

@@ -128,3 +128,29 @@ def test_a_scoring_task_ray_lost_names_the_shard_and_says_scoring():
     assert "task scoring it failed" in failure.message
     rejection = ScoringError("teacher_mismatch", "the teacher's manifest differs from the pinned manifest")
     assert runner_failure(rejection, "shard-00001.jsonl", doing="scoring") is rejection
+
+
+def run_score_cli(capsys, tmp_path, *options) -> tuple[int, str]:
+    from flows.cli import main
+
+    code = main(["score", str(tmp_path / "examples.jsonl"), "--teacher", str(tmp_path), "--student",
+                 str(tmp_path / "student"), "--top-k", "16", "--out", str(tmp_path / "scored"), *options])
+    return code, capsys.readouterr().err
+
+
+def test_cli_score_on_ray_without_a_shard_size_exits_2_naming_the_rule(tmp_path, capsys):
+    code, err = run_score_cli(capsys, tmp_path, "--ray", "local")
+    assert code == 2 and "ray_needs_shard_size" in err and "Traceback" not in err
+    assert not (tmp_path / "scored").exists()
+
+
+def test_cli_score_on_ray_refuses_a_bad_address(tmp_path, capsys):
+    code, err = run_score_cli(capsys, tmp_path, "--ray", "https://head:8265", "--shard-size", "1MiB")
+    assert code == 2 and "invalid_ray_address" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("option", [["--batch-size", "4"], ["--workers", "2"], ["--device", "cpu"]])
+def test_cli_score_on_ray_refuses_options_the_flow_does_not_take(tmp_path, capsys, option):
+    code, err = run_score_cli(capsys, tmp_path, "--ray", "local", "--shard-size", "1MiB", *option)
+    assert code == 2 and option[0] in err and "cannot be combined with --ray" in err
+    assert not (tmp_path / "scored").exists()

@@ -7,12 +7,18 @@
           --teacher-manifest manifest.jsonl --student ./student --top-k 16 --out teacher-data.jsonl
     $ kiln-flows score examples.jsonl --teacher ./teacher --student ./student --top-k 32 \\
           --out scored/ --shard-size 64MiB
+    $ kiln-flows score s3://bucket/examples.jsonl --teacher ./teacher --student ./student --top-k 32 \\
+          --out s3://bucket/scored/ --shard-size 64MiB --ray ray://head:10001
 
 ``--teacher`` is a directory when one exists at that path, else an alias in the local registry
 under ``--registry``. The corpus is published atomically: on any failure nothing appears at ``--out``
 (here the output *file*, as for ``oracle make-request``). With ``--shard-size`` ``--out`` is a
 directory that receives shards of at most that size and ``index.json`` (``kiln_core.scoring.shards``);
 running the command again resumes an interrupted set, scoring only its unfinished shards.
+With ``--ray ADDRESS`` the shards are scored on a Ray cluster, one Prefect ``score-shard`` task each: the
+command runs the ``score-corpus`` flow (``flows.score_corpus``), since the fan-out is prefect-ray's task
+runner, and the flow scores with the local teacher's defaults (``--batch-size`` 8, default dtype, device
+and attention), so those options and the vLLM ones are refused with ``--ray`` rather than ignored.
 Exit codes: 0 written, 2 rejected input (bad example, mismatched teacher, contract violation),
 3 failure (vLLM unreachable or 5xx, storage).
 """
@@ -40,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shard-size", metavar="SIZE",
                         help="write shards of at most SIZE bytes (e.g. 64MiB, 500KiB, 4096; at most 64MiB) and "
                              "index.json into the directory --out; a rerun resumes unfinished shards")
+    parser.add_argument("--ray", metavar="ADDRESS",
+                        help="score the shards on a Ray cluster (local, auto, ray://host:10001 or host:port), one "
+                             "Prefect task per shard; needs --shard-size and a local teacher (docs/distributed.md)")
     parser.add_argument("--workers", type=int, default=1, metavar="N",
                         help="shards scored at once with a vLLM teacher (default 1)")
     add_registry_argument(parser)
@@ -79,6 +88,8 @@ def run(args: argparse.Namespace) -> int:
     if (args.teacher is None) == (args.vllm is None):
         print("kiln-flows score: give exactly one of --teacher DIR|ALIAS or --vllm URL", file=sys.stderr)
         return 2
+    if args.ray is not None:
+        return _run_on_ray(args)
     sharded = args.shard_size is not None
     progress = None if args.quiet else (_SetProgressLine() if sharded else _ProgressBar())
     if args.quiet:
@@ -123,6 +134,41 @@ def run(args: argparse.Namespace) -> int:
     if not sharded and result.size_bytes > KILN_MAX_CORPUS_BYTES:  # a shard never is (the split bounds it)
         print(f"kiln-flows score: warning: the corpus is {result.size_bytes} bytes; Kiln admits at most 64 MiB",
               file=sys.stderr)
+    return 0
+
+
+# Options the score-corpus flow does not take: refused with --ray, never silently dropped.
+_NOT_WITH_RAY = (("vllm", None, "--vllm"), ("served_model", None, "--served-model"),
+                 ("teacher_manifest", None, "--teacher-manifest"), ("workers", 1, "--workers"),
+                 ("batch_size", 8, "--batch-size"), ("dtype", None, "--dtype"), ("device", None, "--device"),
+                 ("attn_implementation", "eager", "--attn-implementation"))
+
+
+def _run_on_ray(args: argparse.Namespace) -> int:
+    """``--ray``: the ``score-corpus`` flow with its shards fanned out on the cluster (prefect-ray)."""
+    import json
+    import sys
+
+    from flows.score_corpus import ray_options, score_corpus
+    from kiln_core.scoring.shards import parse_shard_size
+
+    given = [flag for name, default, flag in _NOT_WITH_RAY if getattr(args, name) != default]
+    if given:
+        print(f"kiln-flows score: {', '.join(given)} cannot be combined with --ray (the score-corpus flow scores "
+              "with a local teacher and its defaults)", file=sys.stderr)
+        return 2
+    shard_size = None if args.shard_size is None else parse_shard_size(args.shard_size)
+    ray_options(args.ray, shard_size, args.examples, args.out)  # refused before Prefect starts
+    teacher = _teacher_source(args)
+    if "registry_root" in teacher:  # the flow reads its registry under its storage root
+        teacher["storage_root"] = teacher.pop("registry_root")
+    scored = score_corpus(args.examples, args.student, **teacher, top_k=args.top_k, out=args.out,
+                          shard_size=shard_size, ray_address=args.ray)
+    if args.json:
+        print(json.dumps(scored, ensure_ascii=False))
+    else:
+        print(f"scored {scored['examples']} examples on Ray at {args.ray}\n  index {scored['uri']} "
+              f"(set {scored['sha256']}{', every shard finished by an earlier run' if scored['reused'] else ''})")
     return 0
 
 
