@@ -89,15 +89,16 @@ def ray_task_runner(options: RayOptions):
     try:
         from prefect_ray import RayTaskRunner
     except ImportError as error:
-        raise ConfigError(f"admitting shards on Ray needs prefect-ray ({error}); {RAY_INSTALL_HINT}",
+        raise ConfigError(f"admitting or scoring shards on Ray needs prefect-ray ({error}); {RAY_INSTALL_HINT}",
                           "distributed.engine", code="ray_package_missing") from None
     return RayTaskRunner(address=options.address)
 
 
 def runner_failure(error: BaseException, shard: str, doing: str = "admitting") -> BaseException:
-    """What a shard task's failure means: a rejection or a storage error raised by the task is returned as
-    it is; a failure of Ray itself (the worker process died, a node could not unpickle the task because
-    kiln-flows is not installed there) is the environment failure it is: ``ray_task_failed``, exit 3.
+    """What a shard task's failure means (``doing``: ``admitting``, or ``scoring`` for ``tasks.score_shards``):
+    a rejection or a storage error raised by the task is returned as it is; a failure of Ray itself (the
+    worker process died, a node could not unpickle the task because kiln-flows is not installed there) is
+    the environment failure it is: ``ray_task_failed``, exit 3.
     """
     try:
         from ray.exceptions import RayError

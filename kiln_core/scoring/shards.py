@@ -33,7 +33,9 @@ shard being written, as for a single file.
 **Parallel.** With a vLLM teacher, ``workers`` shards are scored at once (threads; each shard sends up
 to ``batch_size`` requests at a time); a shard waiting for an earlier shard's rows of a duplicate waits
 for that shard to commit. A local teacher holds one model in this process and scores one batch at a
-time; its parallelism is the batch. The first error in shard order is the one raised.
+time; its parallelism is the batch. The first error in shard order is the one raised. A flow can
+instead score each shard in its own process (``kiln_core.scoring.shard_jobs``, one Ray task per shard):
+``open_shard_set``, ``score_planned_shard`` per shard, ``finish_shard_set``, the steps this path runs.
 """
 
 from __future__ import annotations
