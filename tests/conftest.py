@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -196,6 +197,10 @@ def is_fast(item: pytest.Item) -> bool:
     return not ("one_torch_thread" in fixtures and fixtures & MODEL_FIXTURES)
 
 
+DURATIONS = Path(__file__).with_name("test_durations.json")
+SECONDS_PER_SLOW_TEST = 20.0
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     slow_tests_per_file: dict[str, int] = {}
     for item in items:
@@ -204,13 +209,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         else:
             slow_tests_per_file[str(item.path)] = slow_tests_per_file.get(str(item.path), 0) + 1
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        # A parallel run hands out whole files in collection order (--dist loadfile). The files with the most
-        # slow tests go first, so the run does not end with one worker on a long file while the other idles;
-        # a file's own tests keep their order, and a one-process run keeps the plain order.
+        # A parallel run hands out whole files in collection order (--dist loadfile). The longest files go
+        # first (tests/test_durations.json, rebuilt by tools/test_durations.py; a file it does not know yet
+        # counts SECONDS_PER_SLOW_TEST per slow test), so the run does not end with one worker on a long
+        # file while the other idles; a file's own tests keep their order, a one-process run the plain order.
+        recorded = json.loads(DURATIONS.read_text(encoding="utf-8")) if DURATIONS.is_file() else {}
+        root = Path(str(config.rootpath))
         first_seen: dict[str, int] = {}
         for index, item in enumerate(items):
             first_seen.setdefault(str(item.path), index)
-        items.sort(key=lambda item: (-slow_tests_per_file.get(str(item.path), 0), first_seen[str(item.path)]))
+
+        def expected_seconds(path: str) -> float:
+            name = Path(path).relative_to(root).as_posix() if Path(path).is_relative_to(root) else path
+            return recorded.get(name, SECONDS_PER_SLOW_TEST * slow_tests_per_file.get(path, 0))
+
+        items.sort(key=lambda item: (-expected_seconds(str(item.path)), first_seen[str(item.path)]))
 
 
 # ------------------------------------------------------------------------------------------ parallel workers
