@@ -38,9 +38,11 @@ def check(report: dict) -> dict:
 
 
 def test_sigkill_at_random_points_resumes_byte_identically(tmp_path):
-    report = check(run_drill("sigkill", workdir=str(tmp_path), trials=20, seed=0))
-    assert report["kills"] + report.get("completed_before_kill", 0) == 20
-    assert report["kills"] >= 18  # the random-delay mode may occasionally finish first
+    # The first 7 trials take each kill mode once, the other 3 modes drawn at random (`kiln-flows drill sigkill
+    # --trials N` runs more); only a kill at a random delay may find the run already finished.
+    report = check(run_drill("sigkill", workdir=str(tmp_path), trials=10, seed=0))
+    assert report["kills"] + report.get("completed_before_kill", 0) == 10
+    assert report["kills"] >= 10 - report["modes"].get("random", 0)
     assert set(report["modes"]) == {"step", "staged-file", "before-commit", "after-commit", "random", "cli", "twice"}
 
 
