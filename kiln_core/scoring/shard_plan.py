@@ -24,14 +24,16 @@ from typing import Any
 from kiln_core.scoring.examples import ScoringError, batched, iter_examples
 from kiln_core.scoring.requests import encode_requests, sequence_key
 
-__all__ = ["KILN_MAX_SHARD_BYTES", "MAX_LOGPROB_CHARS", "PLAN_FORMAT", "ShardPlan", "SetPlan", "parse_shard_size",
-           "plan_set", "row_size_bound"]
+__all__ = ["INDEX_NAME", "KILN_MAX_SHARD_BYTES", "MAX_LOGPROB_CHARS", "PLAN_FORMAT", "STATE_DIR", "ShardPlan", "SetPlan",
+           "check_existing_set", "file_sha256", "parse_shard_size", "plan_set", "row_size_bound", "shard_dependencies"]
 
 KILN_MAX_SHARD_BYTES = 64 * 1024 * 1024
 """Kiln admits corpora of at most 64 MiB (Kiln's docs/OPD_TEACHER_JSONL.md); every shard must be one."""
 MAX_LOGPROB_CHARS = 24
 """Characters ``repr(float(np.float32(x)))`` can take: sign, 17 significant digits, point, ``e-45``."""
 PLAN_FORMAT = "kiln-flows.scored-set-plan.v1"
+STATE_DIR = ".kiln-flows-score"
+INDEX_NAME = "index.json"
 _UNITS = {"": 1, "b": 1, "kib": 1024, "mib": 1024**2, "gib": 1024**3}
 _SIZE_TEXT = re.compile(r"^\s*(\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
 
@@ -187,3 +189,52 @@ def plan_set(examples_uri, student, binding, top_k, shard_size, inputs, batch_si
     plan_json = json.dumps({"format": PLAN_FORMAT, "inputs": inputs, "shards": [s.as_json() for s in shards]},
                            indent=1, sort_keys=True).encode("utf-8") + b"\n"
     return SetPlan(shards, keys, first_shard, plan_json, "sha256:" + hashlib.sha256(plan_json).hexdigest())
+
+
+def shard_dependencies(plan: SetPlan, shard: ShardPlan) -> set[int]:
+    """The earlier shards whose ``teacher_tokens`` this shard copies (sequences they scored first): they
+    must be committed before it is scored elsewhere."""
+    keys = plan.keys[shard.first : shard.first + shard.count]
+    return {plan.first_shard[key] for key in keys if plan.first_shard[key] < shard.number}
+
+
+def check_existing_set(out, plan: SetPlan, inputs: dict[str, Any]) -> None:
+    """Refuse a directory holding another run's set, or ``*.jsonl`` files of its own (``scored_set_mismatch``)."""
+    plan_location = out.child(STATE_DIR, "plan.json")
+    if plan_location.exists():
+        try:
+            previous = json.loads(plan_location.read_bytes())
+        except ValueError:
+            previous = {}
+        if not isinstance(previous, dict) or previous.get("format") != PLAN_FORMAT:
+            raise ScoringError("scored_set_mismatch", f"{plan_location.uri} is not a scoring plan; give an empty "
+                                                      f"or new --out directory")
+        before = previous.get("inputs") or {}
+        differing = sorted(name for name in inputs if before.get(name) != inputs[name])
+        if differing or previous.get("shards") != json.loads(plan.plan_json)["shards"]:
+            raise ScoringError(
+                "scored_set_mismatch",
+                f"{out.uri} holds a set scored from other inputs (differing: {', '.join(differing) or 'the split'}); "
+                f"its shards would not be this run's. Score into a new --out directory, or remove that one",
+            )
+        return
+    if out.exists():
+        from kiln_core.storage import list_children
+
+        foreign = sorted(name for name in list_children(out) if name.endswith(".jsonl") or name == INDEX_NAME)
+        if foreign:
+            raise ScoringError("scored_set_mismatch", f"{out.uri} already holds {', '.join(foreign[:3])} but no "
+                                                      f"scoring plan; shards written beside them would be admitted "
+                                                      f"together. Give an empty or new --out directory")
+
+
+def file_sha256(uri: str, storage_options) -> str:
+    """``sha256:<hex>`` of a file at ``uri``, read in 8 MiB chunks."""
+    from kiln_core.storage import resolve
+
+    location = resolve(uri, storage_options)
+    digest = hashlib.sha256()
+    with location.fs.open(location.path, "rb") as handle:
+        while chunk := handle.read(8 * 1024 * 1024):
+            digest.update(chunk)
+    return "sha256:" + digest.hexdigest()

@@ -53,14 +53,19 @@ from kiln_core.contracts.scored_set import ScoredShard, ScoreSetResult
 from kiln_core.scoring.examples import ScoringError, ScoringExample, iter_examples
 from kiln_core.scoring.requests import encode_requests
 from kiln_core.scoring.shard_plan import (
+    INDEX_NAME,
     KILN_MAX_SHARD_BYTES,
     MAX_LOGPROB_CHARS,
     PLAN_FORMAT,
+    STATE_DIR,
     SetPlan,
     ShardPlan,
+    check_existing_set,
+    file_sha256,
     parse_shard_size,
     plan_set,
     row_size_bound,
+    shard_dependencies,
 )
 
 __all__ = [
@@ -69,8 +74,6 @@ __all__ = [
     "score_planned_shard", "score_shard_set", "shard_dependencies",
 ]
 
-STATE_DIR = ".kiln-flows-score"
-INDEX_NAME = "index.json"
 RECORD_FORMAT = "kiln-flows.scored-shard.v1"
 
 
@@ -322,7 +325,7 @@ def open_shard_set(examples_uri: str, *, student, binding, top_k: int, out_uri: 
 
     out = resolve(out_uri, storage_options)
     inputs = {
-        "examples_sha256": _file_sha256(examples_uri, storage_options),
+        "examples_sha256": file_sha256(examples_uri, storage_options),
         "manifest_sha256": "sha256:" + hashlib.sha256(binding.manifest_line.encode("utf-8")).hexdigest(),
         "teacher_identity_revision": binding.identity.identity_revision(),
         "student": {k: v for k, v in student.identity().items() if k != "tokenizer_config_sha256"},
@@ -330,7 +333,7 @@ def open_shard_set(examples_uri: str, *, student, binding, top_k: int, out_uri: 
         "shard_size": shard_size,
     }
     plan = plan_set(examples_uri, student, binding, top_k, shard_size, inputs, batch_size, storage_options)
-    _check_existing(out, plan, inputs)
+    check_existing_set(out, plan, inputs)
     write_bytes_atomic(out.child(STATE_DIR, "plan.json"), plan.plan_json)
 
     run = _SetRun(out, plan, binding, student, top_k, shard_size, batch_size, on_progress, storage_options)
@@ -394,12 +397,6 @@ def score_planned_shard(examples_uri: str, shard: ShardPlan, *, plan: SetPlan, s
     return run.score_shard(shard, examples, scorer)
 
 
-def shard_dependencies(plan: SetPlan, shard: ShardPlan) -> set[int]:
-    """The earlier shards whose ``teacher_tokens`` this shard copies (sequences they scored first): they
-    must be committed before it is scored elsewhere."""
-    keys = plan.keys[shard.first : shard.first + shard.count]
-    return {plan.first_shard[key] for key in keys if plan.first_shard[key] < shard.number}
-
 
 def _score_all(run: _SetRun, todo: list[ShardPlan], examples: Iterator[tuple[ShardPlan, list]], scorer,
                workers: int) -> None:
@@ -447,44 +444,3 @@ def _shard_examples(examples_uri: str, plan: SetPlan, storage_options) -> Iterat
     stream = iter_examples(examples_uri, storage_options)
     for shard in plan.shards:
         yield shard, list(islice(stream, shard.count))
-
-
-def _check_existing(out, plan: SetPlan, inputs: dict[str, Any]) -> None:
-    """Refuse a directory holding another run's set, or ``*.jsonl`` files of its own (``scored_set_mismatch``)."""
-    plan_location = out.child(STATE_DIR, "plan.json")
-    if plan_location.exists():
-        try:
-            previous = json.loads(plan_location.read_bytes())
-        except ValueError:
-            previous = {}
-        if not isinstance(previous, dict) or previous.get("format") != PLAN_FORMAT:
-            raise ScoringError("scored_set_mismatch", f"{plan_location.uri} is not a scoring plan; give an empty "
-                                                      f"or new --out directory")
-        before = previous.get("inputs") or {}
-        differing = sorted(name for name in inputs if before.get(name) != inputs[name])
-        if differing or previous.get("shards") != json.loads(plan.plan_json)["shards"]:
-            raise ScoringError(
-                "scored_set_mismatch",
-                f"{out.uri} holds a set scored from other inputs (differing: {', '.join(differing) or 'the split'}); "
-                f"its shards would not be this run's. Score into a new --out directory, or remove that one",
-            )
-        return
-    if out.exists():
-        from kiln_core.storage import list_children
-
-        foreign = sorted(name for name in list_children(out) if name.endswith(".jsonl") or name == INDEX_NAME)
-        if foreign:
-            raise ScoringError("scored_set_mismatch", f"{out.uri} already holds {', '.join(foreign[:3])} but no "
-                                                      f"scoring plan; shards written beside them would be admitted "
-                                                      f"together. Give an empty or new --out directory")
-
-
-def _file_sha256(uri: str, storage_options) -> str:
-    from kiln_core.storage import resolve
-
-    location = resolve(uri, storage_options)
-    digest = hashlib.sha256()
-    with location.fs.open(location.path, "rb") as handle:
-        while chunk := handle.read(8 * 1024 * 1024):
-            digest.update(chunk)
-    return "sha256:" + digest.hexdigest()
