@@ -232,38 +232,3 @@ def test_score_corpus_scores_each_shard_on_ray_byte_for_byte_as_the_thread_path(
     assert again["sha256"] == threads["sha256"] and again["reused"] is False
     assert scored.results[1].resumed_shards == 2 and len(scored.workers[1]) == 1
     assert ran_elsewhere(scored.workers[1][0])
-
-
-def test_a_shard_tasks_rejection_keeps_its_code_and_the_finished_shards_stay_for_the_rerun(
-        prefect_harness, tiny_teacher, tiny_student, tmp_path, monkeypatch):
-    """The flow's side of a failing shard, on the thread task runner (a spy cannot reach a Ray worker): the
-    rejection raised in shard 1's task is the one raised, no index is written, and shard 0 is committed."""
-    from prefect import flow
-    from prefect.task_runners import ThreadPoolTaskRunner
-    from test_scoring import EXAMPLES, TOP_K, write_jsonl
-
-    import tasks.score_shards
-    from kiln_core.scoring import ScoringError
-
-    examples = write_jsonl(tmp_path / "examples.jsonl", EXAMPLES)
-    real = tasks.score_shards.score_shard_job
-
-    def reject_shard_one(job):
-        if job.shard.number == 1:
-            raise ScoringError("teacher_mismatch", "the teacher's manifest differs from the pinned manifest")
-        return real(job)
-
-    monkeypatch.setattr(tasks.score_shards, "score_shard_job", reject_shard_one)
-
-    @flow
-    def score_on_threads():
-        with ThreadPoolTaskRunner(max_workers=2) as runner:
-            return tasks.score_shards.score_set_with_tasks(
-                str(examples), task_runner=runner, student_dir=str(tiny_student), teacher_dir=str(tiny_teacher),
-                top_k=TOP_K, out_uri=str(tmp_path / "scored"), shard_size=SCORE_SHARD_SIZE)
-
-    with pytest.raises(ScoringError) as caught:
-        score_on_threads()
-    assert caught.value.code == "teacher_mismatch"
-    assert not (tmp_path / "scored" / "index.json").exists()
-    assert (tmp_path / "scored" / "shard-00000.jsonl").is_file()  # committed: the rerun skips it

@@ -154,3 +154,43 @@ def test_cli_score_on_ray_refuses_options_the_flow_does_not_take(tmp_path, capsy
     code, err = run_score_cli(capsys, tmp_path, "--ray", "local", "--shard-size", "1MiB", *option)
     assert code == 2 and option[0] in err and "cannot be combined with --ray" in err
     assert not (tmp_path / "scored").exists()
+
+
+# ---- scoring's shard tasks (no Ray: the flow's side of a failing shard)
+
+SCORE_SHARD_SIZE = 40_000  # the tiny teacher's six scored examples make three shards (tests/test_ray_fan_out.py)
+
+
+def test_a_shard_tasks_rejection_keeps_its_code_and_the_finished_shards_stay_for_the_rerun(
+        prefect_harness, tiny_teacher, tiny_student, tmp_path, monkeypatch):
+    """The flow's side of a failing shard, on the thread task runner (a spy cannot reach a Ray worker): the
+    rejection raised in shard 1's task is the one raised, no index is written, and shard 0 is committed."""
+    from prefect import flow
+    from prefect.task_runners import ThreadPoolTaskRunner
+    from test_scoring import EXAMPLES, TOP_K, write_jsonl
+
+    import tasks.score_shards
+    from kiln_core.scoring import ScoringError
+
+    examples = write_jsonl(tmp_path / "examples.jsonl", EXAMPLES)
+    real = tasks.score_shards.score_shard_job
+
+    def reject_shard_one(job):
+        if job.shard.number == 1:
+            raise ScoringError("teacher_mismatch", "the teacher's manifest differs from the pinned manifest")
+        return real(job)
+
+    monkeypatch.setattr(tasks.score_shards, "score_shard_job", reject_shard_one)
+
+    @flow
+    def score_on_threads():
+        with ThreadPoolTaskRunner(max_workers=2) as runner:
+            return tasks.score_shards.score_set_with_tasks(
+                str(examples), task_runner=runner, student_dir=str(tiny_student), teacher_dir=str(tiny_teacher),
+                top_k=TOP_K, out_uri=str(tmp_path / "scored"), shard_size=SCORE_SHARD_SIZE)
+
+    with pytest.raises(ScoringError) as caught:
+        score_on_threads()
+    assert caught.value.code == "teacher_mismatch"
+    assert not (tmp_path / "scored" / "index.json").exists()
+    assert (tmp_path / "scored" / "shard-00000.jsonl").is_file()  # committed: the rerun skips it
