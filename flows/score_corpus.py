@@ -32,6 +32,7 @@ def ray_options(ray_address: str, shard_size: int | None, examples: str, out: st
     """
     from kiln_core.contracts.opd_config import ConfigError
     from kiln_core.contracts.spec_blocks import RayOptions, check_ray_address
+    from kiln_core.storage import is_local_uri
 
     try:
         check_ray_address(ray_address)
@@ -45,7 +46,7 @@ def ray_options(ray_address: str, shard_size: int | None, examples: str, out: st
 
     options = RayOptions(address=ray_address)
     check_cluster_storage(options, out)  # the workers write the shards there
-    if not options.is_local and ("://" not in examples or examples.startswith("file://")):
+    if not options.is_local and is_local_uri(examples):
         raise ConfigError(f"{examples} is a local path, but the Ray cluster at {ray_address} may run workers on "
                           "other machines: the examples must be on storage every node reads (s3://, gs://, ...)",
                           "examples", code="unshared_storage")
@@ -54,7 +55,9 @@ def ray_options(ray_address: str, shard_size: int | None, examples: str, out: st
 
 def _remote(uri: str | None) -> str | None:
     """An fsspec URI a Ray worker copies itself, or None for a local path (the same on every node)."""
-    return uri if uri and "://" in uri and not uri.startswith("file://") else None
+    from kiln_core.storage import is_local_uri
+
+    return uri if uri and not is_local_uri(uri) else None
 
 
 def _score_on_ray(ray, examples, out_uri, student, student_dir, teacher_dir, teacher_alias, storage_root, top_k,

@@ -81,6 +81,16 @@ class Location:
         return self.read_bytes().decode("utf-8")
 
 
+def is_local_uri(uri: str) -> bool:
+    """Whether ``uri`` names this machine's file system (a plain path or ``file://``), not a remote store.
+
+    Example:
+        >>> is_local_uri("./kiln-data"), is_local_uri("file:///data"), is_local_uri("s3://bucket/kiln")
+        (True, True, False)
+    """
+    return "://" not in uri or uri.startswith("file://")
+
+
 def resolve(uri: str, storage_options: dict[str, Any] | None = None) -> Location:
     """Resolve a local path or fsspec URI into a ``Location``.
 

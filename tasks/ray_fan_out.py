@@ -24,12 +24,10 @@ from dataclasses import dataclass
 
 from kiln_core.contracts.opd_config import ConfigError
 from kiln_core.contracts.spec_blocks import DistributedOptions, RayOptions
+from kiln_core.storage import is_local_uri
 
 __all__ = ["FanOut", "plan_fan_out", "ray_task_runner", "runner_failure"]
 
-
-def _is_local(uri: str) -> bool:
-    return "://" not in uri or uri.startswith("file://")
 
 
 @dataclass(frozen=True)
@@ -71,10 +69,10 @@ def plan_fan_out(distributed: DistributedOptions | None, corpus_uri: str, storag
     from kiln_core.training.distributed.ray_launcher import check_cluster_storage
 
     check_cluster_storage(options, storage_root)  # what training refuses later, refused before any admission
-    if not options.is_local and _is_local(corpus_uri):
+    if not options.is_local and is_local_uri(corpus_uri):
         return FanOut(ray=None, reason=f"the shards are local paths on this machine; the Ray cluster at "
                                        f"{options.address} cannot read them")
-    return FanOut(ray=options, worker_student=None if _is_local(student) else student)
+    return FanOut(ray=options, worker_student=None if is_local_uri(student) else student)
 
 
 def ray_task_runner(options: RayOptions):

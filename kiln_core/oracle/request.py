@@ -39,6 +39,7 @@ from pydantic import ValidationError
 from kiln_core.canonical import canonical_sha256, sha256_prefixed
 from kiln_core.contracts.oracle_request import HfNextTokenRequest
 from kiln_core.oracle.errors import OracleRejection
+from kiln_core.storage import is_local_uri
 from kiln_core.strict_json import NestingTooDeep, StrictJsonError, check_nesting, loads_strict
 
 REQUEST_SCHEMA_FILE = "hf-next-token-request-v1.schema.json"
@@ -202,9 +203,6 @@ def validate_request_object(document: Any) -> HfNextTokenRequest:
 # ------------------------------------------------------------------------------------------ loading
 
 
-def _is_local(uri: str) -> bool:
-    return "://" not in uri or uri.startswith("file://")
-
 
 def read_regular_file(path: str, max_bytes: int, *, what: str = "request") -> bytes:
     """Read a local regular, non-symlink file of at most ``max_bytes`` bytes.
@@ -237,7 +235,7 @@ def read_regular_file(path: str, max_bytes: int, *, what: str = "request") -> by
 
 def read_request_bytes(uri: str) -> bytes:
     """Read a request from a local path or an fsspec URI under the file rules of §1.6."""
-    if _is_local(uri):
+    if is_local_uri(uri):
         return read_regular_file(uri.removeprefix("file://"), MAX_REQUEST_BYTES)
     import fsspec
 

@@ -34,6 +34,7 @@ from kiln_core.canonical import canonical_sha256, self_hash, sha256_prefixed
 from kiln_core.oracle.errors import OracleRejection
 from kiln_core.oracle.reference import ATTENTION_IMPLEMENTATION, SEED, ReferenceOutput
 from kiln_core.oracle.request import LoadedRequest, schema_validator
+from kiln_core.storage import is_local_uri
 from kiln_core.strict_json import StrictJsonError, loads_strict
 
 RESULT_SCHEMA = "kiln-flows.hf-next-token-result.v1"
@@ -218,9 +219,6 @@ def result_dir(out_root: str, request_id: str) -> str:
     return f"{str(out_root).rstrip('/')}/oracle/{request_id}"
 
 
-def _is_local(uri: str) -> bool:
-    return "://" not in uri or uri.startswith("file://")
-
 
 def write_local_atomic(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` atomically (``kiln_core.storage.write_bytes_atomic``)."""
@@ -237,7 +235,7 @@ def write_result(out_root: str, record: dict[str, Any], artifact: bytes) -> str:
     """
     directory = result_dir(out_root, record["request"]["id"])
     payload = result_json_bytes(record)
-    if _is_local(directory):
+    if is_local_uri(directory):
         local = Path(directory.removeprefix("file://"))
         local.mkdir(parents=True, exist_ok=True)
         write_local_atomic(local / LOGITS_FILE, artifact)
@@ -253,7 +251,7 @@ def write_result(out_root: str, record: dict[str, Any], artifact: bytes) -> str:
 
 
 def _read_bytes(uri: str) -> bytes | None:
-    if _is_local(uri):
+    if is_local_uri(uri):
         path = Path(uri.removeprefix("file://"))
         return path.read_bytes() if path.is_file() else None
     import fsspec

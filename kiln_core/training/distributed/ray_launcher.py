@@ -37,6 +37,7 @@ from typing import Any, Callable, Iterator
 from kiln_core.contracts.opd_config import ConfigError
 from kiln_core.contracts.spec_blocks import RayOptions
 from kiln_core.errors import EnvironmentFailure
+from kiln_core.storage import is_local_uri
 from kiln_core.training.distributed.launcher import DistributedJob, _rebuild_rejection
 from kiln_core.training.distributed.ray_worker import train_loop_per_worker
 from kiln_core.training.distributed.world import ClusterFacts, check_shared_storage
@@ -86,7 +87,7 @@ def check_cluster_storage(options: RayOptions, *uris: str) -> None:
     if options.is_local:
         return
     for uri in uris:
-        if "://" not in uri or uri.startswith("file://"):
+        if is_local_uri(uri):
             raise ConfigError(f"{uri} is a local path, but the Ray cluster at {options.address} may run workers on "
                               "other machines: the storage root of a cluster run must be shared by every node "
                               "(s3://, gs://, ...), or train with `address: local`", "storage_root",
