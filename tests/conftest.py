@@ -105,6 +105,19 @@ def tiny_student_plain(models_dir) -> Path:
     return build_tiny_model(models_dir / "student-plain", seed=1, generation_blocks=False)
 
 
+@pytest.fixture(scope="module")
+def ray_instance():
+    """One local Ray instance (2 CPUs) for the rest of a module: ``--ray local`` runs and flows with a Ray
+    spec join a session already open instead of starting their own, and it is shut down after the module."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
 @pytest.fixture
 def one_torch_thread():
     """One torch thread for the duration of a test: tiny matrices run faster and steadier on one thread

@@ -80,16 +80,6 @@ def test_one_worker_on_a_local_ray_trains_the_one_process_adapter(request_dir, t
 
 
 @pytest.fixture(scope="module")
-def ray_instance():
-    """One local Ray instance for the rest of the module (``--ray local`` uses a session already open)."""
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
-    try:
-        yield ray
-    finally:
-        ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def two_workers(ray_instance, request_dir, tiny_student, tmp_path_factory) -> dict:
     """An uninterrupted 2-worker Ray run through the CLI (the reference of the failure test)."""
     from flows.cli import main

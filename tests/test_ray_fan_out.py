@@ -33,16 +33,6 @@ CONFIG = {"training_mode": "off_policy", "top_k": 16, "epochs": 1, "seed": 5, "l
 
 
 @pytest.fixture(scope="module")
-def ray_instance():
-    """One local Ray instance for the module's flow runs (each joins it instead of starting its own)."""
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
-    try:
-        yield ray
-    finally:
-        ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def corpus_lines(tiny_student, tmp_path_factory) -> list[str]:
     from kiln_core.synthetic import synthesize_corpus
 
