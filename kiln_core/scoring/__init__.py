@@ -138,18 +138,10 @@ def score_examples(
     if workers > 1 and vllm_url is None:
         raise ScoringError("invalid_option", "--workers applies to a vLLM teacher; a local teacher scores one "
                                              "batch at a time in this process (raise --batch-size instead)")
-    if shard_size is not None:
-        from kiln_core.scoring.shards import check_out_directory, parse_shard_size
-
-        shard_size = parse_shard_size(shard_size)
-        check_out_directory(out_uri, storage_options)
-    total = count_examples(examples_uri, storage_options)
-    student = _load_student(student_dir)
-    if top_k > student.vocab_size:
-        raise ScoringError("invalid_option", f"top_k {top_k} exceeds the student's vocab_size {student.vocab_size}")
-    binding, load_scorer = _bind_teacher(
-        student, top_k, teacher_dir=teacher_dir, teacher_alias=teacher_alias, registry_root=registry_root,
-        dtype=dtype, attn_implementation=attn_implementation, vllm_url=vllm_url, served_model=served_model,
+    shard_size, total, student, binding, load_scorer = _open_inputs(
+        examples_uri, student_dir, top_k, out_uri=out_uri, shard_size=shard_size, storage_options=storage_options,
+        teacher_dir=teacher_dir, teacher_alias=teacher_alias, registry_root=registry_root, dtype=dtype,
+        attn_implementation=attn_implementation, vllm_url=vllm_url, served_model=served_model,
         pinned_manifest=pinned_manifest, device=device, batch_size=batch_size,
     )
     if shard_size is not None:
@@ -189,6 +181,28 @@ def score_examples(
         size_bytes=writer.bytes_written,
         reused_rows=reused,
     )
+
+
+def _open_inputs(examples_uri: str, student_dir: str, top_k: int, *, out_uri: str, shard_size, storage_options,
+                 **teacher):
+    """The checks every scoring run makes before any teacher weight loads, in this order: the shard size and
+    the output directory (with ``shard_size``), every example line, the student and its vocabulary; then the
+    teacher bound (``_bind_teacher``'s keywords in ``teacher``).
+
+    Returns:
+        ``(shard_size, examples, student, binding, load_scorer)``: the parsed size (or None), the example count.
+    """
+    if shard_size is not None:
+        from kiln_core.scoring.shards import check_out_directory, parse_shard_size
+
+        shard_size = parse_shard_size(shard_size)
+        check_out_directory(out_uri, storage_options)
+    total = count_examples(examples_uri, storage_options)
+    student = _load_student(student_dir)
+    if top_k > student.vocab_size:
+        raise ScoringError("invalid_option", f"top_k {top_k} exceeds the student's vocab_size {student.vocab_size}")
+    binding, load_scorer = _bind_teacher(student, top_k, **teacher)
+    return shard_size, total, student, binding, load_scorer
 
 
 def _check_options(top_k, batch_size, dtype, attn_implementation, device, teacher_dir, teacher_alias, vllm_url) -> None:

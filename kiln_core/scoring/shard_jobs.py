@@ -78,18 +78,13 @@ def open_scoring_set(examples_uri: str, *, student_dir: str, teacher_dir: str | 
         ScoringError: what ``score_examples`` refuses before scoring (options, examples, teacher, the
             directory), with the same codes.
     """
-    from kiln_core.scoring import _check_options, _load_student
-    from kiln_core.scoring.examples import ScoringError, count_examples
-    from kiln_core.scoring.shards import check_out_directory, open_shard_set, parse_shard_size, shard_dependencies
+    from kiln_core.scoring import _check_options, _open_inputs
+    from kiln_core.scoring.shards import open_shard_set, shard_dependencies
 
     _check_options(top_k, batch_size, None, "eager", None, teacher_dir, teacher_alias, None)
-    shard_size = parse_shard_size(shard_size)
-    check_out_directory(out_uri, storage_options)
-    count_examples(examples_uri, storage_options)  # every line checked before the teacher is touched
-    student = _load_student(student_dir)
-    if top_k > student.vocab_size:
-        raise ScoringError("invalid_option", f"top_k {top_k} exceeds the student's vocab_size {student.vocab_size}")
-    binding, _ = _teacher(student, top_k, teacher_dir, teacher_alias, registry_root, None, batch_size)
+    shard_size, _, student, binding, _ = _open_inputs(
+        examples_uri, student_dir, top_k, out_uri=out_uri, shard_size=shard_size, storage_options=storage_options,
+        **_teacher_options(teacher_dir, teacher_alias, registry_root, None, batch_size))
     run = open_shard_set(examples_uri, student=student, binding=binding, top_k=top_k, out_uri=out_uri,
                          shard_size=shard_size, batch_size=batch_size, storage_options=storage_options)
     job = ScoringShardJob(examples_uri=examples_uri, out_uri=run.out.uri, shard=run.plan.shards[0], after=frozenset(),
@@ -117,8 +112,10 @@ def score_shard_job(job: ScoringShardJob):
 
     student = _load_student(localize_directory(job.student_dir, storage_options=job.storage_options))
     teacher_dir = job.teacher_dir and localize_directory(job.teacher_dir, storage_options=job.storage_options)
-    binding, load_scorer = _teacher(student, job.top_k, teacher_dir, job.teacher_alias, job.registry_root,
-                                    job.manifest_line, job.batch_size)
+    from kiln_core.scoring import _bind_teacher
+
+    binding, load_scorer = _bind_teacher(student, job.top_k, **_teacher_options(
+        teacher_dir, job.teacher_alias, job.registry_root, job.manifest_line, job.batch_size))
     scorer = load_scorer()
     try:
         return score_planned_shard(job.examples_uri, job.shard, plan=job.plan, student=student, binding=binding,
@@ -129,10 +126,9 @@ def score_shard_job(job: ScoringShardJob):
             scorer.close()
 
 
-def _teacher(student, top_k, teacher_dir, teacher_alias, registry_root, pinned_manifest, batch_size):
-    """The local teacher bound as ``score_examples`` binds it (default dtype, device and attention)."""
-    from kiln_core.scoring import _bind_teacher
-
-    return _bind_teacher(student, top_k, teacher_dir=teacher_dir, teacher_alias=teacher_alias,
-                         registry_root=registry_root, dtype=None, attn_implementation="eager", vllm_url=None,
-                         served_model=None, pinned_manifest=pinned_manifest, device=None, batch_size=batch_size)
+def _teacher_options(teacher_dir, teacher_alias, registry_root, pinned_manifest, batch_size) -> dict:
+    """``_bind_teacher``'s keywords for the local teacher as ``score_examples`` binds it by default (default
+    dtype and device, eager attention), on the planning side and on every worker alike."""
+    return dict(teacher_dir=teacher_dir, teacher_alias=teacher_alias, registry_root=registry_root, dtype=None,
+                attn_implementation="eager", vllm_url=None, served_model=None, pinned_manifest=pinned_manifest,
+                device=None, batch_size=batch_size)
