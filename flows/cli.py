@@ -29,6 +29,8 @@ COMMAND_MODULES = [
     "flows.commands.teachers",
     "flows.commands.score",
     "flows.commands.train",
+    "flows.commands.distill",
+    "flows.commands.recipe",
     "flows.commands.eval",
     "flows.commands.models",
     "flows.commands.oracle",

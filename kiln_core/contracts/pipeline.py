@@ -42,6 +42,7 @@ from kiln_core.contracts.form_choices import config_from_form, spec_form_schema
 from kiln_core.contracts.names import NAME_RULE, is_valid_name
 from kiln_core.contracts.opd_config import SAMPLING_FIELDS, OpdConfig
 from kiln_core.contracts.quality_gate import QualityGate
+from kiln_core.contracts.recipe_record import RecipeRecord
 from kiln_core.contracts.sources import OnPolicySampling, TrainingData
 from kiln_core.contracts.spec_blocks import DistributedOptions, RunOptions, TeacherSource, VllmBackends
 from kiln_core.contracts.unknown_keys import UnknownKey, find_unknown_keys
@@ -159,6 +160,12 @@ class PipelineSpec(BaseModel):
         description="On-policy only: sample rollouts and/or score them on vLLM servers instead of the training "
         "process (rollouts_url, teacher_url, sync_dir). Empty = both local.",
         json_schema_extra={"position": 12},
+    )
+
+    recipe: SkipJsonSchema[RecipeRecord | None] = Field(
+        default=None, exclude=True,
+        description="Set by the recipe commands and flows (distill self/merge/pump, recipe run), never by hand: "
+        "recorded in the run's receipt as its `recipe` block and in Kiln's receipt.json beside the adapter.",
     )
 
     @field_validator("config", mode="before")

@@ -312,6 +312,9 @@ class TrainReceipt(_Receipt):
     """Ours: the distillation-metrics gate (thresholds, base and distilled metrics, outcome)."""
     ignored_request_keys: list[str] | None = Field(default=None, exclude_if=_omit_none)
     """Ours: unknown keys of the request (dotted paths) that ``--kiln-lenient`` ignored, as Kiln does."""
+    recipe: dict[str, Any] | None = Field(default=None, exclude_if=_omit_none)
+    """Ours: the recipe that trained the adapter (``kiln_core.contracts.recipe_record.RecipeRecord``): kind, mode,
+    Kiln's teacher descriptor, merge sources, the whole request, and the recipe file and step it ran in."""
     publish_guard: dict[str, Any] | None = Field(default=None, exclude_if=_omit_none)
     """Ours: whether the publish guard ran (``enabled``), its ``verdict`` (``passed``, ``tripped``, ``off``) and
     each rule's measured values and thresholds (``kiln_core.training.publish_guard``)."""

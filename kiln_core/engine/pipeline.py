@@ -28,6 +28,7 @@ from kiln_core.contracts.stage_refs import (CorpusRef, GateRef, HeldOutRef, Inpu
                                             PublishRef, TrainPlan, TrainRef)
 import kiln_core.engine.stages as stages
 from kiln_core.engine.publish import publish
+from kiln_core.engine.recipe_receipts import record_recipe
 from kiln_core.engine.gate import check_gate_inputs, has_gate, run_gate, training_data
 from kiln_core.engine.run_lock import RunLock
 from kiln_core.engine.runs import plan_run
@@ -217,6 +218,8 @@ def run_pipeline(spec: PipelineSpec, stages_: Stages | None = None, *, resume: s
         ready = prepare(spec, stages_, resume=resume, device=device, precision=precision,
                         gradient_checkpointing=gradient_checkpointing, claim=lock.acquire)
         trained = stages_.train(ready.plan, ready.corpus, ready.manifest, ready.student_dir)
+        if spec.recipe is not None and trained.status == "success" and not trained.reused:
+            record_recipe(trained, spec.recipe)  # before the gate: it may rename the run, latest.json pins the receipt
         gated = stages_.gate(trained, spec, ready) if trained.status == "success" and has_gate(spec) else None
         if gated is not None:  # a renamed run: its adapter and receipt are where the gate left them
             trained = trained.model_copy(update={"run_uri": gated.run_uri, "receipt_uri": gated.receipt_uri,
