@@ -346,6 +346,7 @@ class KilnFlowsState(BaseModel):
             otherwise, so an unwatched run writes the same file as before the watch existed.
         data_cursor: The next candidate's shard and row when the corpus is a set of shards; absent
             for one corpus file.
+        lr_schedule: The learning-rate schedule (our extension); absent for a constant rate.
     """
 
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
@@ -361,3 +362,6 @@ class KilnFlowsState(BaseModel):
     rank_rng: list[RankRngState]
     eval_curve: EvalCurve | None = Field(default=None, exclude_if=_omit_none)
     data_cursor: DataCursor | None = Field(default=None, exclude_if=_omit_none)
+    lr_schedule: dict[str, Any] | None = Field(default=None, exclude_if=_omit_none)
+    """The config's learning-rate schedule (``LrSchedule``), which the resumed steps must follow too; absent for
+    Kiln's constant rate, so such a run writes the same file as before schedules existed."""

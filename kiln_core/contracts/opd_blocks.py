@@ -19,7 +19,7 @@ from typing import Annotated, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 __all__ = ["MuonOptimizer", "AdamWOptimizer", "SgdOptimizer", "Optimizer", "StableOpdOff", "StableOpdAuto",
-           "StableOpdManual", "StableOpd", "EchoConfig", "UnitInterval"]
+           "StableOpdManual", "StableOpd", "EchoConfig", "LrSchedule", "UnitInterval"]
 
 
 # Every field's docstring is its one-line description in the JSON schema (use_attribute_docstrings),
@@ -138,3 +138,22 @@ class EchoConfig(_Strict):
         if not math.isfinite(value):
             raise ValueError("echo.lambda must be finite")
         return value
+
+
+class LrSchedule(_StrictForbid):
+    """kiln-flows extension: warm-up, then a decay of the learning rate over the run's optimizer steps.
+
+    Kiln trains at a constant rate; a config without this block keeps exactly that. Step s (1-based) of a run
+    of T optimizer steps trains at learning_rate times a factor: s / warmup_steps during warm-up, then from 1
+    down toward final_lr_ratio (linear or cosine) over the remaining steps. The factor depends on s and T only,
+    so a resumed run trains at the same rates as an uninterrupted one.
+    """
+
+    model_config = ConfigDict(title="Learning-rate schedule")  # merged with the base class config
+
+    kind: Literal["linear", "cosine"] = "cosine"
+    """Decay after warm-up: linear or cosine (half period), from the full rate down to final_lr_ratio × it."""
+    warmup_steps: int = Field(default=0, ge=0)
+    """Optimizer steps whose rate rises linearly to the full rate (count; 0 = none)."""
+    final_lr_ratio: float = Field(default=0.1, ge=0.0, le=1.0)
+    """The rate the decay approaches at the last step, as a fraction of learning_rate (0 to 1)."""

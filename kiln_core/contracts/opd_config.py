@@ -37,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from kiln_core.contracts.opd_blocks import (  # noqa: F401 - re-exported: the config's blocks import from here
     AdamWOptimizer,
     EchoConfig,
+    LrSchedule,
     MuonOptimizer,
     Optimizer,
     SgdOptimizer,
@@ -193,6 +194,8 @@ class OpdConfig(BaseModel):
     """kiln-flows extension: sequences per optimizer step (gradient accumulation, mean of their losses). Default 1, as Kiln."""
     preset: Literal["quality"] | None = None
     """kiln-flows extension: a named recipe (quality) that fills in the fields this config leaves unset. Default: none."""
+    lr_schedule: LrSchedule | None = Field(default=None, title="Learning-rate schedule")
+    """kiln-flows extension: warm-up and linear or cosine decay of learning_rate over the run's steps; empty = constant, as Kiln."""
     publish_guard: bool = True
     """kiln-flows extension: refuse to publish a run whose weights or loss diverged (failed with training_diverged, checkpoints kept); false publishes it anyway. Default: on."""
 
@@ -395,6 +398,8 @@ def effective_config(config: OpdConfig, seed: int, top_k: int, prompt_count: int
     data.pop("publish_guard", None)  # decides only whether the result is published, not what trains
     if data.get("preset") is None:  # a config without a preset keeps Kiln's exact effective config
         data.pop("preset", None)
+    if data.get("lr_schedule") is None:  # likewise a constant rate (Kiln's)
+        data.pop("lr_schedule", None)
     data["learning_rate"] = resolve_learning_rate(config)
     data["seed"] = int(seed)
     data["effective_top_k"] = int(top_k)

@@ -100,6 +100,8 @@ def plan_run(spec: PipelineSpec, corpus: CorpusRef, manifest: ManifestRef, stude
     config: OpdConfig = spec.config.model_copy(update={"output_name": spec.adapter, "resume_checkpoint": None})
     decides = config.model_dump(mode="json", by_alias=True)
     decides.pop("publish_guard")  # it decides whether the result is published, not what trains
+    if decides.get("lr_schedule") is None:  # a constant rate keeps the run keys runs had before schedules existed
+        decides.pop("lr_schedule", None)
     nproc = spec.distributed.world_size if spec.distributed else 1  # torchrun's nproc or Ray's workers
     if nproc > 1:
         # The world size decides which candidates share a step, so it decides the run (and its checkpoints).

@@ -177,7 +177,7 @@ def write_checkpoint(plan: RunPlan, student: Student, optimizer: torch.optim.Opt
             kiln_flows_version=__version__, world_size=world.size, backend=world.backend, strategy=world.strategy,
             sequences_per_step=contract.sequences_per_step, optimizer_steps_total=contract.optimizer_steps_total,
             loss=contract.loss, rank_rng=[RankRngState.model_validate_json(state) for state in states],
-            eval_curve=eval_curve, data_cursor=plan.data_cursor(progress.global_step))
+            eval_curve=eval_curve, data_cursor=plan.data_cursor(progress.global_step), lr_schedule=contract.lr_schedule)
         keys = student.checkpoint_keys()
         optimizer_bytes = save_safetensors(optimizer_state_tensors(optimizer, keys)) if contract.stateful_optimizer else None
         loop_state = progress.loop_state(plan.schedule, contract.examples_read, contract.examples_filtered)

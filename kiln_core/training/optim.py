@@ -25,9 +25,10 @@ import math
 import torch
 
 from kiln_core.contracts.checkpoint import ResumeError
-from kiln_core.contracts.opd_config import AdamWOptimizer, MuonOptimizer, SgdOptimizer
+from kiln_core.contracts.opd_config import AdamWOptimizer, LrSchedule, MuonOptimizer, SgdOptimizer
 
-__all__ = ["Muon", "newton_schulz", "build_optimizer", "optimizer_state_tensors", "load_optimizer_state"]
+__all__ = ["Muon", "newton_schulz", "build_optimizer", "scheduled_learning_rate", "set_learning_rate",
+           "optimizer_state_tensors", "load_optimizer_state"]
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
@@ -122,6 +123,33 @@ def build_optimizer(
     if spec.kind == "sgd":
         return torch.optim.SGD(params, lr=learning_rate, momentum=0.0)
     raise ValueError(f"unknown optimizer kind {spec.kind!r}")
+
+
+def scheduled_learning_rate(learning_rate: float, schedule: LrSchedule | None, step: int, total_steps: int) -> float:
+    """The rate optimizer step ``step`` (1-based) of ``total_steps`` trains at (``LrSchedule``; None: constant).
+
+    Warm-up rises linearly to the full rate at step ``warmup_steps``; the decay then goes from the full rate at
+    the first step after warm-up toward ``final_lr_ratio`` of it, reached one step past the last.
+
+    Example:
+        >>> schedule = LrSchedule(kind="linear", warmup_steps=2, final_lr_ratio=0.0)
+        >>> [scheduled_learning_rate(1.0, schedule, s, 6) for s in range(1, 7)]
+        [0.5, 1.0, 1.0, 0.75, 0.5, 0.25]
+    """
+    if schedule is None:
+        return learning_rate
+    if step <= schedule.warmup_steps:
+        return learning_rate * step / schedule.warmup_steps
+    decay_steps = max(1, total_steps - schedule.warmup_steps)
+    progress = min(1.0, (step - schedule.warmup_steps - 1) / decay_steps)
+    shape = 1.0 - progress if schedule.kind == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return learning_rate * (schedule.final_lr_ratio + (1.0 - schedule.final_lr_ratio) * shape)
+
+
+def set_learning_rate(optimizer: torch.optim.Optimizer, learning_rate: float) -> None:
+    """Make every parameter group of ``optimizer`` take its next step at ``learning_rate``."""
+    for group in optimizer.param_groups:
+        group["lr"] = learning_rate
 
 
 def _u32(value: int) -> torch.Tensor:

@@ -104,6 +104,12 @@ class RunPlan:
         candidate = min(step * self.schedule.sequences_per_step, self.schedule.total_candidates)
         return self.shards.cursor(candidate, samples_per_prompt=self.schedule.samples_per_prompt)
 
+    def learning_rate_at(self, step: int) -> float:
+        """The rate optimizer step ``step`` (1-based) trains at: ``learning_rate`` unless the config has a schedule."""
+        from kiln_core.training.optim import scheduled_learning_rate
+
+        return scheduled_learning_rate(self.learning_rate, self.config.lr_schedule, step, self.schedule.total_steps)
+
     @property
     def loss_fn(self) -> Callable:
         return step_loss(self.config.loss)
@@ -245,7 +251,8 @@ def build_plan(plan: TrainPlan, *, data: DataPlan, run_dir: Location, basename: 
             auxiliary_state=aux, examples_read=data.examples_read, examples_filtered=data.examples_filtered,
             on_policy=data.on_policy, world_size=world.size, backend=world.backend,
             sequences_per_step=config.sequences_per_step, optimizer_steps_total=schedule.total_steps,
-            loss="teacher_top_k_tail" if config.loss == "teacher_top_k_tail" else "teacher_top_k")
+            loss="teacher_top_k_tail" if config.loss == "teacher_top_k_tail" else "teacher_top_k",
+            lr_schedule=config.lr_schedule.model_dump(mode="json") if config.lr_schedule is not None else None)
 
     loaded = None
     if basename is not None:

@@ -19,6 +19,7 @@ import torch
 from kiln_core.contracts.opd_config import OpdConfig
 from kiln_core.corpus import CorpusTables, TrainingExample
 from kiln_core.loss import compose_step_loss, echo_env_cross_entropy
+from kiln_core.training.optim import set_learning_rate
 from kiln_core.training.plan import RunPlan
 from kiln_core.training.progress import TOKEN_COUNT_KEYS, Clock, LoopProgress
 from kiln_core.training.student import Student, lora_module
@@ -120,7 +121,7 @@ def train_examples(student: Student, optimizer: torch.optim.Optimizer,
         _backward(loss, len(examples), plan.config, clock, student.device)
         losses.append(value)
         progress.record_candidate(counts, env_ce)
-    return _apply_update(student, optimizer, progress, losses, clock)
+    return _apply_update(student, optimizer, plan, progress, losses, clock)
 
 
 # One row per candidate a rank trains in a step: present, loss, ECHO fired, ECHO env CE, token counts.
@@ -171,7 +172,7 @@ def train_step_distributed(student: Student, optimizer: torch.optim.Optimizer,
                                   row[3] if row[2] else None)
     with clock.phase("all_reduce"):
         world.all_reduce_gradients_(list(student.lora_parameters.values()))
-    return _apply_update(student, optimizer, progress, losses, clock)
+    return _apply_update(student, optimizer, plan, progress, losses, clock)
 
 
 def _collective_pass(student: Student, loss: torch.Tensor, clock: Clock) -> None:
@@ -202,11 +203,14 @@ def module_grad_norms(parameters: dict[str, torch.nn.Parameter]) -> dict[str, fl
     return {module: math.sqrt(total) for module, total in squares.items()}
 
 
-def _apply_update(student: Student, optimizer: torch.optim.Optimizer, progress: LoopProgress, losses: list[float],
-                  clock: Clock) -> float:
-    """Optimizer step on the accumulated gradients, finite check, commit; returns the step loss."""
+def _apply_update(student: Student, optimizer: torch.optim.Optimizer, plan: RunPlan, progress: LoopProgress,
+                  losses: list[float], clock: Clock) -> float:
+    """Optimizer step on the accumulated gradients (at the step's scheduled rate, when the config has a schedule),
+    finite check, commit; returns the step loss."""
     with clock.phase("optimizer"):
         norms = module_grad_norms(student.lora_parameters)
+        if plan.config.lr_schedule is not None:  # without one the rate stays the optimizer's constant one, as Kiln
+            set_learning_rate(optimizer, plan.learning_rate_at(progress.global_step + 1))
         optimizer.step()
         if not math.isfinite(float(torch.nn.utils.get_total_norm(list(student.lora_parameters.values())))):
             raise StopTraining("nan_loss", f"OPD LoRA parameters became non-finite after step {progress.global_step + 1}")

@@ -356,4 +356,7 @@ def validate_resume(loaded: LoadedCheckpoint, contract_for_seed: Callable[[int],
                    f"this run asks for {contract.sequences_per_step}", EXTENSION_FILE)
     if ext.loss != contract.loss:
         raise fail("resume_loss", f"checkpoint trained loss {ext.loss!r}, this run asks for {contract.loss!r}", EXTENSION_FILE)
+    if ext.lr_schedule != contract.lr_schedule:
+        raise fail("resume_lr_schedule", f"checkpoint was written with learning-rate schedule {ext.lr_schedule}, "
+                   f"this run asks for {contract.lr_schedule}", EXTENSION_FILE)
     return contract
