@@ -11,8 +11,10 @@ Stages, each with a progress bar on stderr:
    corpus (admitted with the training rules, same teacher, no shared prompt): the distilled student's
    top-K reverse KL must be below the base student's, else the adapter is demoted (renamed
    ``demo-real.failed``, ``latest.json`` untouched);
-6. **evaluate** the teacher on the same corpus (the gate measured both students), and answer three
-   held-out prompts side by side.
+6. **evaluate** the teacher on the same corpus (the gate measured both students), say in one line what the
+   numbers mean, measure each student on its *own* greedy answers to eight held-out prompts (the teacher's
+   top-K there: what on-policy training minimizes, and the text a user reads), and answer three held-out
+   prompts side by side.
 
 Steps 1-4 are cached under ``<workdir>/real-cache`` by content, so a second run starts at training.
 """
@@ -33,6 +35,7 @@ from flows.spec import PipelineSpec
 
 ADAPTER = "demo-real"
 SIDE_BY_SIDE = 3
+OWN_ANSWERS = 8  # held-out prompts each student answers for the on-its-own-answers measure
 LABELS = {"train": "train", "heldout": "held-out"}
 
 
@@ -94,6 +97,7 @@ def demo_real(workdir: str = "./kiln-data", train_examples: int = 96, heldout_ex
     """Run the real-model demo under ``workdir``; returns the pipeline summary plus held-out metrics."""
     from kiln_core.data import load_prompts
     from kiln_core.evaluation import admit_eval_corpus, evaluate_tables, generate_answers, load_eval_model
+    from kiln_core.evaluation.own_answers import own_answer_metrics
     from kiln_core.models import check_same_vocabulary
     from kiln_core.models.prepare import prepare_models, scored_corpus, teacher_examples
 
@@ -129,15 +133,19 @@ def demo_real(workdir: str = "./kiln-data", train_examples: int = 96, heldout_ex
     }
     prompts = [[{"role": "user", "content": row["prompt"]}] for row in splits["heldout"][:SIDE_BY_SIDE]]
     metrics = {"teacher": None, "base student": measured["base"], "distilled student": measured["distilled"]}
-    answers = {}
+    own_prompts = [[{"role": "user", "content": row["prompt"]}] for row in splits["heldout"][:OWN_ANSWERS]]
+    answers, own = {}, {}
     with stage("evaluate", len(models), "model") as update:
+        teacher_model = models["teacher"]()
         for done, (name, load) in enumerate(models.items(), 1):
-            model = load()
+            model = teacher_model if name == "teacher" else load()
             if metrics[name] is None:
                 metrics[name] = evaluate_tables(model, heldout.tables).to_json()
             answers[name] = generate_answers(model, prompts, max_new_tokens=max_new_tokens)
+            if name != "teacher":  # the student's own answers, scored by the teacher (what on-policy minimizes)
+                own[name] = own_answer_metrics(model, teacher_model, own_prompts, max_new_tokens=max_new_tokens)
             update(done)
-    return {**summary, "metrics": metrics,
+    return {**summary, "metrics": metrics, "own_answers": own,
             "answers": [{"prompt": p[0]["content"], **{name: answers[name][i] for name in answers}}
                         for i, p in enumerate(prompts)],
             "heldout_corpus": str(corpora["heldout"]), "train_corpus": str(corpora["train"]),
@@ -155,6 +163,15 @@ def report(result: dict[str, Any], wall: float) -> str:
     for name, m in result["metrics"].items():
         lines.append(f"  {name:<18} {m['reverse_kl']:>12.4f} {m['top1_agreement']:>12.1%} "
                      f"{m['teacher_token_nll']:>8.3f} {m['teacher_token_nll'] / teacher_nll:>11.2f}x")
+    lines.append(f"  {meaning(result['metrics'])}")
+    if result.get("own_answers"):
+        own = result["own_answers"]
+        count = next(iter(own.values()))["examples"]
+        lines += ["", f"  on each student's own greedy answers to {count} held-out prompts, scored by the teacher:",
+                  f"  {'model':<18} {'top-K rev KL':>12} {'top-1 agree':>12} {'teacher NLL':>12} {'tokens/answer':>14}"]
+        for name, m in own.items():
+            lines.append(f"  {name:<18} {m['reverse_kl']:>12.4f} {m['top1_agreement']:>12.1%} "
+                         f"{m['teacher_nll']:>12.3f} {m['answer_tokens']:>14.1f}")
     from kiln_core.engine.gate import describe_gate
 
     lines += ["", *(f"  {line}" for line in describe_gate(result["gate"]))]
@@ -169,6 +186,16 @@ def report(result: dict[str, Any], wall: float) -> str:
               f"--teacher {result['teacher_dir']} --generate {SIDE_BY_SIDE}",
               "", f"  wall time {wall:.0f} s"]
     return "\n".join(lines)
+
+
+def meaning(metrics: dict[str, Any]) -> str:
+    """One line that says what the table means: how far distillation moved the student toward the teacher."""
+    base, distilled = metrics["base student"]["reverse_kl"], metrics["distilled student"]["reverse_kl"]
+    if not base > 0:
+        return "in short: the base student already matches the teacher here; there was nothing to distil"
+    closed = (base - distilled) / base
+    return (f"in short: distillation closed {closed:.0%} of the gap between the base student and the teacher "
+            f"on held-out text (top-K reverse KL {base:.3f} -> {distilled:.3f}; 0 would be the teacher itself)")
 
 
 def summary_json(result: dict[str, Any], wall: float) -> str:

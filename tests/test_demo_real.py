@@ -45,7 +45,9 @@ def test_real_demo_distills_smollm2_and_evaluates_held_out(prefect_harness, tmp_
     assert gate["quality_gate"]["base"] == metrics["base student"]
     assert json.loads(Path(summary["latest"]).read_text())["run"] == summary["run"]
     assert receipt["gate_outcome"] == "promoted" and receipt["quality_gate"]["failures"] == []
+    own = summary["own_answers"]
+    assert set(own) == {"base student", "distilled student"} and all(m["examples"] == 4 for m in own.values())
     for word in ("top-1 agree", "base student", "distilled student", "kiln-flows eval --student", "gate: promoted",
-                 "PASSED quality gate"):
+                 "PASSED quality gate", "in short: distillation closed", "own greedy answers", "tokens/answer"):
         assert word in report
 

@@ -10,7 +10,10 @@ The corpus is admitted with training's rules and masks. Means over every action 
 ``reverse_kl`` (Kiln's renormalized top-K loss), ``top1_agreement`` (student full-vocabulary argmax =
 teacher's first candidate), ``teacher_token_nll`` (−log student probability of the corpus token).
 ``--json`` prints one JSON object (with ``tokens``) as the last stdout line. ``--generate N`` answers
-the first N held-out prompts with the teacher, the base student and the adapted student, greedily.
+the first N held-out prompts with the teacher, the base student and the adapted student, greedily, and
+measures each student's *own* answers against the teacher (``own_answers``: top-K reverse KL, top-1
+agreement, the teacher's NLL of the answer, tokens per answer; ``kiln_core.evaluation.own_answers``): the
+measure on-policy training minimizes, on the text a user reads.
 Exit codes: 0, 2 rejected input (admission rule, another teacher, another vocabulary, overlap with the
 training corpus, adapter that does not fit), 3 failure.
 """
@@ -76,7 +79,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     result = {"status": "evaluated", **metrics.to_json(), "student": args.student, "adapter": args.adapter,
               "corpus": args.corpus, "corpus_sha256": admission.dataset_sha256}
     if args.generate:
-        result["answers"] = _side_by_side(args, model)
+        result["answers"], result["own_answers"] = _side_by_side(args, model)
     return result
 
 
@@ -91,21 +94,27 @@ def _read_manifest(path: str) -> str:
     return line.rstrip("\r\n")
 
 
-def _side_by_side(args: argparse.Namespace, adapted) -> list[dict]:
-    """First N held-out prompts answered by the teacher, the base student and the evaluated student."""
+def _side_by_side(args: argparse.Namespace, adapted) -> tuple[list[dict], dict[str, dict]]:
+    """First N held-out prompts answered by the teacher, the base student and the evaluated student, and each
+    student's own answers measured against the teacher (``kiln_core.evaluation.own_answers``)."""
     from kiln_core.admission.records import parse_corpus
     from kiln_core.admission.source import read_corpus
     from kiln_core.evaluation import generate_answers, load_eval_model
+    from kiln_core.evaluation.own_answers import own_answer_metrics
 
     prompts = [list(c.messages) for c in parse_corpus(read_corpus(args.corpus).data).conversations][: args.generate]
-    columns = {"teacher": load_eval_model(args.teacher, device=args.device)}
+    teacher = load_eval_model(args.teacher, device=args.device)
+    columns = {"teacher": teacher}
     if args.adapter:
         columns["base_student"] = load_eval_model(args.student, device=args.device)
     columns["student" if not args.adapter else "distilled_student"] = adapted
     answers = {name: generate_answers(model, prompts, max_new_tokens=args.max_new_tokens)
                for name, model in columns.items()}
-    return [{"prompt": prompt[-1].get("content", ""), **{name: answers[name][i] for name in answers}}
+    own = {name: own_answer_metrics(model, teacher, prompts, max_new_tokens=args.max_new_tokens, top_k=args.top_k)
+           for name, model in columns.items() if name != "teacher"}
+    rows = [{"prompt": prompt[-1].get("content", ""), **{name: answers[name][i] for name in answers}}
             for i, prompt in enumerate(prompts)]
+    return rows, own
 
 
 def format_report(result: dict) -> str:
@@ -119,6 +128,12 @@ def format_report(result: dict) -> str:
         f"  {'top1_agreement':<20} {result['top1_agreement']:>10.2%}   (student argmax = teacher's first candidate)",
         f"  {'teacher_token_nll':<20} {result['teacher_token_nll']:>10.4f}   (nats per corpus token; lower is better)",
     ]
+    if result.get("own_answers"):
+        lines += ["", f"  on each student's own greedy answers to {len(result['answers'])} held-out prompts (teacher top-K there):",
+                  f"  {'student':<20} {'reverse_kl':>10} {'top1_agree':>10} {'teacher_nll':>11} {'tokens/answer':>13}"]
+        for name, own in result["own_answers"].items():
+            lines.append(f"  {name:<20} {own['reverse_kl']:>10.4f} {own['top1_agreement']:>10.2%} "
+                         f"{own['teacher_nll']:>11.4f} {own['answer_tokens']:>13.1f}")
     for i, row in enumerate(result.get("answers") or []):
         lines.append("")
         lines.append(f"  [{i + 1}] {row['prompt']}")

@@ -16,7 +16,7 @@ import torch
 
 from kiln_core.errors import Rejection
 
-__all__ = ["EvalModel", "EvalInputError", "load_eval_model", "generate_answers"]
+__all__ = ["EvalModel", "EvalInputError", "load_eval_model", "generate_answers", "generate_answer_ids"]
 
 
 class EvalInputError(Rejection):
@@ -94,9 +94,22 @@ def generate_answers(model: EvalModel, prompts: Sequence[list[dict[str, Any]]], 
         >>> generate_answers(model, [[{"role": "user", "content": "Name a color."}]])  # doctest: +SKIP
         ['Blue.']
     """
+    return [model.tokenizer.decode(answer, skip_special_tokens=True).strip()
+            for _, answer in generate_answer_ids(model, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size)]
+
+
+def generate_answer_ids(model: EvalModel, prompts: Sequence[list[dict[str, Any]]], *, max_new_tokens: int = 64,
+                        batch_size: int = 8) -> list[tuple[list[int], list[int]]]:
+    """Greedy answers as token ids: ``(prompt ids, answer ids)`` per prompt, the answer cut after its first
+    end-of-sequence token (kept: ending there was the model's choice) and never longer than ``max_new_tokens``.
+
+    Example:
+        >>> [(prompt, answer)] = generate_answer_ids(model, [[{"role": "user", "content": "Hi"}]])  # doctest: +SKIP
+    """
     tokenizer = model.tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    answers: list[str] = []
+    eos_id = tokenizer.eos_token_id
+    answers: list[tuple[list[int], list[int]]] = []
     with torch.no_grad():
         for start in range(0, len(prompts), batch_size):
             texts = [tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
@@ -110,6 +123,9 @@ def generate_answers(model: EvalModel, prompts: Sequence[list[dict[str, Any]]], 
                 mask[row, width - len(seq):] = 1
             out = model.model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
                                        max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_id)
-            for row in range(len(encoded)):
-                answers.append(tokenizer.decode(out[row, width:], skip_special_tokens=True).strip())
+            for row, seq in enumerate(encoded):
+                answer = out[row, width:].tolist()
+                if eos_id is not None and eos_id in answer:
+                    answer = answer[: answer.index(eos_id) + 1]
+                answers.append((list(seq), answer))
     return answers
