@@ -31,7 +31,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_json_argument(imp)
     derive = actions.add_parser("derive-student", help="teacher directory -> depth-pruned student directory")
     derive.add_argument("teacher", metavar="DIR", help="teacher model directory")
-    derive.add_argument("--keep-layers", required=True, metavar="SPEC", help="every:N, or indices such as 0,2,4")
+    derive.add_argument("--keep-layers", required=True, metavar="SPEC",
+                        help="every:N, indices such as 0,2,4, or auto:N (N layers chosen on --probe-corpus)")
+    derive.add_argument("--probe-corpus", metavar="SCORED.jsonl",
+                        help="auto:N: a teacher-scored corpus held out from training to score candidate layer sets")
+    derive.add_argument("--probe-examples", type=int, default=16, metavar="M",
+                        help="auto:N: examples of the probe corpus used (default 16)")
+    derive.add_argument("--probe-budget", type=int, metavar="B", help="auto:N: most candidate layer sets scored "
+                        "(default: all N-1)")
     derive.add_argument("--out", required=True, metavar="DIR", help="directory to create (must not exist)")
     add_json_argument(derive)
 
@@ -52,9 +59,12 @@ def run(args: argparse.Namespace) -> int:
         out = import_gguf(source, args.out)
         summary = {"status": "written", "out": str(out), "source": str(source)}
     else:
-        out = derive_student(args.teacher, args.keep_layers, args.out)
+        out = derive_student(args.teacher, args.keep_layers, args.out, probe_corpus=args.probe_corpus,
+                             probe_examples=args.probe_examples, probe_budget=args.probe_budget)
         record = read_derivation(out) or {}
         summary = {"status": "written", "out": str(out), "kept_teacher_layers": record.get("kept_teacher_layers")}
+        if "search" in record:
+            summary["search"] = record["search"]
     if args.json:
         print(json.dumps(summary, ensure_ascii=False))
     else:

@@ -4,8 +4,9 @@ This is the "prune, then distill" starting point (Minitron-style depth pruning):
 the teacher's embeddings, final norm, head, tokenizer and chat template, so its vocabulary is the
 teacher's by construction, and layer ``j`` of the student starts as teacher layer ``kept[j]``.
 
-``--keep-layers`` takes ``every:N`` (layers ``0, N, 2N, …``) or an explicit strictly increasing
-list ``0,2,4``. Which teacher layers were kept is recorded in ``kiln-derivation.json`` beside the
+``--keep-layers`` takes ``every:N`` (layers ``0, N, 2N, …``), an explicit strictly increasing
+list ``0,2,4``, or ``auto:N``: N layers chosen by a short measured search (``kiln_core.models.layer_search``:
+blocks kept at both ends, scored by held-out reverse KL on a teacher-scored probe corpus). Which teacher layers were kept is recorded in ``kiln-derivation.json`` beside the
 weights (written last: it is the directory's commit), together with the teacher's base-model digest,
 so a student always says where it came from. ``config.json`` changes only ``num_hidden_layers`` (and
 ``layer_types`` where the architecture has one), so the student loads like any Hugging Face model.
@@ -63,13 +64,18 @@ def _bad_spec(spec: str, why: str) -> ModelImportError:
     return ModelImportError("invalid_keep_layers", f"--keep-layers {spec!r}: {why}", field="keep_layers")
 
 
-def derive_student(teacher_dir: str | os.PathLike[str], keep_layers: str, out_dir: str | os.PathLike[str]) -> Path:
+def derive_student(teacher_dir: str | os.PathLike[str], keep_layers: str, out_dir: str | os.PathLike[str], *,
+                   probe_corpus: str | None = None, probe_examples: int = 16, probe_budget: int | None = None) -> Path:
     """Write a depth-pruned copy of ``teacher_dir`` keeping the layers ``keep_layers`` selects.
 
     Args:
         teacher_dir: A Hugging Face model directory (``config.json`` + safetensors + tokenizer).
-        keep_layers: ``every:N`` or ``i,j,k`` (see ``parse_keep_layers``).
+        keep_layers: ``every:N``, ``i,j,k`` (see ``parse_keep_layers``), or ``auto:N``: the N layers whose
+            untrained pruned model scores the lowest held-out reverse KL on ``probe_corpus``
+            (``kiln_core.models.layer_search``; the search is recorded in ``kiln-derivation.json``).
         out_dir: The student directory to create; it must not exist.
+        probe_corpus: ``auto:N`` only: a teacher-scored corpus held out from training.
+        probe_examples, probe_budget: ``auto:N`` only: examples of the probe used, most candidates scored.
 
     Returns:
         The committed student directory.
@@ -91,9 +97,19 @@ def derive_student(teacher_dir: str | os.PathLike[str], keep_layers: str, out_di
     if not isinstance(num_layers, int) or num_layers < 1:
         raise ModelImportError("invalid_model", "config.json has no positive num_hidden_layers",
                                file=str(teacher / "config.json"))
-    kept = parse_keep_layers(keep_layers, num_layers)
+    from kiln_core.models.layer_search import parse_auto, search_layers
+
+    auto = parse_auto(keep_layers, num_layers)
+    kept = parse_keep_layers(keep_layers, num_layers) if auto is None else None
+    if auto is not None and probe_corpus is None:
+        raise ModelImportError("invalid_keep_layers", f"--keep-layers {keep_layers!r} chooses layers by measurement: "
+                               "give --probe-corpus, a teacher-scored corpus held out from training", field="probe_corpus")
     out = Path(out_dir)
     refuse_existing_output(out)
+    search = None
+    if auto is not None:
+        searched = search_layers(teacher, auto, probe_corpus, probe_examples=probe_examples, budget=probe_budget)
+        kept, search = searched["kept_teacher_layers"], searched["search"]
     tensors = _renumbered_tensors(teacher, {old: new for new, old in enumerate(kept)})
     try:
         teacher_digest = base_model_sha256(teacher)
@@ -116,6 +132,8 @@ def derive_student(teacher_dir: str | os.PathLike[str], keep_layers: str, out_di
             "teacher_num_hidden_layers": num_layers,
             "teacher_base_model_sha256": teacher_digest,
         }
+        if search is not None:
+            record["search"] = search
         publish_directory(staged, out, DERIVATION_RECORD, record)
     return out
 
