@@ -16,7 +16,6 @@ import pytest
 
 from test_evaluation import PROMPTS, adapter_dir, heldout, last_json, run_eval  # noqa: F401
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
 TOL = 1e-5
 K = 16
 MAX_NEW = 6
@@ -64,6 +63,7 @@ def naive_own_metrics(student, teacher, tokenizer, prompts) -> dict:
             "answer_tokens": np.mean(lengths), "tokens": len(kl)}
 
 
+@pytest.mark.usefixtures("one_torch_thread")
 def test_own_answer_metrics_match_a_naive_greedy_and_full_logits_reference(tiny_student, tiny_teacher, adapter_dir):  # noqa: F811
     import torch
     from peft import PeftModel
@@ -87,6 +87,7 @@ def test_own_answer_metrics_match_a_naive_greedy_and_full_logits_reference(tiny_
     assert got["top1_agreement"] == pytest.approx(reference["top1_agreement"], abs=1e-12)
 
 
+@pytest.mark.fast
 def test_the_teachers_own_answers_have_no_divergence_from_itself(tiny_teacher):
     from kiln_core.evaluation import load_eval_model
     from kiln_core.evaluation.own_answers import own_answer_metrics
@@ -97,6 +98,7 @@ def test_the_teachers_own_answers_have_no_divergence_from_itself(tiny_teacher):
     assert abs(own["reverse_kl"]) < 1e-6 and own["top1_agreement"] == 1.0 and own["tokens"] > 0
 
 
+@pytest.mark.usefixtures("one_torch_thread")
 def test_eval_generate_reports_each_students_own_answers(heldout, tiny_student, tiny_teacher, adapter_dir):  # noqa: F811
     result = run_eval("--student", str(tiny_student), "--adapter", str(adapter_dir), "--corpus", str(heldout),
                       "--top-k", "16", "--teacher", str(tiny_teacher), "--generate", "2", "--max-new-tokens", "4",

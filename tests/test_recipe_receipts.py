@@ -84,3 +84,11 @@ def test_a_plain_run_has_no_recipe_block_and_no_legacy_receipt(world, tmp_path):
     assert result.status == "success"
     assert "recipe" not in json.loads(Path(result.receipt).read_text())
     assert not (Path(result.adapter) / "receipt.json").exists()
+
+
+@pytest.mark.fast
+def test_the_distill_group_names_its_recipes_and_refuses_none(capsys):
+    from flows.cli import main
+
+    assert main(["distill"]) == 2
+    assert "choose a recipe: self | merge | pump" in capsys.readouterr().err
