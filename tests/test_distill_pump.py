@@ -101,6 +101,7 @@ def test_kiln_defaults_and_what_the_request_accepts():
     assert (request.rollout_budget, request.use_cache, request.rank) == (50000, True, None)
     assert request.config.training_mode == "on_policy"  # the plain OpdConfig default, not off_policy
     assert request.kiln_value()["mode"] == {"wide": False}
+    assert check_distill_pump_request(body()).kiln_value()["mode"] == {"examples": ANSWERED}  # as Kiln re-serializes
     # on-policy examples need no assistant action; rank replaces lora_rank for the LoRA-scale check
     check_distill_pump_request(body(mode={"examples": QUESTIONS}))
     from kiln_core.contracts.distill_pump import effective_pump_config

@@ -104,8 +104,12 @@ class DistillPumpRequest(BaseModel):
         return next(key for key in MODE_KEYS if key in type(self.mode).model_fields)
 
     def kiln_value(self) -> dict[str, Any]:
-        """The whole request as JSON, defaults included (Kiln's receipt ``hyperparameters``)."""
-        return self.model_dump(mode="json", by_alias=True)
+        """The whole request as JSON, defaults included (Kiln's receipt ``hyperparameters``); examples as
+        Kiln re-serializes a prompt (``kiln_prompt_value``)."""
+        value = self.model_dump(mode="json", by_alias=True)
+        if isinstance(self.mode, PumpExamples):
+            value["mode"] = {"examples": [kiln_prompt_value(prompt) for prompt in self.mode.examples]}
+        return value
 
 
 def _invalid(message: str, field: str | None, file: str | None) -> Rejection:
