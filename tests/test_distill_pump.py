@@ -197,6 +197,26 @@ def test_a_teacher_changed_since_registration_is_refused(tiny_teacher, tiny_stud
     assert not (storage / "runs").exists()
 
 
+def test_a_lora_teacher_whose_adapter_was_rewritten_is_refused_with_kilns_text(tiny_student, tmp_path, capsys):
+    """A registered local teacher wearing a LoRA is pinned to its adapter digests (Kiln's identity rule)."""
+    from test_base_adapter import write_adapter
+
+    adapter = write_adapter(tiny_student, tmp_path / "lora", seed=11)
+    storage = tmp_path / "root"
+    assert main(["teachers", "register", "lora-teacher", str(adapter), "--out", str(storage), "--device", "cpu"]) == 0
+    registered = read_json(storage / "teachers.json")["teachers"][0]["identity"]["adapter"]
+    assert registered["name"] == "lora-teacher" and len(registered["weights_sha256"]) == 64
+    rewritten = write_adapter(tiny_student, tmp_path / "other", seed=12) / "adapter_model.safetensors"
+    (adapter / "adapter_model.safetensors").write_bytes(rewritten.read_bytes())
+    capsys.readouterr()
+    code, error, _ = pump(capsys, "--request", write(tmp_path, body(teacher="lora-teacher")), "--student",
+                          str(tiny_student), "--out", str(storage))
+    assert code == 2 and error["code"] == "teacher_identity_mismatch"
+    assert error["message"] == (f"teacher 'lora-teacher' is pinned to adapter 'lora-teacher', but the exact registered "
+                                f"content could not be loaded from {adapter.resolve()}; re-register after any adapter "
+                                "rewrite")
+
+
 def test_help_and_a_rejected_request_load_neither_torch_nor_prefect(tmp_path):
     bad = write(tmp_path, body(mode={"wide": True}, config={"training_mode": "off_policy"}))
     script = ("import sys\nfrom flows.cli import main\n"
