@@ -26,16 +26,15 @@ import logging
 from typing import Any, Callable, Sequence
 
 from kiln_core.contracts.opd_config import OpdConfig
-from kiln_core.serde_json import serde_json_text
-from kiln_core.contracts.opd_prompt import OpdPrompt, kiln_prompt_value, prompts_content_sha256
+from kiln_core.contracts.opd_prompt import OpdPrompt, prompts_content_sha256
 from kiln_core.contracts.spec_blocks import VllmBackends
 from kiln_core.contracts.stage_refs import CorpusRef, ManifestRef, TrainPlan
 from kiln_core.errors import EnvironmentFailure, Rejection
+from kiln_core.on_policy.prompt_file import PROMPTS_DIR  # re-exported: where inline prompts are written
 
 __all__ = ["PROMPTS_DIR", "check_prompts", "train_prompts", "write_inline_prompts"]
 
 LOG = logging.getLogger(__name__)
-PROMPTS_DIR = "prompts"
 
 
 def _binding(manifest: ManifestRef):
@@ -91,19 +90,15 @@ def write_inline_prompts(prompts: Sequence[OpdPrompt], storage_root: str) -> str
     """Write a request's inline prompts as ``<root>/prompts/<digest>.jsonl`` (once; same prompts, same file).
 
     Each line is Kiln's re-serialization of one prompt, so reading the file back gives the same
-    prompt-list digest as the inline list.
+    prompt-list digest as the inline list (``kiln_core.on_policy.prompt_file.write_prompt_file``).
 
     Example:
         >>> write_inline_prompts(request.prompts, "./kiln-data")  # doctest: +SKIP
         '/abs/kiln-data/prompts/3b1f….jsonl'
     """
-    from kiln_core.storage import resolve, write_bytes_atomic
+    from kiln_core.on_policy.prompt_file import write_prompt_file
 
-    location = resolve(storage_root).child(PROMPTS_DIR, f"{prompts_content_sha256(prompts)}.jsonl")
-    if not location.exists():
-        data = "".join(serde_json_text(kiln_prompt_value(prompt)) + "\n" for prompt in prompts).encode("utf-8")
-        write_bytes_atomic(location, data)
-    return location.uri
+    return write_prompt_file(prompts, storage_root)
 
 
 def train_prompts(plan: TrainPlan, prompts: CorpusRef, manifest: ManifestRef, student_dir: str, *,

@@ -22,18 +22,22 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from pydantic import ValidationError
 
-from kiln_core.contracts.opd_prompt import OpdPrompt
+from kiln_core.contracts.opd_prompt import OpdPrompt, kiln_prompt_value, prompts_content_sha256
 from kiln_core.errors import EnvironmentFailure, Rejection
-from kiln_core.storage import resolve
+from kiln_core.serde_json import serde_json_text
+from kiln_core.storage import resolve, write_bytes_atomic
 from kiln_core.strict_json import StrictJsonError, loads_strict
 
-__all__ = ["MAX_PROMPT_FILE_BYTES", "PromptFile", "read_prompt_file", "parse_prompt_lines"]
+__all__ = ["MAX_PROMPT_FILE_BYTES", "PROMPTS_DIR", "PromptFile", "read_prompt_file", "parse_prompt_lines",
+           "write_prompt_file"]
 
 MAX_PROMPT_FILE_BYTES = 64 * 1024 * 1024
+PROMPTS_DIR = "prompts"
+"""Where inline prompts are written under a storage root (``write_prompt_file``)."""
 
 
 @dataclass(frozen=True)
@@ -134,3 +138,20 @@ def _parse_json(text: str, line: int, file: str | None) -> Any:
         raise Rejection("invalid_json", "a string holds a lone UTF-16 surrogate escape", line=line, file=file) from None
     except StrictJsonError as error:
         raise Rejection("invalid_json", f"not valid JSON: {error}", line=line, file=file) from None
+
+
+def write_prompt_file(prompts: Sequence[OpdPrompt], storage_root: str) -> str:
+    """Write prompts as ``<root>/prompts/<prompt-list digest>.jsonl`` (once; same prompts, same file).
+
+    Each line is Kiln's re-serialization of one prompt, so reading the file back gives the same
+    prompt-list digest (``prompts_content_sha256``) as the prompts written.
+
+    Example:
+        >>> write_prompt_file(request.prompts, "./kiln-data")  # doctest: +SKIP
+        '/abs/kiln-data/prompts/3b1f….jsonl'
+    """
+    location = resolve(storage_root).child(PROMPTS_DIR, f"{prompts_content_sha256(prompts)}.jsonl")
+    if not location.exists():
+        data = "".join(serde_json_text(kiln_prompt_value(prompt)) + "\n" for prompt in prompts).encode("utf-8")
+        write_bytes_atomic(location, data)
+    return location.uri

@@ -1,0 +1,81 @@
+"""``distill_pump``: Kiln's ``/v1/distill/pump`` as a flow — a registered teacher into the student.
+
+The request (Kiln's ``DistillPumpRequest``, a dict) is checked with Kiln's submit-time rules inside the
+run, so a bad one fails the run with one line naming the field (``rejected (<code>) <field>: <rule>``,
+as ``opd_distill``). The ``distill-pump-prepare`` task pins the teacher and writes the training data
+(``kiln_core.recipes.distill_pump``); the run then goes through the engine exactly as ``opd_distill``
+does (``run_pipeline`` with ``PrefectStages``): scored or sampled, trained, gated by ``post_eval``,
+published, with the recipe named in ``train_receipt.json`` and Kiln's ``receipt.json``.
+``prompt_bank`` is the JSONL of prompts ``domain``/``wide`` modes pump (they refuse to run without it).
+"""
+
+from typing import Any
+
+from prefect import flow
+from prefect.states import Cancelled
+
+from flows.opd_distill import RunFailed, storage_credentials
+from flows.run_log import quiet_run_logs, reject_run, tag_run
+from kiln_core.errors import Rejection
+
+
+def pump_run_name() -> str:
+    """``pump-<name>``, or the name the run was created with when it came from a deployment."""
+    from prefect.context import FlowRunContext
+
+    context = FlowRunContext.get()
+    if context is None or context.flow_run is None:
+        return "pump-run"
+    if context.flow_run.deployment_id and context.flow_run.name:
+        return context.flow_run.name
+    request = (context.parameters or {}).get("request")
+    name = request.get("name") if isinstance(request, dict) else None
+    return f"pump-{name if isinstance(name, str) and name.strip() else 'run'}"
+
+
+@flow(name="distill-pump", flow_run_name=pump_run_name, log_prints=True, validate_parameters=False)
+def distill_pump(request: dict, student: str, storage_root: str = "./kiln-data",
+                 prompt_bank: str | None = None) -> dict[str, Any]:
+    """Distil a registered teacher into a LoRA student from Kiln's DistillPumpRequest.
+
+    Args:
+        request: Kiln's DistillPumpRequest: name, teacher (a registered alias), mode ({"examples": [...]},
+            {"domain": ...} or {"wide": ...}), rank, rollout_budget, use_cache, config, post_eval.
+        student: Student model directory.
+        storage_root: Storage root holding teachers.json; runs and adapters are published here.
+        prompt_bank: domain/wide modes: JSONL of Kiln OpdPrompt objects to pump (required by them).
+
+    Returns:
+        The run summary (``PipelineResult.summary()``).
+    """
+    from prefect import get_run_logger
+
+    from kiln_core.contracts.distill_pump import check_distill_pump_request
+    from kiln_core.engine import run_pipeline
+    from tasks.distill_pump import prepare_distill_pump_task
+    from tasks.stages import PrefectStages
+
+    quiet_run_logs()
+    name = request.get("name") if isinstance(request, dict) else None
+    adapter = name if isinstance(name, str) and name.strip() else None
+    if adapter:
+        tag_run(f"adapter:{adapter}", "recipe:distill_pump")
+    try:
+        checked = check_distill_pump_request(request)
+        spec = prepare_distill_pump_task(checked, student, storage_root, prompt_bank=prompt_bank)
+        with storage_credentials(spec.options.storage_block):
+            with PrefectStages(spec) as stages:
+                result = run_pipeline(spec, stages)
+    except Rejection as error:
+        return reject_run(error, adapter)
+    logger = get_run_logger()
+    loss = "n/a" if result.final_loss is None else f"{result.final_loss:.4f}"
+    logger.info("summary: distill pump %s (%s) %s after %d/%s steps, final loss %s; receipt %s%s", spec.adapter,
+                spec.recipe.mode, result.status, result.steps, result.total_steps or "?", loss, result.receipt,
+                f"; latest.json {result.latest}" if result.latest else "")
+    if result.status == "cancelled":
+        return Cancelled(message=f"training cancelled at step {result.steps}; checkpoint {result.latest_checkpoint}")
+    if result.status != "success":
+        raise RunFailed(result.failure_reason or "training_failed",
+                        f"training failed ({result.failure_reason}): {result.failure_message}; receipt {result.receipt}")
+    return result.summary()
