@@ -3,6 +3,8 @@
 Like Kiln's own registry (crates/kiln-server/src/api/teachers.rs) aliases are immutable: an alias names one
 exact teacher identity forever, so a corpus scored under that alias can be checked against it later.
 Registering the same identity again is a no-op; a different identity under a used alias is refused.
+A teacher may wear a LoRA (``adapter=``): Kiln's identity rule and the use-time pin check are in
+``kiln_core.teachers.lora_teacher``.
 
 The file is rewritten whole on every change (local: temp file + ``os.replace``; object stores: one
 PUT). On local disk an advisory lock serializes concurrent registrations; object stores have no such
