@@ -31,6 +31,9 @@ class ManifestRef(_Ref):
     teacher: str
     source: str
     teacher_dir: str | None = None
+    adapter_dir: str | None = Field(default=None, exclude_if=lambda value: value is None)
+    """A registered LoRA teacher's pinned adapter directory (``teacher_dir`` is then its base); absent from
+    the JSON of every other teacher."""
 
     @cached_property
     def teacher_identity(self) -> TeacherIdentity:

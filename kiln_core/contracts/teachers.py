@@ -1,5 +1,8 @@
 """``<root>/teachers.json``: the local teacher registry, one pinned identity per alias.
 
+A local teacher is a bare model directory, or (Kiln's ``kind: "local", adapter``) a base model wearing a
+LoRA: the entry then also records where the adapter lives (``adapter_dir``).
+
 kiln-flows' own file (Kiln keeps its registry in its server: crates/kiln-server/src/api/teachers.rs).
 ``{"schema": "kiln-flows.local-teachers.v1", "teachers": [entry, ...]}``, pretty JSON with non-ASCII
 kept as UTF-8 and a trailing newline; ``kiln_core.teachers.local_registry`` reads, checks and rewrites
@@ -33,9 +36,13 @@ class LocalTeacherEntry(BaseModel):
     off_policy_manifest: str
     """The canonical manifest line for this identity (no trailing newline)."""
     teacher_dir: str
-    """Absolute path of the teacher directory at registration time."""
+    """Absolute path of the teacher directory at registration time (a LoRA teacher's base model)."""
     registered_at: str
     """UTC registration time, ISO 8601."""
+    adapter_dir: str | None = Field(default=None, exclude_if=lambda value: value is None)
+    """A LoRA teacher's adapter: absolute path of the PEFT adapter directory it was pinned from (the
+    identity's ``adapter`` holds its name and digests). Absent for a bare model, so files written before
+    LoRA teachers existed read, and bare entries are written, exactly as before."""
 
 
 class LocalTeachersFile(BaseModel):

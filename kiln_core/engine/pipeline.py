@@ -3,6 +3,9 @@
     manifest → (score) → fingerprint → admit → verify → plan → train → (gate) → publish
     manifest → prompts → plan → train → (gate) → publish            (on-policy: ``spec.prompts``)
 
+Every run that trained successfully gets ``replay.jsonl`` beside its adapter, the prompts it trained on
+(``kiln_core.engine.replay_log``), so every published adapter can be a ``distill merge`` source.
+
 The gate runs when the spec has ``post_eval`` or ``quality_gate`` (``kiln_core.engine.gate``): only
 an adapter it promotes (or an informational eval's) is published to ``latest.json``. The held-out
 watch (``eval``) and both gates work the same for both sources; their overlap rules compare the
@@ -29,6 +32,7 @@ from kiln_core.contracts.stage_refs import (CorpusRef, GateRef, HeldOutRef, Inpu
 import kiln_core.engine.stages as stages
 from kiln_core.engine.publish import publish
 from kiln_core.engine.recipe_receipts import record_recipe
+from kiln_core.engine.replay_log import write_replay_log
 from kiln_core.engine.gate import check_gate_inputs, has_gate, run_gate, training_data
 from kiln_core.engine.run_lock import RunLock
 from kiln_core.engine.runs import plan_run
@@ -220,6 +224,7 @@ def run_pipeline(spec: PipelineSpec, stages_: Stages | None = None, *, resume: s
         trained = stages_.train(ready.plan, ready.corpus, ready.manifest, ready.student_dir)
         if spec.recipe is not None and trained.status == "success" and not trained.reused:
             record_recipe(trained, spec.recipe)  # before the gate: it may rename the run, latest.json pins the receipt
+        write_replay_log(trained, ready.corpus)  # the prompts beside the adapter, for distill merge; before the gate
         gated = stages_.gate(trained, spec, ready) if trained.status == "success" and has_gate(spec) else None
         if gated is not None:  # a renamed run: its adapter and receipt are where the gate left them
             trained = trained.model_copy(update={"run_uri": gated.run_uri, "receipt_uri": gated.receipt_uri,

@@ -127,7 +127,8 @@ def train_prompts(plan: TrainPlan, prompts: CorpusRef, manifest: ManifestRef, st
         raise Rejection("remote_teacher_on_policy", f"teacher {manifest.teacher!r} has no local model to score "
                         "rollouts with", field="teacher")
     identity = manifest.teacher_identity
-    teacher = TeacherSource.local(manifest.teacher, identity, manifest.teacher_dir, device=plan.device)
+    teacher = TeacherSource.local(manifest.teacher, identity, manifest.teacher_dir, device=plan.device,
+                                  adapter_dir=manifest.adapter_dir)
     rollout_backend = None
     if plan.vllm is not None:
         teacher, rollout_backend = vllm_backends(plan.vllm, teacher, plan.run_uri, plan.adapter)

@@ -37,7 +37,7 @@ def resolve_manifest(teacher: TeacherSource, storage_root: str, *, max_top_k: in
     """
     from kiln_core.contracts.identity import build_manifest_line, parse_manifest_line
 
-    teacher_dir = None
+    teacher_dir = adapter_dir = None
     if teacher.kind == "kiln_server":
         from kiln_core.teachers.kiln_client import fetch_off_policy_manifest
 
@@ -46,7 +46,11 @@ def resolve_manifest(teacher: TeacherSource, storage_root: str, *, max_top_k: in
         from kiln_core.teachers.local_registry import get_local_teacher
 
         entry = get_local_teacher(storage_root, teacher.alias)
-        line, teacher_dir = entry.off_policy_manifest, entry.teacher_dir
+        line, teacher_dir, adapter_dir = entry.off_policy_manifest, entry.teacher_dir, entry.adapter_dir
+        if adapter_dir is not None:  # a LoRA teacher is pinned at registration, refused at use if rewritten
+            from kiln_core.teachers.lora_teacher import check_pinned_adapter
+
+            check_pinned_adapter(teacher.alias, parse_manifest_line(line).teacher_identity, adapter_dir)
     elif teacher.kind == "manifest_file":
         from kiln_core.teachers.local_registry import read_manifest_file
 
@@ -62,7 +66,7 @@ def resolve_manifest(teacher: TeacherSource, storage_root: str, *, max_top_k: in
         line = build_manifest_line(local_teacher_identity(teacher.path, max_top_k=max_top_k))
     identity = parse_manifest_line(line).teacher_identity
     return ManifestRef(manifest_line=line, identity_revision=identity.identity_revision(), teacher=teacher.label(),
-                       source=teacher.kind, teacher_dir=teacher_dir)
+                       source=teacher.kind, teacher_dir=teacher_dir, adapter_dir=adapter_dir)
 
 
 def fingerprint(corpus_uri: str, student_dir: str, top_k: int, storage_options: dict | None = None) -> InputsRef:

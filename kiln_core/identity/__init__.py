@@ -23,6 +23,7 @@ from kiln_core.identity.local_teacher import (
     implementation_string,
     local_teacher_identity,
     served_model_id_for,
+    with_adapter,
 )
 
 __all__ = [
@@ -42,4 +43,5 @@ __all__ = [
     "tokenizer_config_sha256",
     "tokenizer_vocab_sha256",
     "vocab_digest",
+    "with_adapter",
 ]

@@ -269,6 +269,39 @@ def local_teacher_identity(
     return _validated_identity(fields)
 
 
+def with_adapter(identity: TeacherIdentity, *, name: str, adapter_dir: str | Path) -> TeacherIdentity:
+    """The identity of ``identity``'s base model wearing the LoRA in ``adapter_dir`` (Kiln's ``with_static_adapter``).
+
+    Kiln's rule for a local teacher with a LoRA: the bare base's identity with ``adapter = {name,
+    weights_sha256, config_sha256}`` put in its place; every other field, ``served_model_id`` included,
+    stays the base's.
+
+    Args:
+        identity: The bare base model's identity (its ``adapter`` must be null).
+        name: The adapter's name, recorded as ``adapter.name``.
+        adapter_dir: A local PEFT adapter directory (``adapter_config.json`` + the weights file).
+
+    Raises:
+        IdentityHashError: the base already wears an adapter (``bad_adapter``), or the adapter's files
+            cannot be hashed (``missing_file``, ``adapter_weights``, ...).
+
+    Example:
+        >>> lora = with_adapter(base_identity, name="my-lora", adapter_dir="./my-lora")  # doctest: +SKIP
+        >>> lora.adapter["name"], lora.served_model_id == base_identity.served_model_id  # doctest: +SKIP
+        ('my-lora', True)
+    """
+    if identity.adapter is not None:
+        raise IdentityHashError("bad_adapter", f"the base identity {identity.served_model_id!r} already names adapter "
+                                f"{identity.adapter.name!r}; a LoRA teacher's base must be a bare model")
+    fields = identity.as_ordered_dict()
+    fields["adapter"] = {
+        "name": name,
+        "weights_sha256": adapter_weights_sha256(adapter_dir),
+        "config_sha256": adapter_config_sha256(adapter_dir),
+    }
+    return _validated_identity(fields)
+
+
 def _validated_identity(fields: dict[str, Any]) -> TeacherIdentity:
     from pydantic import ValidationError
 

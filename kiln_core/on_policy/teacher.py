@@ -74,10 +74,12 @@ class TeacherSource:
 
     @classmethod
     def local(cls, alias: str, identity: TeacherIdentity, teacher_dir: str, *, device: str | None = None,
-              dtype: str | None = None) -> "TeacherSource":
-        """A registered local teacher model, loaded with ``LiveLocalTeacher.load`` when training starts."""
+              dtype: str | None = None, adapter_dir: str | None = None) -> "TeacherSource":
+        """A registered local teacher model (a LoRA teacher: the base in ``teacher_dir`` wearing the pinned
+        adapter in ``adapter_dir``), loaded with ``LiveLocalTeacher.load`` when training starts."""
         return cls(alias, identity, lambda top_k: LiveLocalTeacher.load(
-            teacher_dir, identity=identity, top_k=top_k, teacher_id=alias, device=device, dtype=dtype))
+            teacher_dir, identity=identity, top_k=top_k, teacher_id=alias, device=device, dtype=dtype,
+            adapter_dir=adapter_dir))
 
     @classmethod
     def loaded(cls, teacher: "LiveLocalTeacher", alias: str | None = None) -> "TeacherSource":
@@ -118,12 +120,16 @@ class LiveLocalTeacher:
     @classmethod
     def load(cls, teacher_dir: str, *, identity: TeacherIdentity, top_k: int, teacher_id: str = "teacher",
              dtype: str | None = None, device: str | None = None,
-             attn_implementation: str = "eager") -> "LiveLocalTeacher":
+             attn_implementation: str = "eager", adapter_dir: str | None = None) -> "LiveLocalTeacher":
         """Load the teacher's weights (call it after every cheap check has passed).
 
+        ``adapter_dir``: a registered LoRA teacher's adapter, applied to the base in ``teacher_dir`` once its
+        digests are checked against ``identity.adapter`` (``kiln_core.teachers.lora_teacher``).
+
         Raises:
-            Rejection: ``teacher_invalid`` when the directory does not load as a causal LM, or the
-                identity checks of the constructor.
+            Rejection: ``teacher_invalid`` when the directory does not load as a causal LM,
+                ``teacher_adapter_changed`` when the adapter is not the pinned one, or the identity checks
+                of the constructor.
         """
         import torch
         from transformers import AutoModelForCausalLM
@@ -141,6 +147,10 @@ class LiveLocalTeacher:
         except (OSError, ValueError, KeyError) as error:
             raise Rejection("teacher_invalid", f"cannot load the teacher model in {teacher_dir}: {error}",
                             field="teacher") from None
+        if adapter_dir is not None:
+            from kiln_core.teachers.lora_teacher import load_pinned_adapter
+
+            model = load_pinned_adapter(model, alias=teacher_id, identity=identity, adapter_dir=adapter_dir)
         model.eval()
         model.to(device)
         return cls(model, identity=identity, top_k=top_k, teacher_id=teacher_id)

@@ -71,6 +71,8 @@ class _Binding:
     identity: Any  # TeacherIdentity
     manifest_line: str
     teacher_dir: str | None
+    adapter_dir: str | None = None  # a registered LoRA teacher's pinned adapter, applied to teacher_dir (the base)
+    alias: str | None = None
 
 
 def score_examples(
@@ -243,7 +245,8 @@ def _bind_teacher(student, top_k, *, teacher_dir, teacher_alias, registry_root, 
 
     def load_local() -> Any:
         return LocalTeacher.load(binding.teacher_dir, vocab_size=student.vocab_size, dtype=dtype,
-                                 attn_implementation=attn_implementation, device=device)
+                                 attn_implementation=attn_implementation, device=device,
+                                 adapter_dir=binding.adapter_dir, alias=binding.alias, identity=binding.identity)
 
     return binding, load_local
 
@@ -298,9 +301,11 @@ def _bind_local(student, top_k, teacher_dir, teacher_alias, registry_root, optio
     """Check a local teacher's tokenizer and width before hashing or loading anything heavy."""
     from kiln_core.contracts.identity import build_manifest_line
     from kiln_core.identity.hashing import IdentityHashError, model_vocab_size, tokenizer_vocab_sha256
-    from kiln_core.identity.local_teacher import DEFAULT_MAX_TOP_K, local_teacher_identity
+    from kiln_core.identity.local_teacher import DEFAULT_MAX_TOP_K, local_teacher_identity, with_adapter
     from kiln_core.teachers.local_registry import LocalRegistryError, get_local_teacher
+    from kiln_core.teachers.lora_teacher import TeacherAdapterError, check_pinned_adapter
 
+    adapter_dir = None
     try:
         registered = None
         if teacher_alias is not None:
@@ -308,7 +313,9 @@ def _bind_local(student, top_k, teacher_dir, teacher_alias, registry_root, optio
             registered = _parse_manifest(entry.off_policy_manifest, f"registered teacher {teacher_alias!r}")
             _check_compatible(f"registered teacher {teacher_alias!r}", registered.tokenizer_vocab_sha256,
                               registered.vocab_size, registered.max_top_k, student, top_k)
-            teacher_dir = entry.teacher_dir
+            teacher_dir, adapter_dir = entry.teacher_dir, entry.adapter_dir
+            if adapter_dir is not None:  # a LoRA teacher: its adapter must still be the pinned one (Kiln: at use)
+                check_pinned_adapter(teacher_alias, registered, adapter_dir)
         what = f"teacher {teacher_dir}"
         # The directory's own tokenizer and width: before its weights are hashed or loaded.
         _check_compatible(what, tokenizer_vocab_sha256(_tokenizer_dir(teacher_dir)),
@@ -321,6 +328,10 @@ def _bind_local(student, top_k, teacher_dir, teacher_alias, registry_root, optio
             teacher_dir, served_model_id=registered.served_model_id, max_top_k=registered.max_top_k,
             max_model_len=registered.max_model_len, **options,
         )
+        if adapter_dir is not None:
+            identity = with_adapter(identity, name=registered.adapter.name, adapter_dir=adapter_dir)
+    except TeacherAdapterError as error:
+        raise ScoringError(error.code, error.message) from None
     except (LocalRegistryError, IdentityHashError) as error:
         raise ScoringError("teacher_invalid", str(error)) from None
     if identity != registered:
@@ -332,7 +343,7 @@ def _bind_local(student, top_k, teacher_dir, teacher_alias, registry_root, optio
             f"differing fields: {', '.join(differing)}. Either its files changed or the scoring options "
             f"({options}) differ from the registration's",
         )
-    return _Binding(registered, entry.off_policy_manifest, str(teacher_dir))
+    return _Binding(registered, entry.off_policy_manifest, str(teacher_dir), adapter_dir, teacher_alias)
 
 
 def _tokenizer_dir(teacher_dir: str) -> str:

@@ -50,7 +50,7 @@ class ScoringError(KilnFlowsError):
     Codes: ``invalid_option``, ``file_not_found``, ``invalid_example``, ``nesting_too_deep``,
     ``no_examples``, ``tokenization_failed``, ``no_action_tokens``, ``overlapping_masks``,
     ``target_at_position_zero``, ``context_too_long``, ``teacher_invalid``,
-    ``teacher_mismatch``, ``teacher_changed``, ``teacher_output``, ``vllm_request``,
+    ``teacher_mismatch``, ``teacher_changed``, ``teacher_adapter_changed``, ``teacher_output``, ``vllm_request``,
     ``vllm_response``, ``vllm_unreachable``, ``vllm_http_error``, ``storage_error``; scoring into
     shards adds ``out_not_directory``, ``row_exceeds_shard_size`` and ``scored_set_mismatch``. The
     ``TRANSIENT_CODES`` construct a ``ScoringFailure`` (``EnvironmentFailure``), the rest a

@@ -129,6 +129,9 @@ class LocalTeacher:
         dtype: str | None = None,
         attn_implementation: str = "eager",
         device: str | None = None,
+        adapter_dir: str | None = None,
+        alias: str | None = None,
+        identity: Any = None,
     ) -> "LocalTeacher":
         """Load the teacher's weights (the expensive step: call it after every cheap check).
 
@@ -138,6 +141,14 @@ class LocalTeacher:
             dtype: ``float32`` / ``bfloat16`` / ``float16``; default fp32 on CPU, bf16 on CUDA.
             attn_implementation: ``eager`` or ``sdpa``.
             device: ``cpu`` or ``cuda``; default: CUDA when available.
+            adapter_dir: A registered LoRA teacher's adapter: applied to the base in ``teacher_dir`` once its
+                digests are checked against ``identity.adapter`` (``load_pinned_adapter``; needs ``alias`` and
+                ``identity``).
+            alias, identity: The registry alias and pinned ``TeacherIdentity`` of a LoRA teacher.
+
+        Raises:
+            ScoringError: ``teacher_invalid`` (does not load), ``teacher_adapter_changed`` (the adapter is not
+                the pinned one).
         """
         import torch
         from transformers import AutoModelForCausalLM
@@ -156,6 +167,13 @@ class LocalTeacher:
             )
         except (OSError, ValueError, KeyError) as error:
             raise ScoringError("teacher_invalid", f"cannot load the teacher model in {teacher_dir}: {error}") from None
+        if adapter_dir is not None:
+            from kiln_core.teachers.lora_teacher import TeacherAdapterError, load_pinned_adapter
+
+            try:
+                model = load_pinned_adapter(model, alias=alias or teacher_dir, identity=identity, adapter_dir=adapter_dir)
+            except TeacherAdapterError as error:
+                raise ScoringError(error.code, error.message) from None
         model.eval()
         model.to(device)
         return cls(model, device, vocab_size)

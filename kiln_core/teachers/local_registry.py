@@ -3,6 +3,8 @@
 Like Kiln's own registry (crates/kiln-server/src/api/teachers.rs) aliases are immutable: an alias names one
 exact teacher identity forever, so a corpus scored under that alias can be checked against it later.
 Registering the same identity again is a no-op; a different identity under a used alias is refused.
+A teacher may wear a LoRA (``adapter=``): Kiln's identity rule and the use-time pin check are in
+``kiln_core.teachers.lora_teacher``.
 
 The file is rewritten whole on every change (local: temp file + ``os.replace``; object stores: one
 PUT). On local disk an advisory lock serializes concurrent registrations; object stores have no such
@@ -79,6 +81,11 @@ def _check_entry(entry: LocalTeacherEntry, location: Location) -> None:
         raise LocalRegistryError(
             "corrupt_registry", f"{location.uri}: alias {entry.alias!r}: identity, revision and manifest disagree"
         )
+    if entry.adapter_dir is not None and identity.adapter is None:
+        raise LocalRegistryError(
+            "corrupt_registry", f"{location.uri}: alias {entry.alias!r}: records adapter directory "
+            f"{entry.adapter_dir} but its identity names no adapter"
+        )
 
 
 def _write_entries(location: Location, entries: list[LocalTeacherEntry]) -> None:
@@ -122,8 +129,13 @@ def register_local_teacher(
     dtype: str | None = None,
     attn_implementation: str = "eager",
     device_kind: str | None = None,
+    adapter: str | None = None,
 ) -> LocalTeacherEntry:
     """Compute a local teacher's identity and pin it under ``alias`` in ``<root>/teachers.json``.
+
+    With ``adapter`` the teacher is ``teacher_dir`` (the base) wearing that LoRA, under Kiln's rule: the
+    base's identity as a bare local teacher with ``adapter = {name, weights_sha256, config_sha256}`` in
+    its place (``served_model_id`` stays the base's); the entry records the adapter's directory.
 
     Args:
         root: Storage root, a local path or fsspec URI.
@@ -134,6 +146,8 @@ def register_local_teacher(
         dtype: Scoring dtype; default ``float32`` on CPU, ``bfloat16`` on CUDA.
         attn_implementation: Attention kernel used for scoring.
         device_kind: ``cpu`` or ``cuda``; default: what torch sees.
+        adapter: A LoRA the teacher wears: a published adapter NAME (``<root>/runs/<NAME>/latest.json``)
+            or a PEFT adapter directory (``kiln_core.teachers.lora_teacher.resolve_teacher_adapter``).
 
     Returns:
         The stored entry (the existing one when the same identity was already registered).
@@ -141,16 +155,20 @@ def register_local_teacher(
     Raises:
         LocalRegistryError: ``bad_alias``, ``alias_exists`` (a different identity holds the alias),
             ``corrupt_registry``.
-        IdentityHashError: the directory cannot be hashed into an identity.
+        TeacherAdapterError: ``teacher_adapter_not_found``, ``invalid_adapter_name``.
+        IdentityHashError: the directory cannot be hashed into an identity (``bad_adapter``: with
+            ``adapter``, ``teacher_dir`` is itself an adapter directory).
 
     Example:
         >>> entry = register_local_teacher("./kiln-data", "tiny-teacher", "./teacher")  # doctest: +SKIP
         >>> entry.identity_revision  # doctest: +SKIP
         'sha256:...'
     """
-    from kiln_core.identity.local_teacher import local_teacher_identity, served_model_id_for
+    from kiln_core.identity.local_teacher import local_teacher_identity, served_model_id_for, with_adapter
+    from kiln_core.teachers.lora_teacher import resolve_teacher_adapter
 
     _check_alias(alias)
+    lora = resolve_teacher_adapter(root, adapter) if adapter is not None else None  # not found: before hashing
     # Hash first, outside the lock: it is the slow part and reads nothing from the registry.
     identity = local_teacher_identity(
         teacher_dir,
@@ -161,6 +179,8 @@ def register_local_teacher(
         attn_implementation=attn_implementation,
         device_kind=device_kind,
     )
+    if lora is not None:
+        identity = with_adapter(identity, name=lora.name, adapter_dir=lora.directory)
     candidate = LocalTeacherEntry(
         alias=alias,
         identity=identity.as_ordered_dict(),
@@ -168,6 +188,7 @@ def register_local_teacher(
         off_policy_manifest=build_manifest_line(identity),
         teacher_dir=str(Path(teacher_dir).resolve()),
         registered_at=datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z"),
+        adapter_dir=lora.directory if lora is not None else None,
     )
     location = _registry_location(root)
     with _locked(location):
