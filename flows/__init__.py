@@ -21,6 +21,7 @@ _FLOW_MODULES = {
     "hf_next_token_oracle": "flows.oracle",
     "demo": "flows.demo",
     "train_stage": "flows.train_stage",
+    "run_recipe": "flows.recipe",
 }
 
 __all__ = sorted(_FLOW_MODULES)

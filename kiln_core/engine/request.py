@@ -136,8 +136,14 @@ def record_ignored_keys(run_uri: str, ignored_keys: tuple[str, ...]) -> None:
     write_receipt(run, receipt.model_copy(update={"ignored_request_keys": list(ignored_keys)}))
 
 
-def _anchored(path: str, request_path: str) -> str:
-    """A relative local path is taken relative to the request file's directory."""
+def anchored_path(path: str, request_path: str) -> str:
+    """A relative local path is taken relative to the request file's directory (a URI or an absolute path,
+    or any path of a request that is itself a URI, stays as written).
+
+    Example:
+        >>> anchored_path("corpus.jsonl", "/data/request.json")
+        '/data/corpus.jsonl'
+    """
     if "://" in path or os.path.isabs(path) or "://" in request_path:
         return path
     return os.path.join(os.path.dirname(os.path.abspath(request_path)), path)
@@ -152,7 +158,7 @@ def teacher_source(teacher: str, request_path: str, registry_root: str) -> Teach
     """
     from kiln_core.teachers.local_registry import LocalRegistryError, get_local_teacher
 
-    anchored = _anchored(teacher, request_path)
+    anchored = anchored_path(teacher, request_path)
     if os.path.isfile(anchored):
         return TeacherSource(kind="manifest_file", path=anchored)
     try:
@@ -224,7 +230,7 @@ def spec_from_request(request_path: str, *, adapter: str, student_dir: str, out_
                           resume=resume, warnings=warnings, ignored_keys=ignored)
     spec = parse_spec({
         "teacher": teacher,
-        "corpus": _anchored(request.dataset_path or "", request_path),
+        "corpus": anchored_path(request.dataset_path or "", request_path),
         "student": student_dir,
         "storage_root": out_root,
         "adapter": adapter,
