@@ -279,6 +279,19 @@ def test_recipe_run_refuses_a_bad_recipe_with_exit_2_before_prefect_loads(tmp_pa
                                                                 "steps[1].adapter")
 
 
+@pytest.mark.fast
+def test_the_recipe_deployment_is_schedulable_with_a_recipe_that_plans():
+    from kiln_core.recipes.recipe_plan import plan_recipe
+
+    deployments = yaml.safe_load((REPO / "deployments" / "prefect.yaml").read_text())["deployments"]
+    entry = next(item for item in deployments if item["name"] == "recipe")
+    assert entry["entrypoint"] == "flows.recipe.run_recipe" and entry["schedules"][0]["cron"]
+    recipe = entry["parameters"]["recipe"]
+    assert [step.name for step in plan_recipe(recipe).steps] == ["general", "domain"]
+    bundled = yaml.safe_load((REPO / "kiln_core" / "recipes" / "bundled" / "general-then-domain.yaml").read_text())
+    assert recipe["steps"] == bundled["steps"]  # the deployment's default is the bundled recipe
+
+
 # ------------------------------------------------------------------------------------------ on the tiny models
 
 @pytest.fixture(scope="module")
@@ -319,6 +332,66 @@ def flow_runs_named(*names: str, timeout: float = 60.0) -> dict:
         if set(found) == set(names) or time.monotonic() > deadline:
             return found
         time.sleep(0.5)
+
+
+def test_an_on_policy_opd_step_becomes_a_prompts_spec_with_its_teacher_and_record(data, tiny_student, tiny_teacher,
+                                                                                   tmp_path):
+    from kiln_core.contracts.opd_prompt import prompts_content_sha256
+    from kiln_core.recipes.recipe_plan import plan_recipe, prepare_step
+    from kiln_core.teachers.local_registry import register_local_teacher
+
+    prompts = [{"messages": [{"role": "user", "content": f"Say {i}."}, {"role": "assistant", "content": ""}]}
+               for i in range(3)]
+    step = {"kind": "opd", "name": "live", "teacher": "tiny", "prompts_from": {"prompts": prompts},
+            "config": {"top_k": 16, "max_tokens": 4}}
+    plan = plan_recipe({"name": "on-policy", "steps": [opd("warm"), step]}, file=str(data / "r.yaml"))
+    live = plan.steps[1]
+    assert live.body["config"]["training_mode"] == "on_policy" and live.base_adapter == "warm"
+    with pytest.raises(Rejection) as caught:  # not registered (and no such file beside the recipe)
+        prepare_step(live, recipe="on-policy", student_dir=str(tiny_student), storage_root=str(tmp_path),
+                     recipe_file=str(data / "r.yaml"))
+    assert caught.value.code == "teacher_not_registered" and caught.value.field == "teacher"
+    entry = register_local_teacher(tmp_path, "tiny", tiny_teacher, device_kind="cpu")
+    spec = prepare_step(live, recipe="on-policy", student_dir=str(tiny_student), storage_root=str(tmp_path),
+                        recipe_file=str(data / "r.yaml"))
+    assert spec.adapter == "live" and spec.config.training_mode == "on_policy" and spec.config.base_adapter == "warm"
+    assert spec.teacher.kind == "local_registry" and spec.teacher.alias == "tiny"
+    from kiln_core.contracts.opd_prompt import OpdPrompt
+
+    digest = prompts_content_sha256([OpdPrompt.model_validate(prompt) for prompt in prompts])
+    assert Path(spec.prompts) == tmp_path / "prompts" / f"{digest}.jsonl" and Path(spec.prompts).is_file()
+    record = spec.recipe
+    assert (record.kind, record.name, record.recipe, record.step) == ("opd", "live", "on-policy", 1)
+    assert record.teacher.alias == "tiny" and record.teacher_identity_revision == entry.identity_revision
+    assert record.request["config"]["base_adapter"] == "warm" and len(record.request["prompts_from"]["prompts"]) == 3
+    # a manifest file cannot teach on-policy (Kiln's remote_teacher_on_policy)
+    manifest_step = plan_recipe({"name": "r", "steps": [{**step, "teacher": "manifest.jsonl"}]},
+                                file=str(data / "r.yaml")).steps[0]
+    with pytest.raises(Rejection) as caught:
+        prepare_step(manifest_step, recipe="r", student_dir=str(tiny_student), storage_root=str(tmp_path),
+                     recipe_file=str(data / "r.yaml"))
+    assert caught.value.code == "remote_teacher_on_policy"
+
+
+def test_the_flow_fails_with_one_line_for_a_refused_recipe_or_a_step_refused_while_prepared(
+        data, tiny_student, prefect_harness, tmp_path):
+    from flows.recipe import run_recipe
+    from kiln_core.recipes.recipe_run import RecipeStepFailed
+
+    state = run_recipe({"name": "bad", "steps": [opd("a"), gate("b")]}, str(tiny_student), str(tmp_path),
+                       return_state=True)
+    assert state.is_failed()
+    assert state.message == ("rejected (recipe_post_eval_adapter_mismatch) steps[1].adapter: recipe bad step 1: "
+                             "PostEval adapter 'b' does not match the preceding step's output adapter 'a'")
+    recipe = write_recipe(data, "unregistered", [opd("u", teacher="nobody"), opd("v")])
+    state = run_flow(recipe, tiny_student, tmp_path)
+    assert state.is_failed() and state.message.startswith(
+        "recipe unregistered stopped at steps[0] opd 'u': rejected (teacher_not_registered) teacher: ")
+    assert state.message.endswith("; not run: v")
+    with pytest.raises(RecipeStepFailed) as caught:
+        state.result()
+    assert caught.value.exit_code == 3 and caught.value.field == "steps[0]"
+    assert not (tmp_path / "runs").exists()
 
 
 @pytest.mark.slow

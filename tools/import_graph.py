@@ -64,6 +64,9 @@ KILN_CORE_LAYERS: tuple[tuple[str, tuple[str, ...], str], ...] = (
      "the training loop, checkpoints, receipts and the distributed world, over rollouts and the held-out watch"),
     ("after training", ("post_eval", "models"),
      "the post-eval gate runs on a trained adapter; model preparation drives evaluation and scoring"),
+    ("recipes", ("recipes",),
+     "Kiln's recipes: each checks its request, does its teacher work and builds the spec the engine trains; "
+     "the caller hands that spec to the engine, so a recipe never runs the pipeline itself"),
     ("engine", ("engine",),
      "the one orchestrator: request → spec → admit → score → train → gate → publish; nothing imports it"),
 )

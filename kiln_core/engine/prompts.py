@@ -16,26 +16,26 @@ rule, publication and ``latest.json``. Only two steps differ, and both live here
   spec's ``vllm:`` block, a vLLM server samples the rollouts (the LoRA synced after every step) and/or
   one scores them (``vllm_backends``).
 
-``write_inline_prompts`` turns a request's inline prompts into the prompt file a spec names
-(``kiln-flows train``), content-addressed under ``<root>/prompts/``.
+``write_inline_prompts`` (``kiln_core.on_policy.prompt_file``, re-exported here) turns a request's inline
+prompts into the prompt file a spec names (``kiln-flows train``), content-addressed under ``<root>/prompts/``.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 from kiln_core.contracts.opd_config import OpdConfig
-from kiln_core.serde_json import serde_json_text
-from kiln_core.contracts.opd_prompt import OpdPrompt, kiln_prompt_value, prompts_content_sha256
+from kiln_core.contracts.opd_prompt import prompts_content_sha256
 from kiln_core.contracts.spec_blocks import VllmBackends
 from kiln_core.contracts.stage_refs import CorpusRef, ManifestRef, TrainPlan
 from kiln_core.errors import EnvironmentFailure, Rejection
+# Re-exported: the prompt file a request's inline prompts become lives with the prompt file's reader.
+from kiln_core.on_policy.prompt_file import PROMPTS_DIR, write_inline_prompts  # noqa: F401
 
 __all__ = ["PROMPTS_DIR", "check_prompts", "train_prompts", "write_inline_prompts"]
 
 LOG = logging.getLogger(__name__)
-PROMPTS_DIR = "prompts"
 
 
 def _binding(manifest: ManifestRef):
@@ -85,25 +85,6 @@ def check_prompts(prompts_uri: str, manifest: ManifestRef, config: OpdConfig, st
                      examples=len(prompt_file.prompts), action_tokens=0, env_tokens=0, effective_top_k=plan.top_k,
                      teacher_identity_revision=manifest.identity_revision, kind="prompts",
                      samples_per_prompt=plan.samples_per_prompt)
-
-
-def write_inline_prompts(prompts: Sequence[OpdPrompt], storage_root: str) -> str:
-    """Write a request's inline prompts as ``<root>/prompts/<digest>.jsonl`` (once; same prompts, same file).
-
-    Each line is Kiln's re-serialization of one prompt, so reading the file back gives the same
-    prompt-list digest as the inline list.
-
-    Example:
-        >>> write_inline_prompts(request.prompts, "./kiln-data")  # doctest: +SKIP
-        '/abs/kiln-data/prompts/3b1f….jsonl'
-    """
-    from kiln_core.storage import resolve, write_bytes_atomic
-
-    location = resolve(storage_root).child(PROMPTS_DIR, f"{prompts_content_sha256(prompts)}.jsonl")
-    if not location.exists():
-        data = "".join(serde_json_text(kiln_prompt_value(prompt)) + "\n" for prompt in prompts).encode("utf-8")
-        write_bytes_atomic(location, data)
-    return location.uri
 
 
 def train_prompts(plan: TrainPlan, prompts: CorpusRef, manifest: ManifestRef, student_dir: str, *,

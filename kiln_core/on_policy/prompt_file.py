@@ -31,9 +31,12 @@ from kiln_core.errors import EnvironmentFailure, Rejection
 from kiln_core.storage import resolve
 from kiln_core.strict_json import StrictJsonError, loads_strict
 
-__all__ = ["MAX_PROMPT_FILE_BYTES", "PromptFile", "read_prompt_file", "parse_prompt_lines"]
+__all__ = ["MAX_PROMPT_FILE_BYTES", "PROMPTS_DIR", "PromptFile", "read_prompt_file", "parse_prompt_lines",
+           "write_inline_prompts"]
 
 MAX_PROMPT_FILE_BYTES = 64 * 1024 * 1024
+PROMPTS_DIR = "prompts"
+"""Where inline prompts are written under a storage root (``write_inline_prompts``)."""
 
 
 @dataclass(frozen=True)
@@ -134,3 +137,24 @@ def _parse_json(text: str, line: int, file: str | None) -> Any:
         raise Rejection("invalid_json", "a string holds a lone UTF-16 surrogate escape", line=line, file=file) from None
     except StrictJsonError as error:
         raise Rejection("invalid_json", f"not valid JSON: {error}", line=line, file=file) from None
+
+
+def write_inline_prompts(prompts: list[OpdPrompt], storage_root: str) -> str:
+    """Write a request's inline prompts as ``<root>/prompts/<digest>.jsonl`` (once; same prompts, same file).
+
+    Each line is Kiln's re-serialization of one prompt, so reading the file back gives the same
+    prompt-list digest as the inline list.
+
+    Example:
+        >>> write_inline_prompts(request.prompts, "./kiln-data")  # doctest: +SKIP
+        '/abs/kiln-data/prompts/3b1f….jsonl'
+    """
+    from kiln_core.contracts.opd_prompt import kiln_prompt_value, prompts_content_sha256
+    from kiln_core.serde_json import serde_json_text
+    from kiln_core.storage import write_bytes_atomic
+
+    location = resolve(storage_root).child(PROMPTS_DIR, f"{prompts_content_sha256(prompts)}.jsonl")
+    if not location.exists():
+        data = "".join(serde_json_text(kiln_prompt_value(prompt)) + "\n" for prompt in prompts).encode("utf-8")
+        write_bytes_atomic(location, data)
+    return location.uri

@@ -3,7 +3,7 @@
 ``check_opd_request`` applies what Kiln checks on an OPD request at submit time (``OpdRequest`` parsing, the
 config rules, the on-policy prompt rules), reading no file. ``prepare_opd`` resolves the teacher (a manifest
 file next to the recipe, or a registered alias), writes inline prompts once under the storage root, and
-returns the ``PipelineSpec`` (the ``kiln-flows train`` path: ``kiln_core.engine.request``) with its
+returns the ``PipelineSpec`` (what ``kiln-flows train`` builds from a request: ``kiln_core.engine.request``) with its
 ``RecipeRecord``: kind ``opd``, the registered teacher's descriptor (alias, served model id,
 ``sha256:<identity revision>``, the whole identity) and the step as Kiln's ``hyperparameters``.
 
@@ -160,7 +160,8 @@ def prepare_opd(request: OpdStep, *, student_dir: str, out_root: str, base_adapt
         ('opd', 'warm')
     """
     from kiln_core.contracts.pipeline import parse_spec
-    from kiln_core.engine.request import anchored_path, teacher_source
+    from kiln_core.storage import anchored_path
+    from kiln_core.teachers.local_registry import teacher_source
 
     anchor = request_file or os.path.join(os.getcwd(), "recipe.yaml")
     opd = opd_request_of(request, base_adapter)
@@ -168,7 +169,7 @@ def prepare_opd(request: OpdStep, *, student_dir: str, out_root: str, base_adapt
     spec: dict[str, Any] = {"teacher": teacher, "student": student_dir, "storage_root": out_root,
                             "adapter": request.name, "config": opd.config}
     if opd.prompts:
-        from kiln_core.engine.prompts import write_inline_prompts
+        from kiln_core.on_policy.prompt_file import write_inline_prompts
 
         if teacher.kind != "local_registry":  # Kiln's require_remote_teacher_off_policy, as `kiln-flows train`
             raise Rejection("remote_teacher_on_policy", 'OPD cannot use a remote teacher with training_mode='
