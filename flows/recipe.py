@@ -91,7 +91,8 @@ def run_recipe(recipe: dict[str, Any], student: str, storage_root: str = "./kiln
         if earlier is not None:
             logger.info("%s: finished in an earlier attempt (run %s); skipped", step.label, earlier.run)
             done.append({"index": step.index, "kind": step.kind, "name": step.name, "skipped": True,
-                         "summary": {"run": earlier.run, "receipt": earlier.receipt, "gate": earlier.gate_outcome}})
+                         "summary": {"run": earlier.run, "receipt": earlier.receipt,
+                                     "gate": {"outcome": earlier.gate_outcome} if earlier.gate_outcome else None}})
             continue
         subflow = recipe_step.with_options(flow_run_name=f"{step.index}-{step.kind}-{step.name}")
         state = subflow(step=dataclasses.asdict(step), recipe=plan.name, student=student, storage_root=storage_root,

@@ -431,27 +431,33 @@ def test_a_two_step_opd_recipe_runs_end_to_end_through_the_cli(data, tiny_studen
 @pytest.mark.slow
 @pytest.mark.usefixtures("one_torch_thread")
 def test_a_failing_gate_stops_the_recipe_before_its_next_step(data, tiny_student, prefect_harness, tmp_path):
+    """Through the CLI (exit 4, one JSON object), and as the UI shows it: the flow run's state names the step."""
+    import prefect.settings
     from prefect.artifacts import Artifact
 
     from kiln_core.post_eval import SuiteRegistry
-    from kiln_core.recipes.recipe_run import RecipeHeldBack
 
     root = tmp_path / "root"
     SuiteRegistry.for_storage_root(str(root)).register(str(data / "far.json"))
     recipe = write_recipe(data, "gated", [opd("gated-a"), gate("gated-a"), opd("gated-b")])
-    state = run_flow(recipe, tiny_student, root)
-    assert state.is_failed()
-    assert state.message.startswith("recipe gated stopped at steps[0] opd 'gated-a': its post_eval gate (steps[1]) "
-                                    "held the adapter back (inconclusive)"), state.message
-    assert state.message.endswith("; not run: gated-b")
-    with pytest.raises(RecipeHeldBack) as caught:
-        state.result()
-    assert caught.value.exit_code == 4 and caught.value.field == "steps[1]"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PREFECT_API_URL": prefect.settings.PREFECT_API_URL.value()}
+    done = subprocess.run([sys.executable, "-m", "flows.cli", "recipe", "run", str(recipe), "--student",
+                           str(tiny_student), "--out", str(root), "--json"], capture_output=True, text=True, env=env,
+                          cwd=REPO, timeout=600)
+    assert done.returncode == 4, done.stdout[-3000:] + done.stderr[-3000:]
+    error = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (error["status"], error["code"], error["field"]) == ("held_back", "recipe_gate_held_back", "steps[1]")
+    expected = ("recipe gated stopped at steps[0] opd 'gated-a': its post_eval gate (steps[1]) held the adapter back "
+                "(inconclusive)")
+    assert error["message"].startswith(expected) and error["message"].endswith("; not run: gated-b")
     assert not (root / "runs" / "gated-b").exists()  # the next step never ran
     assert not (root / "runs" / "gated-a" / "latest.json").exists()
+    parent = flow_runs_named("recipe-gated")["recipe-gated"]
+    assert parent.state.is_failed() and parent.state.message.startswith(expected)
+    step = flow_runs_named("0-opd-gated-a")["0-opd-gated-a"]
+    assert step.state.is_completed() and step.parent_task_run_id is not None  # a subflow of the recipe's run
     artifact = Artifact.get("recipe-gated-gated-a")
     assert "inconclusive" in artifact.data and "latest.json not moved" in artifact.data
-    assert set(flow_runs_named("0-opd-gated-a")) == {"0-opd-gated-a"}
 
 
 @pytest.mark.slow
@@ -467,8 +473,8 @@ def test_a_retried_recipe_resumes_at_its_first_unfinished_step(data, tiny_studen
     root = tmp_path / "root"
     recipe = write_recipe(work, "resumed", [opd("resumed-a"), opd("resumed-b", corpus="later.jsonl")])
     first = run_flow(recipe, tiny_student, root)
-    assert first.is_failed() and "stopped at steps[1] opd 'resumed-b'" in first.message
-    assert "file_not_found" in first.message or "later.jsonl" in first.message, first.message
+    assert first.is_failed() and first.message == ("recipe resumed stopped at steps[1] opd 'resumed-b': rejected "
+                                                   f"(file_not_found) {work / 'later.jsonl'} does not exist")
     with pytest.raises(RecipeStepFailed):
         first.result()
     latest_a = (root / "runs" / "resumed-a" / "latest.json").read_bytes()
@@ -480,10 +486,10 @@ def test_a_retried_recipe_resumes_at_its_first_unfinished_step(data, tiny_studen
     assert [(step["name"], step["skipped"]) for step in summary["steps"]] == [("resumed-a", True), ("resumed-b", False)]
     assert (root / "runs" / "resumed-a" / "latest.json").read_bytes() == latest_a
     # step 0 ran as a subflow once, in the first attempt only; step 1 twice (refused, then trained)
-    runs = flow_runs_named("0-opd-resumed-a", "1-opd-resumed-b")
     from prefect import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
 
+    flow_runs_named("0-opd-resumed-a", "1-opd-resumed-b")  # wait until the server has them
     with get_client(sync_client=True) as client:
         named = client.read_flow_runs(flow_run_filter=FlowRunFilter(
             name=FlowRunFilterName(any_=["0-opd-resumed-a", "1-opd-resumed-b"])))
@@ -491,4 +497,4 @@ def test_a_retried_recipe_resumes_at_its_first_unfinished_step(data, tiny_studen
     # the subflow shows its stages: the step's teacher work, then the pipeline's
     trained = [run for run in named if run.name == "1-opd-resumed-b" and run.state.is_completed()][0]
     stages = task_runs(trained.id, ("prepare", "manifest", "admit", "train", "publish"))
-    assert stages["train"].state.is_completed() and runs["0-opd-resumed-a"].parent_task_run_id is not None
+    assert stages["train"].state.is_completed() and trained.parent_task_run_id is not None

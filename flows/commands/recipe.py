@@ -61,7 +61,12 @@ def run(args: argparse.Namespace) -> int:
 
 def resolve_recipe_argument(value: str) -> tuple[str, str | None]:
     """The file to read and the ``recipe_file`` that anchors its relative paths: a file anchors at itself, a
-    bundled recipe (given by name) at the working directory (``None``)."""
+    bundled recipe (given by name) at the working directory (``None``).
+
+    Example:
+        >>> resolve_recipe_argument("distill-and-gate")[1] is None
+        True
+    """
     from kiln_core.recipes.catalog import bundled_recipe_path
 
     if os.path.exists(value) or "://" in value:

@@ -144,6 +144,10 @@ def recipe_value(path: str) -> Any:
 
     Raises:
         Rejection: ``invalid_recipe`` (unreadable or not YAML), ``nesting_too_deep``.
+
+    Example:
+        >>> recipe_value("kiln_core/recipes/bundled/distill-and-gate.yaml")["steps"][1]["kind"]  # doctest: +SKIP
+        'post_eval'
     """
     import yaml
 

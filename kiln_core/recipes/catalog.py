@@ -87,6 +87,10 @@ def bundled_recipes() -> list[CatalogEntry]:
     """The bundled recipes, each checked with ``plan_recipe`` (no storage root: suites are checked at run time).
 
     A bundled recipe this build cannot plan (a step kind it does not ship) is listed as not runnable, with why.
+
+    Example:
+        >>> all(entry.runnable for entry in bundled_recipes())
+        True
     """
     from kiln_core.contracts.recipe import load_recipe, recipe_value
     from kiln_core.errors import Rejection

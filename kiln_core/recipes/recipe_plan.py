@@ -36,6 +36,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -132,6 +133,12 @@ def plan_recipe(value: Any, *, file: str | None = None, storage_root: str | None
 
     Raises:
         Rejection: the first rule broken, naming ``steps[i].<field>``.
+
+    Example:
+        >>> plan_recipe({"name": "r", "steps": [{"kind": "sft", "name": "a"}]})
+        Traceback (most recent call last):
+        ...
+        kiln_core.errors.Rejection: [recipe_step_unsupported] field steps[0].kind: sft steps are not supported: kiln-flows trains with OPD only; there is no SFT trainer. Replace the sft step with an opd step on a teacher-scored corpus (prompts_from: {dataset: corpus.jsonl}, config.training_mode: off_policy)
     """
     document = parse_recipe(value, file=file)
     check_name(document.name, field="name", code="invalid_recipe")
@@ -141,7 +148,7 @@ def plan_recipe(value: Any, *, file: str | None = None, storage_root: str | None
     for index, step in enumerate(document.steps):
         if step["kind"] == "post_eval":
             gate = _gate(index, step, document.steps, document.name, file, storage_root)
-            planned[-1] = PlannedStep(**{**planned[-1].__dict__, "gate": gate, "gate_step": index})
+            planned[-1] = dataclasses.replace(planned[-1], gate=gate, gate_step=index)
             continue
         body = _with_kiln_default_config({key: item for key, item in step.items() if key != "kind"})
         if "post_eval" in body:

@@ -99,7 +99,12 @@ def recipe_digest(document: Any, student: str) -> str:
 
 
 def record_location(storage_root: str, recipe: str, digest: str):
-    """The record's ``Location`` under the storage root."""
+    """The record's ``Location`` under the storage root.
+
+    Example:
+        >>> record_location("/data", "demo", "ab" * 32).uri
+        '/data/recipes/runs/demo/abababababababababababababababababababababababababababababababab.json'
+    """
     from kiln_core.storage import resolve
 
     return resolve(storage_root).child(*RECIPE_RUNS_DIR, recipe, f"{digest}.json")
@@ -125,7 +130,12 @@ def read_run_record(storage_root: str, recipe: str, digest: str, student: str) -
 
 
 def write_run_record(storage_root: str, record: RecipeRunRecord) -> str:
-    """Write the record atomically; returns its URI."""
+    """Write the record atomically (``write_bytes_atomic``: a reader sees the old record or the new one); returns its URI.
+
+    Example:
+        >>> write_run_record("./kiln-data", record.with_step(done))  # doctest: +SKIP
+        '/abs/kiln-data/recipes/runs/demo/3f0c….json'
+    """
     from kiln_core.storage import write_bytes_atomic
 
     location = record_location(storage_root, record.recipe, record.digest)
@@ -158,7 +168,12 @@ def finished_run(record: RecipeRunRecord, index: int, name: str, storage_root: s
 
 
 def step_record(index: int, name: str, summary: dict[str, Any]) -> StepRecord:
-    """A finished step's record, from its run summary (``PipelineResult.summary()``)."""
+    """A finished step's record, from its run summary (``PipelineResult.summary()``).
+
+    Example:
+        >>> step_record(0, "a", {"run": "/r/runs/a/k", "receipt": "/r/runs/a/k/train_receipt.json"}).gate_outcome is None
+        True
+    """
     gate = summary.get("gate") or {}
     return StepRecord(index=index, name=name, run=summary["run"], receipt=summary["receipt"],
                       gate_outcome=gate.get("outcome"),
