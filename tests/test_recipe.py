@@ -102,6 +102,7 @@ def fake_distill(monkeypatch):
      "steps[0].prompts_from"),
     ({"name": "r", "steps": [{**opd("a"), "prompts_from": {"prompts": [{"messages": []}]}}]}, "prompt_no_messages",
      "steps[0].prompts_from.prompts[0].messages"),
+    ({"name": "r", "steps": [opd("a", corpus="agent_traces:user-pi")]}, "unsupported", "steps[0].prompts_from.dataset"),
 ])
 def test_a_recipe_is_refused_before_any_step_naming_the_field(value, code, field):
     error = refused(value)
@@ -290,6 +291,18 @@ def test_the_recipe_deployment_is_schedulable_with_a_recipe_that_plans():
     assert [step.name for step in plan_recipe(recipe).steps] == ["general", "domain"]
     bundled = yaml.safe_load((REPO / "kiln_core" / "recipes" / "bundled" / "general-then-domain.yaml").read_text())
     assert recipe["steps"] == bundled["steps"]  # the deployment's default is the bundled recipe
+
+
+@pytest.mark.fast
+def test_a_bundled_recipe_runs_by_name_and_is_checked_against_the_storage_root(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "flows.cli", "recipe", "run", "distill-and-gate", "--student",
+                           str(tmp_path), "--out", str(tmp_path / "root"), "--json"], capture_output=True, text=True,
+                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    error = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (error["code"], error["field"]) == ("post_eval_suite_not_installed", "steps[1].suite")
+    assert error["file"].endswith("kiln_core/recipes/bundled/distill-and-gate.yaml")
+    assert "'held-out'" in error["message"]
 
 
 # ------------------------------------------------------------------------------------------ on the tiny models

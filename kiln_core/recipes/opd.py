@@ -36,6 +36,7 @@ from kiln_core.contracts.pipeline import PipelineSpec
 from kiln_core.contracts.recipe import OpdStep
 from kiln_core.contracts.unknown_keys import closest_name, find_unknown_keys
 from kiln_core.errors import Rejection
+from kiln_core.on_policy.submit import AGENT_TRACES_PREFIX
 
 __all__ = ["check_opd_request", "prepare_opd", "opd_request_of"]
 
@@ -77,6 +78,10 @@ def check_opd_request(value: Any, *, file: str | None = None) -> OpdStep:
         raise Rejection("invalid_request", "prompts_from must be exactly one of {dataset: <teacher-scored corpus>} "
                         "or {prompts: [OpdPrompt, ...]}", field="prompts_from", file=file)
     request = {"teacher": value["teacher"], "config": value.get("config", {})}
+    if "dataset" in source and isinstance(source["dataset"], str) and source["dataset"].startswith(AGENT_TRACES_PREFIX):
+        raise Rejection("unsupported", "agent_traces: selectors need Kiln's agent-trace index, which kiln-flows does "
+                        "not have; give a teacher-scored corpus or inline prompts", field="prompts_from.dataset",
+                        file=file)
     if "dataset" in source:
         request["dataset_path"] = source["dataset"]
     else:
