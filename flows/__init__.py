@@ -22,6 +22,7 @@ _FLOW_MODULES = {
     "demo": "flows.demo",
     "train_stage": "flows.train_stage",
     "distill_pump": "flows.distill_pump",
+    "run_recipe": "flows.recipe",
 }
 
 __all__ = sorted(_FLOW_MODULES)

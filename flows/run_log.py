@@ -14,7 +14,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-QUIET_TASKS = frozenset({"validate", "manifest", "score", "fingerprint", "admit", "materialize", "train", "publish"})
+QUIET_TASKS = frozenset({"validate", "manifest", "score", "fingerprint", "admit", "materialize", "train", "publish",
+                         "prepare"})
 
 
 class _StageCompletionFilter(logging.Filter):

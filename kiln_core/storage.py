@@ -91,6 +91,19 @@ def is_local_uri(uri: str) -> bool:
     return "://" not in uri or uri.startswith("file://")
 
 
+def anchored_path(path: str, request_path: str) -> str:
+    """A relative local path is taken relative to the directory of the file that names it (a request, a recipe);
+    a URI or an absolute path, or any path named by a file that is itself a URI, stays as written.
+
+    Example:
+        >>> anchored_path("corpus.jsonl", "/data/request.json")
+        '/data/corpus.jsonl'
+    """
+    if "://" in path or os.path.isabs(path) or "://" in request_path:
+        return path
+    return os.path.join(os.path.dirname(os.path.abspath(request_path)), path)
+
+
 def resolve(uri: str, storage_options: dict[str, Any] | None = None) -> Location:
     """Resolve a local path or fsspec URI into a ``Location``.
 

@@ -65,7 +65,8 @@ KILN_CORE_LAYERS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("after training", ("post_eval", "models"),
      "the post-eval gate runs on a trained adapter; model preparation drives evaluation and scoring"),
     ("recipes", ("recipes",),
-     "Kiln's recipes: a request's teacher work and the spec the engine trains; one stage each, never the engine"),
+     "Kiln's recipes: each checks its request, does its teacher work and builds the spec the engine trains; "
+     "the caller hands that spec to the engine, so a recipe never runs the pipeline itself"),
     ("engine", ("engine",),
      "the one orchestrator: request → spec → admit → score → train → gate → publish; nothing imports it"),
 )

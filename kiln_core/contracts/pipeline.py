@@ -430,7 +430,7 @@ def load_spec(path: str) -> PipelineSpec:
         reason = error.strerror if isinstance(error, OSError) else "not UTF-8 text"
         raise SpecError(f"cannot read pipeline spec {path}: {reason}", file=path) from None
     try:
-        _check_yaml_depth(text, path)
+        check_yaml_depth(text, path)
         value = yaml.safe_load(text)
     except yaml.YAMLError as error:
         raise SpecError(f"pipeline spec {path} is not valid YAML: {error}", file=path) from None
@@ -439,9 +439,17 @@ def load_spec(path: str) -> PipelineSpec:
     return parse_spec(value, file=path)
 
 
-def _check_yaml_depth(text: str, path: str) -> None:
+def check_yaml_depth(text: str, path: str, *, where: str = "the pipeline spec") -> None:
     """Refuse what serde_json's depth limit refuses (``kiln_core.strict_json``), counted on the parser's
-    event stream, before PyYAML's recursive composer would hit Python's recursion limit."""
+    event stream, before PyYAML's recursive composer would hit Python's recursion limit. ``where`` names
+    the document in the message (a pipeline spec, a recipe file).
+
+    Raises:
+        NestingTooDeep: ``nesting_too_deep``, with the line where the limit was reached.
+
+    Example:
+        >>> check_yaml_depth("a: [1, 2]", "spec.yaml")
+    """
     import yaml
 
     from kiln_core.strict_json import SERDE_JSON_RECURSION_LIMIT, too_deep
@@ -451,7 +459,7 @@ def _check_yaml_depth(text: str, path: str) -> None:
         if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
             level += 1
             if level >= SERDE_JSON_RECURSION_LIMIT:
-                raise too_deep(level, where="the pipeline spec", file=path,
+                raise too_deep(level, where=where, file=path,
                                line=event.start_mark.line + 1 if event.start_mark else None)
         elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
             level -= 1

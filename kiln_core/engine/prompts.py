@@ -16,14 +16,14 @@ rule, publication and ``latest.json``. Only two steps differ, and both live here
   spec's ``vllm:`` block, a vLLM server samples the rollouts (the LoRA synced after every step) and/or
   one scores them (``vllm_backends``).
 
-``write_inline_prompts`` turns a request's inline prompts into the prompt file a spec names
-(``kiln-flows train``), content-addressed under ``<root>/prompts/``.
+``write_inline_prompts`` (``kiln_core.on_policy.prompt_file``, re-exported here) turns a request's inline
+prompts into the prompt file a spec names (``kiln-flows train``), content-addressed under ``<root>/prompts/``.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 from kiln_core.contracts.opd_config import OpdConfig
 from kiln_core.contracts.opd_prompt import OpdPrompt, prompts_content_sha256

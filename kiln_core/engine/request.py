@@ -24,7 +24,6 @@ The spec then runs through ``run_pipeline`` like any other: admitted, planned (r
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 
 from kiln_core.contracts.eval_watch import EvalWatch, parse_eval_watch
@@ -36,7 +35,9 @@ from kiln_core.contracts.post_eval.config import PostEvalConfig, parse_post_eval
 from kiln_core.contracts.unknown_keys import UnknownKey
 from kiln_core.engine.pipeline import LocalStages
 from kiln_core.post_eval.registry import SuiteRegistry
-from kiln_core.storage import resolve
+# anchored_path and teacher_source are re-exported: recipes (below the engine) build specs with them too.
+from kiln_core.storage import anchored_path, resolve  # noqa: F401
+from kiln_core.teachers.local_registry import teacher_source  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -136,34 +137,6 @@ def record_ignored_keys(run_uri: str, ignored_keys: tuple[str, ...]) -> None:
     write_receipt(run, receipt.model_copy(update={"ignored_request_keys": list(ignored_keys)}))
 
 
-def _anchored(path: str, request_path: str) -> str:
-    """A relative local path is taken relative to the request file's directory."""
-    if "://" in path or os.path.isabs(path) or "://" in request_path:
-        return path
-    return os.path.join(os.path.dirname(os.path.abspath(request_path)), path)
-
-
-def teacher_source(teacher: str, request_path: str, registry_root: str) -> TeacherSource:
-    """A manifest file when ``teacher`` names an existing file (next to the request), else an alias
-    registered under ``registry_root``.
-
-    Raises:
-        ConfigError: ``teacher_not_registered`` when it is neither.
-    """
-    from kiln_core.teachers.local_registry import LocalRegistryError, get_local_teacher
-
-    anchored = _anchored(teacher, request_path)
-    if os.path.isfile(anchored):
-        return TeacherSource(kind="manifest_file", path=anchored)
-    try:
-        get_local_teacher(registry_root, teacher)
-        return TeacherSource(kind="local_registry", alias=teacher)
-    except (LocalRegistryError, ValueError) as error:
-        detail = error.message if isinstance(error, LocalRegistryError) else "not a valid alias"
-        raise ConfigError(f"teacher {teacher!r} is neither a manifest file nor a registered alias: {detail}",
-                          "teacher", code="teacher_not_registered") from None
-
-
 def spec_from_request(request_path: str, *, adapter: str, student_dir: str, out_root: str = "./kiln-data",
                       resume_checkpoint: str | None = None, nproc: int = 1, backend: str = "auto",
                       eval_watch: dict | None = None, vllm: dict | None = None,
@@ -224,7 +197,7 @@ def spec_from_request(request_path: str, *, adapter: str, student_dir: str, out_
                           resume=resume, warnings=warnings, ignored_keys=ignored)
     spec = parse_spec({
         "teacher": teacher,
-        "corpus": _anchored(request.dataset_path or "", request_path),
+        "corpus": anchored_path(request.dataset_path or "", request_path),
         "student": student_dir,
         "storage_root": out_root,
         "adapter": adapter,

@@ -1,7 +1,6 @@
-"""Kiln's distillation recipes (``distill self``, ``distill merge``, ``distill pump``), one module each.
-
-Each module checks its request with Kiln's submit-time rules (``check_<kind>_request``: no file read, no
-model loaded), then prepares the run (``prepare_<kind>``: the checks that need files, the teacher work,
-and the ``PipelineSpec`` that trains it with ``spec.recipe`` set); training is always
-``kiln_core.engine.pipeline.run_pipeline``.
+"""Kiln's distillation recipes, one module per recipe (``distill_self``, ``distill_merge``, ``distill_pump``, the
+``opd`` step of a recipe file) with two functions each: ``check_<kind>_request`` (Kiln's submit-time rules, no file
+read, no model loaded) and ``prepare_<kind>`` (the checks that need files, the teacher work, and the
+``PipelineSpec`` that ``kiln_core.engine.pipeline.run_pipeline`` trains, carrying its ``RecipeRecord``); and the
+recipe-file runner's plan (``recipe_plan``), run record (``recipe_run``) and catalogue (``catalog``).
 """

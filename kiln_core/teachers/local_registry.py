@@ -30,6 +30,7 @@ from kiln_core.contracts.teachers import (
     LocalTeachersFile,
     encode_teachers,
 )
+from kiln_core.contracts.spec_blocks import TeacherSource
 from kiln_core.errors import Rejection
 from kiln_core.storage import Location, resolve, write_bytes_atomic
 
@@ -274,3 +275,29 @@ def resolve_pinned_manifest(root: str | os.PathLike[str], alias_or_file: str | o
     if os.path.isfile(alias_or_file):
         return read_manifest_file(alias_or_file)
     return get_local_teacher(root, os.fspath(alias_or_file)).off_policy_manifest
+
+
+def teacher_source(teacher: str, request_path: str, registry_root: str) -> TeacherSource:
+    """A manifest file when ``teacher`` names an existing file (relative to the request or recipe file that
+    names it), else an alias registered under ``registry_root``.
+
+    Raises:
+        ConfigError: ``teacher_not_registered`` when it is neither.
+
+    Example:
+        >>> teacher_source("manifest.jsonl", "/data/request.json", "./kiln-data")  # doctest: +SKIP
+        TeacherSource(kind='manifest_file', path='/data/manifest.jsonl', ...)
+    """
+    from kiln_core.contracts.opd_config import ConfigError
+    from kiln_core.storage import anchored_path
+
+    anchored = anchored_path(teacher, request_path)
+    if os.path.isfile(anchored):
+        return TeacherSource(kind="manifest_file", path=anchored)
+    try:
+        get_local_teacher(registry_root, teacher)
+        return TeacherSource(kind="local_registry", alias=teacher)
+    except (LocalRegistryError, ValueError) as error:
+        detail = error.message if isinstance(error, LocalRegistryError) else "not a valid alias"
+        raise ConfigError(f"teacher {teacher!r} is neither a manifest file nor a registered alias: {detail}",
+                          "teacher", code="teacher_not_registered") from None
