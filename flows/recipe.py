@@ -62,6 +62,7 @@ def run_recipe(recipe: dict[str, Any], student: str, storage_root: str = "./kiln
     from prefect import get_run_logger
     from prefect.states import Failed
 
+    from kiln_core.post_eval.registry import SuiteRegistry
     from kiln_core.recipes.recipe_plan import plan_recipe
     from kiln_core.recipes.recipe_run import (
         RecipeHeldBack,
@@ -79,7 +80,7 @@ def run_recipe(recipe: dict[str, Any], student: str, storage_root: str = "./kiln
     if isinstance(name, str) and name:
         tag_run(f"recipe:{name}")
     try:
-        plan = plan_recipe(recipe, file=recipe_file, storage_root=storage_root)
+        plan = plan_recipe(recipe, file=recipe_file, suites=SuiteRegistry.for_storage_root(storage_root))
     except Rejection as error:
         return reject_run(error, name if isinstance(name, str) else None)
     logger = get_run_logger()

@@ -135,8 +135,11 @@ def test_an_opd_step_on_a_corpus_takes_kilns_on_policy_default_and_says_to_set_o
 
 
 @pytest.mark.fast
-def test_a_gate_on_a_suite_that_is_not_installed_is_refused_when_the_storage_root_is_known(tmp_path):
-    error = refused({"name": "r", "steps": [opd("a"), gate("a", suite="missing")]}, storage_root=str(tmp_path))
+def test_a_gate_on_a_suite_that_is_not_installed_is_refused_when_the_installed_suites_are_given(tmp_path):
+    from kiln_core.post_eval.registry import SuiteRegistry
+
+    error = refused({"name": "r", "steps": [opd("a"), gate("a", suite="missing")]},
+                    suites=SuiteRegistry.for_storage_root(str(tmp_path)))
     assert error.code == "post_eval_suite_not_installed" and error.field == "steps[1].suite"
 
 

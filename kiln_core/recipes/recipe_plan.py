@@ -120,13 +120,14 @@ def step_functions(kind: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
     return getattr(module, check_name_), getattr(module, prepare_name)
 
 
-def plan_recipe(value: Any, *, file: str | None = None, storage_root: str | None = None) -> RecipePlan:
+def plan_recipe(value: Any, *, file: str | None = None, suites: Any = None) -> RecipePlan:
     """Check a decoded recipe whole (the rules in the module docstring) and plan its training steps.
 
     Args:
         value: The decoded recipe (``kiln_core.contracts.recipe.recipe_value``) or a mapping.
         file: The recipe file, named in rejections and passed to each step's ``check_*``.
-        storage_root: Where eval suites are installed; None skips the installed-suite check.
+        suites: The installed eval suites (``kiln_core.post_eval.registry.SuiteRegistry`` of the storage root, which
+            the caller opens: a recipe does not reach into the gate's stage); None skips the installed-suite check.
 
     Returns:
         The plan: training steps in order, each with its chained warm start and its gate.
@@ -147,7 +148,7 @@ def plan_recipe(value: Any, *, file: str | None = None, storage_root: str | None
     previous: PlannedStep | None = None
     for index, step in enumerate(document.steps):
         if step["kind"] == "post_eval":
-            gate = _gate(index, step, document.steps, document.name, file, storage_root)
+            gate = _gate(index, step, document.steps, document.name, file, suites)
             planned[-1] = dataclasses.replace(planned[-1], gate=gate, gate_step=index)
             continue
         body = _with_kiln_default_config({key: item for key, item in step.items() if key != "kind"})
@@ -221,7 +222,7 @@ def _training_names(steps: list[dict[str, Any]], file: str | None) -> list[str |
 
 
 def _gate(index: int, step: dict[str, Any], steps: list[dict[str, Any]], recipe: str, file: str | None,
-          storage_root: str | None) -> dict[str, Any]:
+          suites: Any) -> dict[str, Any]:
     """Kiln's post_eval step rules, and the gate it becomes (``PostEvalConfig`` fields)."""
     from pydantic import ValidationError
 
@@ -247,12 +248,7 @@ def _gate(index: int, step: dict[str, Any], steps: list[dict[str, Any]], recipe:
     renamed = {"post_eval.suite": "suite", "post_eval.min_accuracy": "require_min_score"}
     try:
         gate = parse_post_eval_config({"suite": parsed.suite, "min_accuracy": parsed.require_min_score})
-        registry = None
-        if storage_root is not None:
-            from kiln_core.post_eval.registry import SuiteRegistry
-
-            registry = SuiteRegistry.for_storage_root(storage_root)
-        validate_post_eval_config(gate, registry)
+        validate_post_eval_config(gate, suites)
     except PostEvalRejection as error:
         field = renamed.get(error.field or "", "suite")
         raise Rejection(error.code, error.message, field=f"steps[{index}].{field}", file=file) from None
