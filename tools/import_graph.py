@@ -64,6 +64,9 @@ KILN_CORE_LAYERS: tuple[tuple[str, tuple[str, ...], str], ...] = (
      "the training loop, checkpoints, receipts and the distributed world, over rollouts and the held-out watch"),
     ("after training", ("post_eval", "models"),
      "the post-eval gate runs on a trained adapter; model preparation drives evaluation and scoring"),
+    ("recipes", ("recipes",),
+     "Kiln's distillation recipes: the checks that need files and the teacher work (scoring) that make a recipe's "
+     "spec; they hand it to the engine, never import it"),
     ("engine", ("engine",),
      "the one orchestrator: request → spec → admit → score → train → gate → publish; nothing imports it"),
 )
