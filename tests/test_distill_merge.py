@@ -457,6 +457,13 @@ def test_the_student_field_is_the_warm_start_unless_it_is_base(sources, tmp_path
     spec = prepare(sources, root, student="src-a")
     assert spec.config.base_adapter == "src-a" and spec.config.output_name == "unified" and not spec.config.auto_load
     assert spec.teacher.kind == "manifest_file" and spec.corpus == spec.teacher.path and spec.adapter == "unified"
+    # a recipe chain's warm start applies when the request's student is "base"; the request's student wins
+    from kiln_core.recipes.distill_merge import prepare_distill_merge
+
+    for student, chained, expected in (("base", "src-b", "src-b"), ("src-a", "src-b", "src-a")):
+        spec = prepare_distill_merge(check(merge_request(student=student)), student_dir=str(sources.student),
+                                     out_root=str(root), base_adapter=chained, recipe="my-recipe", step=2, device="cpu")
+        assert spec.config.base_adapter == expected and (spec.recipe.recipe, spec.recipe.step) == ("my-recipe", 2)
 
 
 @pytest.mark.usefixtures("one_torch_thread")
