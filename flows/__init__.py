@@ -20,6 +20,7 @@ _FLOW_MODULES = {
     "validate_corpus": "flows.validate_corpus",
     "hf_next_token_oracle": "flows.oracle",
     "demo": "flows.demo",
+    "distill_merge": "flows.distill_merge",
     "train_stage": "flows.train_stage",
     "distill_pump": "flows.distill_pump",
     "run_recipe": "flows.recipe",

@@ -62,6 +62,9 @@ class RecipeSource(BaseModel):
     """Prompts read from the source's replay log (each scored only by this source)."""
     identity_revision: str | None = None
     """``sha256:`` revision of the source's teacher identity (the base model wearing this LoRA)."""
+    rows: int | None = None
+    """Training rows taken from this source: its ``prompts`` under Kiln's sampling contract; the rows drawn
+    under kiln-flows' weighted sampling (``sampling.method == "weighted"``)."""
 
 
 class RecipeRecord(BaseModel):
@@ -85,6 +88,11 @@ class RecipeRecord(BaseModel):
     """Merge only: every source LoRA, in request order."""
     request: dict[str, Any]
     """The whole request as JSON (Kiln's ``hyperparameters``)."""
+    sampling: dict[str, Any] | None = None
+    """Merge only: how the training rows were taken from the sources: ``{"method": "kiln_contract",
+    "rollout_budget"}`` (every replay prompt once per epoch, Kiln's contract checked) or ``{"method":
+    "weighted", "rollout_budget", "seed"}`` (kiln-flows' opt-in weighted draw; ``sources[].rows`` says how
+    many rows each source gave)."""
     recipe: str | None = None
     """The recipe file's ``name`` when the run was a step of a recipe."""
     step: int | None = None

@@ -82,7 +82,7 @@ def _array(body: Any, key: str) -> list[Any]:
     return value if isinstance(value, list) else []
 
 
-def read_replay_prompts(adapter_dir: str, *, source: str) -> list[list[dict]]:
+def read_replay_prompts(adapter_dir: str | os.PathLike[str], *, source: str) -> list[list[dict]]:
     """The prompts a source adapter trained on, read from ``<adapter_dir>/replay.jsonl`` under Kiln's rules.
 
     Args:
@@ -104,7 +104,7 @@ def read_replay_prompts(adapter_dir: str, *, source: str) -> list[list[dict]]:
     from kiln_core.storage import resolve
     from kiln_core.strict_json import loads_nesting_limited
 
-    location = resolve(adapter_dir).child(REPLAY_FILE)
+    location = resolve(os.fspath(adapter_dir)).child(REPLAY_FILE)
     data = _read_bounded(location, source)
     try:
         text = data.decode("utf-8")
