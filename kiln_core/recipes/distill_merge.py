@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kiln_core.contracts.distill_merge import BASE_STUDENT, SURFACE, DistillMergeRequest
+from kiln_core.contracts.distill_merge import BASE_STUDENT, SURFACE, DistillMergeRequest, check_distill_merge_request  # noqa: F401 - re-exported
 from kiln_core.contracts.pipeline import PipelineSpec
 from kiln_core.errors import Rejection
 from kiln_core.teachers.replay import MAX_REPLAY_BYTES, REPLAY_FILE, read_replay_prompts  # noqa: F401 - re-exported

@@ -49,7 +49,8 @@ import json
 import logging
 from typing import Any, Callable
 
-from kiln_core.contracts.distill_pump import (SURFACE, DistillPumpRequest, PumpExamples, check_off_policy_examples,
+from kiln_core.contracts.distill_pump import (SURFACE, DistillPumpRequest, PumpExamples,  # noqa: F401 - re-exported
+                                              check_distill_pump_request, check_off_policy_examples,
                                               effective_pump_config)
 from kiln_core.contracts.opd_config import OpdConfig
 from kiln_core.contracts.opd_prompt import OpdPrompt, kiln_prompt_value

@@ -55,6 +55,14 @@ STEP_ENGINES: dict[str, tuple[str, str, str]] = {
     "distill_pump": ("kiln_core.recipes.distill_pump", "check_distill_pump_request", "prepare_distill_pump"),
 }
 """Each training step kind: (module, check function, prepare function)."""
+STEP_OPTIONS: dict[str, tuple[str, ...]] = {
+    "distill_pump": ("prompt_bank",),
+    "distill_self": ("teacher",),
+}
+"""Keys of a step that are not fields of Kiln's request body but options of its recipe (the command's flags):
+distill_pump's ``prompt_bank`` (a path, relative to the recipe file), distill_self's ``teacher`` (a registered
+alias scoring with the privileged context instead of the bare base model)."""
+PATH_OPTIONS = ("prompt_bank",)
 CHAINED_KINDS = ("opd", "distill_self", "distill_pump")
 """Kinds whose ``base_adapter`` defaults to the previous training step's output (Kiln: sft too; merge never)."""
 
@@ -81,6 +89,8 @@ class PlannedStep:
     base_adapter: str | None = None
     gate: dict[str, Any] | None = None
     gate_step: int | None = None
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The step's recipe options (``STEP_OPTIONS``), kept out of the request body its ``check_*`` validates."""
 
     @property
     def label(self) -> str:
@@ -151,7 +161,14 @@ def plan_recipe(value: Any, *, file: str | None = None, suites: Any = None) -> R
             gate = _gate(index, step, document.steps, document.name, file, suites)
             planned[-1] = dataclasses.replace(planned[-1], gate=gate, gate_step=index)
             continue
-        body = _with_kiln_default_config({key: item for key, item in step.items() if key != "kind"})
+        option_keys = STEP_OPTIONS.get(step["kind"], ())
+        options = {key: step[key] for key in option_keys if key in step}
+        for key, option in options.items():
+            if not isinstance(option, str) or not option.strip():
+                raise Rejection("invalid_recipe", f"`{key}` must be a non-empty string", field=f"steps[{index}].{key}",
+                                file=file)
+        body = _with_kiln_default_config({key: item for key, item in step.items()
+                                          if key != "kind" and key not in option_keys})
         if "post_eval" in body:
             raise Rejection("invalid_recipe", "a recipe step's gate is the post_eval step right after it, not a "
                             "`post_eval` field of the step", field=f"steps[{index}].post_eval", file=file)
@@ -164,7 +181,8 @@ def plan_recipe(value: Any, *, file: str | None = None, suites: Any = None) -> R
         chained = None
         if step["kind"] in CHAINED_KINDS and previous is not None and not _named_base_adapter(body):
             chained = previous.name
-        previous = PlannedStep(index=index, kind=step["kind"], name=body["name"], body=body, base_adapter=chained)
+        previous = PlannedStep(index=index, kind=step["kind"], name=body["name"], body=body, base_adapter=chained,
+                               options=options)
         planned.append(previous)
     return RecipePlan(name=document.name, description=document.description, steps=tuple(planned), file=file)
 
@@ -187,11 +205,16 @@ def prepare_step(step: PlannedStep, *, recipe: str, student_dir: str, storage_ro
     """
     from kiln_core.contracts.post_eval.config import PostEvalConfig
 
+    from kiln_core.storage import anchored_path
+
     check, prepare = step_functions(step.kind)
     request = check(step.body, file=recipe_file)
-    # request_file anchors the step's relative paths; every prepare_* takes **kind_options.
+    options = {key: anchored_path(value, recipe_file) if key in PATH_OPTIONS and recipe_file else value
+               for key, value in step.options.items()}
+    if step.kind == "opd":  # its teacher and dataset are paths, taken relative to the recipe file
+        options["request_file"] = recipe_file
     spec = prepare(request, student_dir=student_dir, out_root=storage_root, base_adapter=step.base_adapter,
-                   recipe=recipe, step=step.index, request_file=recipe_file)
+                   recipe=recipe, step=step.index, **options)
     if step.gate is not None:
         spec = spec.model_copy(update={"post_eval": PostEvalConfig.model_validate(step.gate)})
     return spec
