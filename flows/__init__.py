@@ -21,6 +21,7 @@ _FLOW_MODULES = {
     "hf_next_token_oracle": "flows.oracle",
     "demo": "flows.demo",
     "train_stage": "flows.train_stage",
+    "distill_self": "flows.distill_self",
 }
 
 __all__ = sorted(_FLOW_MODULES)

@@ -1,6 +1,6 @@
 """The teacher work of ``distill self`` as a Prefect task: a thin wrapper over ``prepare_distill_self``.
 
-The task checks what needs files (student, eval suite, registered teacher), aligns the prompts, scores the
+The task checks what needs files (the ``post_eval`` suite, student, registered teacher), aligns the prompts, scores the
 privileged sequences with the teacher and returns the ``PipelineSpec`` that trains the corpus. The corpus is
 content-addressed under ``<storage_root>/recipes/distill_self/``, so a retried task (or a retried flow run)
 finds it and does not run the teacher again. A rejection is never retried.
@@ -29,14 +29,15 @@ def prepare_distill_self_task(request: DistillSelfRequest, student: str, storage
         spec = prepare_distill_self_task(request, "./student", "./kiln-data")
         ```
     """
-    from prefect import get_run_logger
-
+    from kiln_core.post_eval import SuiteRegistry, validate_post_eval_config
     from kiln_core.recipes.distill_self import prepare_distill_self
 
-    logger = get_run_logger()
-    logger.info("distill self (%s): %d prompts, teacher %s", request.mode, len(request.prompts),
-                teacher or f"the bare base model {student}")
+    if request.post_eval is not None:  # its suite is installed: before the teacher runs (the engine checks it again)
+        validate_post_eval_config(request.post_eval, SuiteRegistry.for_storage_root(storage_root))
+    # print, not get_run_logger: the flow logs prints (log_prints), and the plain function runs without a run
+    print(f"distill self ({request.mode}): {len(request.prompts)} prompts, teacher "
+          f"{teacher or f'the bare base model {student}'}")
     spec = prepare_distill_self(request, student_dir=student, out_root=storage_root, base_adapter=base_adapter,
                                 recipe=recipe, step=step, teacher=teacher)
-    logger.info("teacher corpus: %s", spec.corpus)
+    print(f"teacher corpus: {spec.corpus}")
     return spec

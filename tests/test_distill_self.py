@@ -502,3 +502,33 @@ def test_distill_self_flow_trains_through_the_engine_and_a_bad_request_fails_the
     assert bad.message == ("rejected (reverse_teacher_unsupported) mode: distill/self: reverse_teacher requires a "
                            "distinct reverse objective")
     assert not (root / "runs" / "other").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 7. the thin layers, without a model or a server
+
+
+@pytest.mark.fast
+def test_the_cli_refuses_a_bad_request_before_reading_the_student(tmp_path):
+    request = write_request(tmp_path / "self.json", request_value(mode="reverse_teacher"))
+    code, out, _ = cli("distill", "self", "--request", request, "--student", str(tmp_path / "nowhere"), "--out",
+                       str(tmp_path / "root"), "--json")
+    error = json.loads(out.strip().splitlines()[-1])
+    assert code == 2 and (error["code"], error["field"], error["file"]) == ("reverse_teacher_unsupported", "mode", request)
+    code, out, _ = cli("distill", "self", "--request", str(tmp_path / "missing.json"), "--student", "x", "--json")
+    assert code == 2 and json.loads(out.strip().splitlines()[-1])["code"] == "invalid_request"
+    assert not (tmp_path / "root").exists()
+
+
+@pytest.mark.fast
+def test_the_task_and_the_flow_take_their_names_from_the_request_and_refuse_a_missing_student(tmp_path):
+    from flows.distill_self import _request_name, run_name
+    from kiln_core.contracts.distill_self import check_distill_self_request
+    from tasks.distill_self import prepare_distill_self_task
+
+    assert _request_name(request_value()) == "terse" and _request_name({"name": " "}) is None
+    assert _request_name("not a request") is None and run_name() == "distill-self"
+    with pytest.raises(Rejection) as caught:
+        prepare_distill_self_task.fn(check_distill_self_request(request_value()), str(tmp_path / "nowhere"),
+                                     str(tmp_path))
+    assert (caught.value.code, caught.value.field) == ("student_invalid", "student")

@@ -64,6 +64,8 @@ KILN_CORE_LAYERS: tuple[tuple[str, tuple[str, ...], str], ...] = (
      "the training loop, checkpoints, receipts and the distributed world, over rollouts and the held-out watch"),
     ("after training", ("post_eval", "models"),
      "the post-eval gate runs on a trained adapter; model preparation drives evaluation and scoring"),
+    ("recipes", ("recipes",),
+     "Kiln's recipes: a request's teacher work and the spec the engine trains; one stage each, never the engine"),
     ("engine", ("engine",),
      "the one orchestrator: request → spec → admit → score → train → gate → publish; nothing imports it"),
 )

@@ -79,7 +79,11 @@ def run(args: argparse.Namespace) -> int:
 
     from flows.commands.train import _ProgressBar, exit_code  # the same bar and exit codes as `kiln-flows train`
     from kiln_core.engine.pipeline import LocalStages, run_pipeline
+    from kiln_core.post_eval import SuiteRegistry, validate_post_eval_config
     from kiln_core.recipes.distill_self import prepare_distill_self
+
+    if request.post_eval is not None:  # its suite is installed: before the teacher runs (the engine checks it again)
+        validate_post_eval_config(request.post_eval, SuiteRegistry.for_storage_root(args.out))
 
     say = (lambda text: None) if (args.quiet or args.json) else (lambda text: print(text, file=sys.stderr, flush=True))
     teacher = args.teacher or f"the bare base model {args.student}"

@@ -338,6 +338,9 @@ def prepare_distill_self(request: DistillSelfRequest, *, student_dir: str, out_r
                          on_progress: Callable[[int, int], None] | None = None) -> PipelineSpec:
     """The checks that need files, the teacher's corpus (scored once, reused on a retry), and the spec.
 
+    ``post_eval``'s suite is checked by the engine before training (``check_gate_inputs``); the CLI and the
+    task check it first, before the teacher runs.
+
     Args:
         request: A request ``check_distill_self_request`` accepted.
         student_dir: The student model directory; without ``teacher`` also the teacher (the bare base model).
@@ -356,7 +359,7 @@ def prepare_distill_self(request: DistillSelfRequest, *, student_dir: str, out_r
         adapter = name, and ``recipe`` = the ``RecipeRecord`` every receipt of the run carries.
 
     Raises:
-        Rejection: ``student_invalid``, ``post_eval_suite_not_installed``, the tokenization and alignment codes
+        Rejection: ``student_invalid``, the tokenization and alignment codes
             of ``tokenize_prompts``, ``context_too_long``, the teacher codes of ``bind_teacher``,
             ``self_distill_conflicting_rows``; all before any weight loads.
 
@@ -368,7 +371,6 @@ def prepare_distill_self(request: DistillSelfRequest, *, student_dir: str, out_r
     from kiln_core.storage import resolve
 
     student = _student_tokenizer(student_dir)
-    _check_post_eval_suite(request, out_root)
     top_k = resolve_top_k(request.config.top_k)  # Kiln's self rule: the cap is the requested K
     pairs = tokenize_prompts(request, student)
     self_teacher = bind_teacher(request, student, student_dir=student_dir, out_root=out_root, teacher=teacher,
@@ -413,16 +415,6 @@ def _student_tokenizer(student_dir: str):
         return load_student_tokenizer(student_dir)
     except TokenizationError as error:
         raise Rejection("student_invalid", f"student {student_dir}: {error}", field="student") from None
-
-
-def _check_post_eval_suite(request: DistillSelfRequest, out_root: str) -> None:
-    """The one ``post_eval`` rule that reads files: its suite is installed under ``out_root``."""
-    if request.post_eval is None:
-        return
-    from kiln_core.contracts.post_eval.config import validate_post_eval_config
-    from kiln_core.post_eval.registry import SuiteRegistry
-
-    validate_post_eval_config(request.post_eval, SuiteRegistry.for_storage_root(out_root))
 
 
 def _check_lengths(pairs: list[SelfDistillPair], max_model_len: int) -> None:
