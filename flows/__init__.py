@@ -24,6 +24,7 @@ _FLOW_MODULES = {
     "train_stage": "flows.train_stage",
     "distill_pump": "flows.distill_pump",
     "run_recipe": "flows.recipe",
+    "distill_self": "flows.distill_self",
 }
 
 __all__ = sorted(_FLOW_MODULES)
