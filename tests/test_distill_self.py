@@ -363,6 +363,7 @@ def test_distill_self_cli_trains_publishes_and_records_the_recipe(tiny_student, 
     assert recipe["teacher"] == {"alias": "self-terse:Conciseness", "model_id": "self-terse:Conciseness",
                                  "model_version_hash": None, "identity": None}
     assert recipe["teacher_identity_revision"] == revision and recipe["sources"] == []
+    assert recipe["teacher_identity"] == manifest["teacher_identity"]
     assert recipe["request"]["prompts"] == PROMPTS and recipe["request"]["mode"] == "conciseness"
     legacy = json.loads((Path(summary["adapter"]) / "receipt.json").read_text())
     assert legacy["source_kind"] == "distill_self" and legacy["hyperparameters"] == recipe["request"]
@@ -453,6 +454,7 @@ def test_a_registered_lora_teacher_scores_and_is_the_recorded_identity(tiny_stud
     identity = manifest["teacher_identity"]
     assert identity == entry.identity and with_lora.recipe.teacher_identity_revision == entry.identity_revision
     assert set(identity["adapter"]) == {"name", "weights_sha256", "config_sha256"}
+    assert with_lora.recipe.teacher_identity == identity  # the LoRA's digests are in the receipt's recipe block
     assert with_lora.recipe.teacher.alias == "self-terse:Conciseness"  # Kiln's descriptor for the recipe
     _, *bare_rows = corpus_lines(bare)
     assert with_lora.corpus != bare.corpus

@@ -84,6 +84,9 @@ class RecipeRecord(BaseModel):
     teacher_identity_revision: str | None = None
     """The ``sha256:`` identity revision of the teacher that actually scored the corpus (self: the bare base
     model or the pinned LoRA teacher; pump: the registered teacher); none for merge (see ``sources``)."""
+    teacher_identity: dict[str, Any] | None = None
+    """Ours: that teacher's whole ``kiln.teacher-identity.v1`` (its ``adapter`` digests included when it wears a
+    LoRA), for self, whose Kiln descriptor carries no identity (pump and opd: the descriptor's ``identity``)."""
     sources: list[RecipeSource] = Field(default_factory=list)
     """Merge only: every source LoRA, in request order."""
     request: dict[str, Any]

@@ -389,6 +389,7 @@ def prepare_distill_self(request: DistillSelfRequest, *, student_dir: str, out_r
     record = RecipeRecord(kind="distill_self", mode=request.mode, name=request.name,
                           teacher=TeacherDescriptor(alias=self_teacher_id(request), model_id=self_teacher_id(request)),
                           teacher_identity_revision=self_teacher.identity.identity_revision(),
+                          teacher_identity=self_teacher.identity.as_ordered_dict(),
                           request=request_json(request), recipe=recipe, step=step)
     return spec.model_copy(update={"recipe": record})
 
