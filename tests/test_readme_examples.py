@@ -82,3 +82,15 @@ def test_on_policy_request_example_is_small_and_trains(tmp_path):
     # sized by the request, not by Kiln's auto-scaling (64 samples per prompt below 50 prompts)
     candidates = len(request["prompts"]) * request["config"]["samples_per_prompt"]
     assert receipt["opd"]["samples_per_prompt"] == request["config"]["samples_per_prompt"] and candidates <= 8
+
+
+def test_distill_self_example_trains_with_the_privileged_teacher_and_lists_recipes(tmp_path):
+    block = readme_block("kiln-flows distill self --request self.json")
+    done = run_after_demo(block, tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    request = json.loads((tmp_path / "self.json").read_text(encoding="utf-8"))
+    receipt = published_receipt(tmp_path / "kiln-data", request["name"])
+    assert receipt["status"] == "success" and receipt["data"]["examples_trained"] == request["config"]["epochs"]
+    assert (receipt["recipe"]["kind"], receipt["recipe"]["mode"]) == ("distill_self", "conciseness")
+    assert "merge-my-loras" in done.stdout  # recipe list --all shows Kiln's built-ins, each with why it cannot run
