@@ -35,7 +35,7 @@ def pump_run_name() -> str:
 
 @flow(name="distill-pump", flow_run_name=pump_run_name, log_prints=True, validate_parameters=False)
 def distill_pump(request: dict, student: str, storage_root: str = "./kiln-data",
-                 prompt_bank: str | None = None) -> dict[str, Any]:
+                 prompt_bank: str | None = None, vllm_teacher: str | None = None) -> dict[str, Any]:
     """Distil a registered teacher into a LoRA student from Kiln's DistillPumpRequest.
 
     Args:
@@ -44,6 +44,8 @@ def distill_pump(request: dict, student: str, storage_root: str = "./kiln-data",
         student: Student model directory.
         storage_root: Storage root holding teachers.json; runs and adapters are published here.
         prompt_bank: domain/wide modes: JSONL of Kiln OpdPrompt objects to pump (required by them).
+        vllm_teacher: URL of a vLLM server serving the registered teacher: it scores the examples (off-policy;
+            Kiln's rule for a remote teacher), pinned to the alias's registered manifest.
 
     Returns:
         The run summary (``PipelineResult.summary()``).
@@ -62,7 +64,8 @@ def distill_pump(request: dict, student: str, storage_root: str = "./kiln-data",
         tag_run(f"adapter:{adapter}", "recipe:distill_pump")
     try:
         checked = check_distill_pump_request(request)
-        spec = prepare_distill_pump_task(checked, student, storage_root, prompt_bank=prompt_bank)
+        spec = prepare_distill_pump_task(checked, student, storage_root, prompt_bank=prompt_bank,
+                                         vllm_teacher=vllm_teacher)
         with storage_credentials(spec.options.storage_block):
             with PrefectStages(spec) as stages:
                 result = run_pipeline(spec, stages)

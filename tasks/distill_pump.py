@@ -20,7 +20,8 @@ from tasks.retry import retry_unless_rejected
       retries=1, retry_delay_seconds=5, retry_condition_fn=retry_unless_rejected)
 def prepare_distill_pump_task(request: DistillPumpRequest, student_dir: str, out_root: str,
                               prompt_bank: str | None = None, base_adapter: str | None = None,
-                              recipe: str | None = None, step: int | None = None) -> PipelineSpec:
+                              recipe: str | None = None, step: int | None = None,
+                              vllm_teacher: str | None = None) -> PipelineSpec:
     """Pin the teacher, write the pump's training data and build its spec (warnings go to the run's log).
 
     Example:
@@ -34,4 +35,5 @@ def prepare_distill_pump_task(request: DistillPumpRequest, student_dir: str, out
 
     logger = get_run_logger()
     return prepare_distill_pump(request, student_dir=student_dir, out_root=out_root, prompt_bank=prompt_bank,
-                                base_adapter=base_adapter, recipe=recipe, step=step, on_warning=logger.warning)
+                                base_adapter=base_adapter, recipe=recipe, step=step, vllm_teacher=vllm_teacher,
+                                on_warning=logger.warning)

@@ -389,6 +389,18 @@ def test_a_vllm_teacher_scores_the_examples_off_policy(tiny_student, root, vllm_
             [t["top_logprobs"][0]["token_id"] for t in computed_tokens]
 
 
+@pytest.mark.usefixtures("one_torch_thread")
+def test_the_flow_takes_a_vllm_teacher_too(prefect_harness, tiny_student, root, vllm_url):
+    from flows.distill_pump import distill_pump
+
+    examples = [{"messages": [user("Spell dog."), assistant("D, O, G.")]}]
+    summary = distill_pump(body(name="pump-vllm-flow", mode={"examples": examples}, config=TRAIN), str(tiny_student),
+                           str(root), vllm_teacher=vllm_url)
+    receipt = read_json(Path(summary["run"]) / "train_receipt.json")
+    assert summary["status"] == "success" and receipt["opd"]["training_mode"] == "off_policy"
+    assert receipt["recipe"]["kind"] == "distill_pump" and receipt["training_data"]["sha256"].startswith("sha256:")
+
+
 # ------------------------------------------------------------------------------------------ the flow
 
 
