@@ -13,25 +13,13 @@ pinned source.
 from typing import Any
 
 from prefect import flow
-from prefect.states import Cancelled
 
-from flows.opd_distill import RunFailed, storage_credentials
-from flows.run_log import quiet_run_logs, reject_run, tag_run
+from flows.opd_distill import finish_run, storage_credentials
+from flows.run_log import quiet_run_logs, reject_run, request_adapter, request_run_name, tag_run
 from kiln_core.errors import Rejection
 
 
-def merge_run_name() -> str:
-    """``merge-<name>`` (or the name the run was created with from a deployment)."""
-    from prefect.context import FlowRunContext
-
-    context = FlowRunContext.get()
-    if context is None or context.flow_run is None:
-        return "merge-run"
-    if context.flow_run.deployment_id and context.flow_run.name:
-        return context.flow_run.name
-    request = (context.parameters or {}).get("request")
-    name = request.get("name") if isinstance(request, dict) else None
-    return f"merge-{name if isinstance(name, str) and name.strip() else 'run'}"
+merge_run_name = request_run_name("merge")
 
 
 @flow(name="distill-merge", flow_run_name=merge_run_name, log_prints=True, validate_parameters=False)
@@ -51,16 +39,13 @@ def distill_merge(request: dict[str, Any], student: str, storage_root: str = "./
     Returns:
         The run summary (``PipelineResult.summary()``).
     """
-    from prefect import get_run_logger
-
     from kiln_core.contracts.distill_merge import check_distill_merge_request
     from kiln_core.engine import run_pipeline
     from tasks.distill_merge import prepare_distill_merge_task
     from tasks.stages import PrefectStages
 
     quiet_run_logs()
-    name = request.get("name") if isinstance(request, dict) else None
-    adapter = name if isinstance(name, str) and name.strip() else None
+    adapter = request_adapter(request)
     if adapter:
         tag_run(f"adapter:{adapter}", "recipe:distill_merge")
     try:
@@ -71,14 +56,5 @@ def distill_merge(request: dict[str, Any], student: str, storage_root: str = "./
                 result = run_pipeline(spec, stages)
     except Rejection as error:
         return reject_run(error, adapter)
-    logger = get_run_logger()
-    loss = "n/a" if result.final_loss is None else f"{result.final_loss:.4f}"
-    logger.info("summary: %s %s after %d/%s steps, final loss %s; sources %s; receipt %s", checked.name,
-                result.status, result.steps, result.total_steps or "?", loss,
-                ", ".join(f"{s.adapter}={s.rows}" for s in spec.recipe.sources), result.receipt)
-    if result.status == "cancelled":
-        return Cancelled(message=f"training cancelled at step {result.steps}; checkpoint {result.latest_checkpoint}")
-    if result.status != "success":
-        raise RunFailed(result.failure_reason or "training_failed",
-                        f"training failed ({result.failure_reason}): {result.failure_message}; receipt {result.receipt}")
-    return result.summary()
+    sources = ", ".join(f"{source.adapter}={source.rows}" for source in spec.recipe.sources)
+    return finish_run(result, f"distill merge {checked.name}", f"; sources {sources}")

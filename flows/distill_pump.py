@@ -12,25 +12,13 @@ published, with the recipe named in ``train_receipt.json`` and Kiln's ``receipt.
 from typing import Any
 
 from prefect import flow
-from prefect.states import Cancelled
 
-from flows.opd_distill import RunFailed, storage_credentials
-from flows.run_log import quiet_run_logs, reject_run, tag_run
+from flows.opd_distill import finish_run, storage_credentials
+from flows.run_log import quiet_run_logs, reject_run, request_adapter, request_run_name, tag_run
 from kiln_core.errors import Rejection
 
 
-def pump_run_name() -> str:
-    """``pump-<name>``, or the name the run was created with when it came from a deployment."""
-    from prefect.context import FlowRunContext
-
-    context = FlowRunContext.get()
-    if context is None or context.flow_run is None:
-        return "pump-run"
-    if context.flow_run.deployment_id and context.flow_run.name:
-        return context.flow_run.name
-    request = (context.parameters or {}).get("request")
-    name = request.get("name") if isinstance(request, dict) else None
-    return f"pump-{name if isinstance(name, str) and name.strip() else 'run'}"
+pump_run_name = request_run_name("pump")
 
 
 @flow(name="distill-pump", flow_run_name=pump_run_name, log_prints=True, validate_parameters=False)
@@ -50,16 +38,13 @@ def distill_pump(request: dict, student: str, storage_root: str = "./kiln-data",
     Returns:
         The run summary (``PipelineResult.summary()``).
     """
-    from prefect import get_run_logger
-
     from kiln_core.contracts.distill_pump import check_distill_pump_request
     from kiln_core.engine import run_pipeline
     from tasks.distill_pump import prepare_distill_pump_task
     from tasks.stages import PrefectStages
 
     quiet_run_logs()
-    name = request.get("name") if isinstance(request, dict) else None
-    adapter = name if isinstance(name, str) and name.strip() else None
+    adapter = request_adapter(request)
     if adapter:
         tag_run(f"adapter:{adapter}", "recipe:distill_pump")
     try:
@@ -71,14 +56,4 @@ def distill_pump(request: dict, student: str, storage_root: str = "./kiln-data",
                 result = run_pipeline(spec, stages)
     except Rejection as error:
         return reject_run(error, adapter)
-    logger = get_run_logger()
-    loss = "n/a" if result.final_loss is None else f"{result.final_loss:.4f}"
-    logger.info("summary: distill pump %s (%s) %s after %d/%s steps, final loss %s; receipt %s%s", spec.adapter,
-                spec.recipe.mode, result.status, result.steps, result.total_steps or "?", loss, result.receipt,
-                f"; latest.json {result.latest}" if result.latest else "")
-    if result.status == "cancelled":
-        return Cancelled(message=f"training cancelled at step {result.steps}; checkpoint {result.latest_checkpoint}")
-    if result.status != "success":
-        raise RunFailed(result.failure_reason or "training_failed",
-                        f"training failed ({result.failure_reason}): {result.failure_message}; receipt {result.receipt}")
-    return result.summary()
+    return finish_run(result, f"distill pump {spec.adapter} ({spec.recipe.mode})")

@@ -8,32 +8,16 @@ materialization, training with checkpoints, the ``post_eval`` gate, publication,
 ``recipe`` block and Kiln's ``receipt.json`` beside the adapter name the recipe, mode and teacher.
 """
 
-from typing import Any, Optional
+from typing import Optional
 
 from prefect import flow
-from prefect.states import Cancelled
 
-from flows.opd_distill import RunFailed, storage_credentials
-from flows.run_log import quiet_run_logs, reject_run, tag_run
+from flows.opd_distill import finish_run, storage_credentials
+from flows.run_log import quiet_run_logs, reject_run, request_adapter, request_run_name, tag_run
 from kiln_core.errors import Rejection
 
 
-def _request_name(request: Any) -> Optional[str]:
-    """The request's adapter name, valid or not yet validated (None when there is none)."""
-    name = request.get("name") if isinstance(request, dict) else getattr(request, "name", None)
-    return name if isinstance(name, str) and name.strip() else None
-
-
-def run_name() -> str:
-    """``distill-self-<name>``, or the name a deployment run was created with."""
-    from prefect.context import FlowRunContext
-
-    context = FlowRunContext.get()
-    if context is None or context.flow_run is None:
-        return "distill-self"
-    if context.flow_run.deployment_id and context.flow_run.name:
-        return context.flow_run.name
-    return f"distill-self-{_request_name((context.parameters or {}).get('request')) or 'run'}"
+run_name = request_run_name("distill-self")
 
 
 # validate_parameters=False: the request is checked by Kiln's rules inside the run (one line naming the
@@ -61,7 +45,7 @@ def distill_self(request: dict, student: str, storage_root: str = "./kiln-data",
     from tasks.stages import PrefectStages
 
     quiet_run_logs()
-    name = _request_name(request)
+    name = request_adapter(request)
     if name:
         tag_run(f"adapter:{name}", "recipe:distill_self")
     logger = get_run_logger()
@@ -75,13 +59,4 @@ def distill_self(request: dict, student: str, storage_root: str = "./kiln-data",
                 result = run_pipeline(spec, stages)
     except Rejection as error:
         return reject_run(error, name)
-    loss = "n/a" if result.final_loss is None else f"{result.final_loss:.4f}"
-    logger.info("summary: %s %s after %d/%s steps, final loss %s; receipt %s%s", spec.adapter, result.status,
-                result.steps, result.total_steps or "?", loss, result.receipt,
-                f"; latest.json {result.latest}" if result.latest else "")
-    if result.status == "cancelled":
-        return Cancelled(message=f"training cancelled at step {result.steps}; checkpoint {result.latest_checkpoint}")
-    if result.status != "success":
-        raise RunFailed(result.failure_reason or "training_failed",
-                        f"training failed ({result.failure_reason}): {result.failure_message}; receipt {result.receipt}")
-    return result.summary()
+    return finish_run(result, f"distill self {spec.adapter} ({spec.recipe.mode})")

@@ -37,6 +37,35 @@ class RunFailed(KilnFlowsError):
     """Training ended ``failed`` (its receipt says why: ``nan_loss``, ``training_error``, …): exit 3."""
 
 
+def finish_run(result: Any, what: str, detail: str = "") -> Any:
+    """End a flow run the way its pipeline ended, after one summary line in the run's log.
+
+    Args:
+        result: The ``PipelineResult`` of ``run_pipeline``.
+        what: What trained, for the summary line (the adapter, ``distill pump x (examples)``, …).
+        detail: More of the story for the summary line (``; sources a=4, b=3``).
+
+    Returns:
+        The run summary (``PipelineResult.summary()``) on success; a ``Cancelled`` state when training was
+        cancelled (naming the checkpoint to resume from).
+
+    Raises:
+        RunFailed: training ended ``failed`` (exit 3), its reason and receipt in the message.
+    """
+    from prefect import get_run_logger
+
+    loss = "n/a" if result.final_loss is None else f"{result.final_loss:.4f}"
+    get_run_logger().info("summary: %s %s after %d/%s steps, final loss %s; receipt %s%s%s", what, result.status,
+                          result.steps, result.total_steps or "?", loss, result.receipt,
+                          f"; latest.json {result.latest}" if result.latest else "", detail)
+    if result.status == "cancelled":
+        return Cancelled(message=f"training cancelled at step {result.steps}; checkpoint {result.latest_checkpoint}")
+    if result.status != "success":
+        raise RunFailed(result.failure_reason or "training_failed",
+                        f"training failed ({result.failure_reason}): {result.failure_message}; receipt {result.receipt}")
+    return result.summary()
+
+
 @contextmanager
 def storage_credentials(block_slug: str | None):
     """Pass fsspec options from a Prefect ``Secret`` block to this run's storage calls.
@@ -87,8 +116,6 @@ def opd_distill(spec: PipelineSpec) -> dict[str, Any]:
         The run summary (``PipelineResult.summary()``): adapter, receipt and ``latest.json`` URIs, final
         loss and loss history.
     """
-    from prefect import get_run_logger
-
     from kiln_core.engine import run_pipeline
     from tasks.stages import PrefectStages
     from tasks.validate import validate_spec
@@ -107,14 +134,4 @@ def opd_distill(spec: PipelineSpec) -> dict[str, Any]:
         # Bad input, not a crash: one line as the run's state (what the UI and the log show), a short
         # artifact, and the exception kept in the state so `kiln-flows run` still exits 2 with it.
         return reject_run(error, adapter)
-    logger = get_run_logger()
-    loss = "n/a" if result.final_loss is None else f"{result.final_loss:.4f}"
-    logger.info("summary: %s %s after %d/%s steps, final loss %s; receipt %s%s", spec.adapter, result.status,
-                result.steps, result.total_steps or "?", loss, result.receipt,
-                f"; latest.json {result.latest}" if result.latest else "")
-    if result.status == "cancelled":
-        return Cancelled(message=f"training cancelled at step {result.steps}; checkpoint {result.latest_checkpoint}")
-    if result.status != "success":
-        raise RunFailed(result.failure_reason or "training_failed",
-                        f"training failed ({result.failure_reason}): {result.failure_message}; receipt {result.receipt}")
-    return result.summary()
+    return finish_run(result, spec.adapter)

@@ -12,7 +12,7 @@ are dropped (failures and retries stay), and a ``Rejection`` keeps its message w
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable
 
 QUIET_TASKS = frozenset({"validate", "manifest", "score", "fingerprint", "admit", "materialize", "train", "publish",
                          "prepare"})
@@ -124,6 +124,34 @@ def run_name() -> str:
     spec: Any = (context.parameters or {}).get("spec")
     adapter = spec.get("adapter") if isinstance(spec, dict) else getattr(spec, "adapter", None)
     return f"opd-{adapter or 'run'}"
+
+
+def request_adapter(request: Any) -> str | None:
+    """A Kiln request's ``name`` (the adapter it publishes), valid or not yet validated; None when it has none."""
+    name = request.get("name") if isinstance(request, dict) else getattr(request, "name", None)
+    return name if isinstance(name, str) and name.strip() else None
+
+
+def request_run_name(prefix: str) -> Callable[[], str]:
+    """The ``flow_run_name`` of a flow whose ``request`` parameter is a Kiln request: ``<prefix>-<name>``, or
+    the name the run was created with when it came from a deployment (``<prefix>-run`` outside a flow run).
+
+    Example:
+        >>> request_run_name("merge")()
+        'merge-run'
+    """
+    def name() -> str:
+        from prefect.context import FlowRunContext
+
+        context = FlowRunContext.get()
+        if context is None or context.flow_run is None:
+            return f"{prefix}-run"
+        if context.flow_run.deployment_id and context.flow_run.name:
+            return context.flow_run.name
+        return f"{prefix}-{request_adapter((context.parameters or {}).get('request')) or 'run'}"
+
+    name.__name__ = f"{prefix.replace('-', '_')}_run_name"
+    return name
 
 
 def tag_run(*tags: str) -> None:

@@ -524,12 +524,13 @@ def test_the_cli_refuses_a_bad_request_before_reading_the_student(tmp_path):
 
 @pytest.mark.fast
 def test_the_task_and_the_flow_take_their_names_from_the_request_and_refuse_a_missing_student(tmp_path):
-    from flows.distill_self import _request_name, run_name
+    from flows.distill_self import run_name
+    from flows.run_log import request_adapter
     from kiln_core.contracts.distill_self import check_distill_self_request
     from tasks.distill_self import prepare_distill_self_task
 
-    assert _request_name(request_value()) == "terse" and _request_name({"name": " "}) is None
-    assert _request_name("not a request") is None and run_name() == "distill-self"
+    assert request_adapter(request_value()) == "terse" and request_adapter({"name": " "}) is None
+    assert request_adapter("not a request") is None and run_name() == "distill-self-run"
     with pytest.raises(Rejection) as caught:
         prepare_distill_self_task.fn(check_distill_self_request(request_value()), str(tmp_path / "nowhere"),
                                      str(tmp_path))
