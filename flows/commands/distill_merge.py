@@ -69,12 +69,11 @@ def load_merge_request(path: str, *, weighted_sampling: bool = False):
 
 def run(args: argparse.Namespace) -> int:
     """Check the request (before anything heavy loads), prepare the merged corpus, train through the engine."""
-    import json
     import sys
 
     request = load_merge_request(args.request, weighted_sampling=args.weighted_sampling)
 
-    from flows.commands.train import exit_code
+    from flows.commands.train import exit_code, print_result
     from kiln_core.engine.pipeline import LocalStages, run_pipeline
     from kiln_core.recipes.distill_merge import prepare_distill_merge
 
@@ -87,18 +86,5 @@ def run(args: argparse.Namespace) -> int:
         rows = ", ".join(f"{s.adapter}: {s.rows} rows of {s.prompts} prompts" for s in spec.recipe.sources)
         print(f"corpus {spec.corpus} ({spec.recipe.sampling['method']}; {rows})", file=sys.stderr, flush=True)
     result = run_pipeline(spec, LocalStages(), device=args.device, precision=args.dtype)
-    summary = result.summary()
-    if args.json:
-        print(json.dumps(summary, ensure_ascii=False))
-    elif result.status == "success":
-        verb = "already trained" if result.reused else "trained"
-        print(f"{verb} {request.name}: {result.steps} steps, final loss {result.final_loss:.6f}\n"
-              f"  adapter: {result.adapter}\n  receipt: {result.receipt}\n  latest.json: {result.latest or 'not moved'}")
-        if result.gate is not None:
-            from kiln_core.engine.gate import describe_gate
-
-            print("\n".join(describe_gate(result.gate)))
-    else:
-        print(f"{result.status} ({result.failure_reason}): {result.failure_message}\n  receipt: {result.receipt}",
-              file=sys.stderr)
+    print_result(result, request.name, as_json=args.json)
     return exit_code(result)

@@ -70,10 +70,9 @@ def load_pump_request(path: str):
 
 def run(args: argparse.Namespace) -> int:
     """Check, prepare (teacher work) and train; rejections (exit 2) and failures (exit 3) go to the guard."""
-    import json
     import sys
 
-    from flows.commands.train import _ProgressBar, exit_code
+    from flows.commands.train import _ProgressBar, exit_code, print_result
 
     request = load_pump_request(args.request)  # before anything heavy is imported or read
 
@@ -94,18 +93,5 @@ def run(args: argparse.Namespace) -> int:
                               device=args.device)
     finally:
         bar.close()
-    if args.json:
-        print(json.dumps(result.summary(), ensure_ascii=False))
-    elif result.status == "success":
-        verb = "already trained" if result.reused else "trained"
-        print(f"{verb} {spec.adapter} (distill pump, {spec.recipe.mode}): {result.steps} steps, final loss "
-              f"{result.final_loss:.6f}\n  adapter: {result.adapter}\n  receipt: {result.receipt}\n"
-              f"  latest.json: {result.latest or 'not moved'}")
-        if result.gate is not None:
-            from kiln_core.engine.gate import describe_gate
-
-            print("\n".join(describe_gate(result.gate)))
-    else:
-        print(f"{result.status} ({result.failure_reason}): {result.failure_message}\n"
-              f"  latest checkpoint: {result.latest_checkpoint}\n  receipt: {result.receipt}", file=sys.stderr)
+    print_result(result, f"{spec.adapter} (distill pump, {spec.recipe.mode})", as_json=args.json)
     return exit_code(result)

@@ -67,7 +67,6 @@ def read_request(path: str):
 
 def run(args: argparse.Namespace) -> int:
     """Check, prepare (teacher scoring) and train; rejections (2) and failures (3) go to the CLI's guard."""
-    import json
     import sys
 
     from flows.commands._options import DTYPES
@@ -77,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     for warning in request_warnings(request):
         print(f"warning: {warning}", file=sys.stderr)
 
-    from flows.commands.train import _ProgressBar, exit_code  # the same bar and exit codes as `kiln-flows train`
+    from flows.commands.train import _ProgressBar, exit_code, print_result  # the same bar and exit codes as `kiln-flows train`
     from kiln_core.engine.pipeline import LocalStages, run_pipeline
     from kiln_core.post_eval import SuiteRegistry, validate_post_eval_config
     from kiln_core.recipes.distill_self import prepare_distill_self
@@ -97,18 +96,5 @@ def run(args: argparse.Namespace) -> int:
         result = run_pipeline(spec, LocalStages(on_progress=bar.update), device=args.device, precision=args.dtype)
     finally:
         bar.close()
-    if args.json:
-        print(json.dumps(result.summary(), ensure_ascii=False))
-    elif result.status == "success":
-        verb = "already trained" if result.reused else "trained"
-        print(f"{verb} {request.name} (distill self, {request.mode}): {result.steps} steps, final loss "
-              f"{result.final_loss:.6f}\n  adapter: {result.adapter}\n  receipt: {result.receipt}\n"
-              f"  latest.json: {result.latest or 'not moved'}")
-        if result.gate is not None:
-            from kiln_core.engine.gate import describe_gate
-
-            print("\n".join(describe_gate(result.gate)))
-    else:
-        print(f"{result.status} ({result.failure_reason}): {result.failure_message}\n"
-              f"  latest checkpoint: {result.latest_checkpoint}\n  receipt: {result.receipt}", file=sys.stderr)
+    print_result(result, f"{request.name} (distill self, {request.mode})", as_json=args.json)
     return exit_code(result)

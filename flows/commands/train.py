@@ -178,7 +178,6 @@ def resume_command(args: argparse.Namespace, checkpoint: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Run the request through the engine; rejections (exit 2) and failures (exit 3) go to the guard."""
-    import json
     import sys
 
     from kiln_core.engine import ResumeRequired, run_pipeline, spec_from_request
@@ -203,12 +202,23 @@ def run(args: argparse.Namespace) -> int:
         raise
     finally:
         bar.close()
-    summary = result.summary()
-    if args.json:
-        print(json.dumps(summary, ensure_ascii=False))
+    print_result(result, args.adapter, as_json=args.json)
+    if result.status != "success" and result.latest_checkpoint and not args.json:
+        print(f"  resume with: {resume_command(args, result.latest_checkpoint)}", file=sys.stderr)
+    return exit_code(result)
+
+
+def print_result(result, label: str, *, as_json: bool) -> None:
+    """How a training command ends its output: the summary as one JSON line (``--json``), else what was trained
+    and where (and the gate's verdict), or on stderr why it failed and its newest checkpoint."""
+    import json
+    import sys
+
+    if as_json:
+        print(json.dumps(result.summary(), ensure_ascii=False))
     elif result.status == "success":
         verb = "already trained" if result.reused else "trained"
-        print(f"{verb} {args.adapter}: {result.steps} steps, final loss {result.final_loss:.6f}\n"
+        print(f"{verb} {label}: {result.steps} steps, final loss {result.final_loss:.6f}\n"
               f"  adapter: {result.adapter}\n  receipt: {result.receipt}\n  latest.json: {result.latest or 'not moved'}")
         if result.gate is not None:
             from kiln_core.engine.gate import describe_gate
@@ -217,9 +227,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"{result.status} ({result.failure_reason}): {result.failure_message}\n"
               f"  latest checkpoint: {result.latest_checkpoint}\n  receipt: {result.receipt}", file=sys.stderr)
-        if result.latest_checkpoint:
-            print(f"  resume with: {resume_command(args, result.latest_checkpoint)}", file=sys.stderr)
-    return exit_code(result)
 
 
 def exit_code(result) -> int:
