@@ -5,12 +5,22 @@ button on new infrastructure) plans the same run directory and resumes from its 
 checkpoint. A rejection (a checkpoint that does not match the run) is never retried.
 
 The task is called directly on the flow's main thread so that Ctrl-C and Prefect's cancellation
-(SIGTERM from the worker) reach it: training stops at the next step boundary after a checkpoint and
-the task returns ``cancelled``. The flow run being set to CANCELLING is polled as well.
+reach it. Ctrl-C, and a SIGTERM outside a worker's run (``kiln-flows run``, a container stop), stop
+training at the next step boundary after a checkpoint, and the task returns ``cancelled``.
+
+A cancel from the UI reaches a run a worker (or ``kiln-flows serve``) started in two ways. The flow run
+being set to ``Cancelling`` is polled every ``cancel_poll_seconds``: training then stops the same way.
+And the worker tells the run that a cancel is coming, waits up to a second for the acknowledgement
+that only Prefect's own SIGTERM handler gives, and sends SIGTERM. So in such a run SIGTERM is left to
+Prefect (``worker_owns_sigterm``): it stops training at once, the receipt says ``cancelled``, the run
+ends Cancelled, and a retry resumes from the newest committed checkpoint. Taking SIGTERM over there
+made the acknowledgement fail; the unannounced SIGTERM that followed a second later then ended a run
+whose training the poll had already stopped as Crashed.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Callable
 
@@ -19,6 +29,11 @@ from prefect import task
 from kiln_core.contracts.stage_refs import CorpusRef, ManifestRef, TrainPlan, TrainRef
 from tasks.artifacts import ProgressReporter, artifact_key
 from tasks.retry import retry_unless_rejected
+
+
+def worker_owns_sigterm() -> bool:
+    """True in a flow run a Prefect worker or runner started: they put its id in the environment."""
+    return bool(os.environ.get("PREFECT__FLOW_RUN_ID"))
 
 
 def _cancel_poller(every_seconds: float) -> Callable[[], bool]:
@@ -146,7 +161,8 @@ def train_task(
         log.progress(step, total, loss)
 
     result = train(plan, corpus, manifest, student_dir, on_progress=on_progress,
-                   should_cancel=_cancel_poller(cancel_poll_seconds), on_step_committed=log.step_committed)
+                   should_cancel=_cancel_poller(cancel_poll_seconds), on_step_committed=log.step_committed,
+                   stop_on_sigterm=not worker_owns_sigterm())
     # On-policy progress counts candidates (empty rollouts consume one without a step): a finished run is 100 %.
     done = result.total_steps if corpus.kind == "prompts" and result.status == "success" else result.steps
     reporter.update(done or 0, result.total_steps or result.steps, result.final_loss, force=True)

@@ -193,3 +193,34 @@ def test_a_cancelled_ray_run_stops_every_worker_at_a_step_boundary_after_a_check
     assert seen == list(range(1, result.steps + 1))  # rank 0's progress lines all reached the driver, in order
     assert result.latest_checkpoint == latest_checkpoint(job.plan.run_uri, "demo") == (
         f"demo-checkpoint-step-{result.steps:08d}.kiln-checkpoint")
+
+
+class TerminationSignal(BaseException):
+    """The test's own stand-in for Prefect's: in a worker's run, SIGTERM raises a ``BaseException``."""
+
+
+def test_a_ray_driver_stopped_by_a_signal_still_stops_its_ranks_after_a_checkpoint(ray_instance, request_dir,
+                                                                                  tiny_student, tmp_path):
+    """A worker cancelling a Ray run: the driver's termination signal reaches the ranks as a cancel, so
+    rank 0 publishes a checkpoint and a ``cancelled`` receipt before the driver's exception goes on."""
+    from kiln_core.contracts.spec_blocks import RayOptions
+    from kiln_core.engine.run_request import prepare_train_request
+    from kiln_core.storage import resolve
+    from kiln_core.training.checkpoint import latest_checkpoint
+    from kiln_core.training.distributed.ray_launcher import launch_on_ray
+
+    request = json.loads((request_dir / "request.json").read_text())
+    request["config"]["epochs"] = 4 * EPOCHS
+    (tmp_path / "request.json").write_text(json.dumps({**request, "dataset_path": str(request_dir / "corpus.jsonl"),
+                                                       "teacher": str(request_dir / "teacher-manifest.jsonl")}))
+    job = prepare_train_request(str(tmp_path / "request.json"), adapter="demo", student_dir=str(tiny_student),
+                                out_root=str(tmp_path / "out")).job(world_size=2, device="cpu")
+
+    def progress(step, total, loss):
+        raise TerminationSignal("SIGTERM")
+
+    with pytest.raises(TerminationSignal):
+        launch_on_ray(job, RayOptions(), on_progress=progress)
+    receipt = json.loads(resolve(job.plan.run_uri).child("train_receipt.json").read_text())
+    assert (receipt["status"], receipt["failure_reason"]) == ("failed", "cancelled")
+    assert latest_checkpoint(job.plan.run_uri, "demo") is not None

@@ -199,3 +199,35 @@ def test_oracle_task_answers_a_rejected_request_with_its_rule(tmp_path, tiny_stu
     assert ref.message and ref.result_uri is None
     assert not (tmp_path / "out").exists()
     assert any("duplicate_key" in record.getMessage() for record in caplog.records)
+
+
+@pytest.mark.parametrize("flow_run_id, stops_on_sigterm", [(None, True), ("0b5e3c0e-6f7a-4d53-9d2c-1f1e5b2a9c11", False)])
+def test_the_train_task_leaves_sigterm_to_the_worker_that_started_the_run(monkeypatch, flow_run_id, stops_on_sigterm):
+    """A worker's cancel is acknowledged only by Prefect's own SIGTERM handler: in a run a worker (or
+    ``serve``) started, training must not take SIGTERM over; anywhere else a SIGTERM is a stop at the
+    next step boundary, like Ctrl-C."""
+    import kiln_core.engine.training
+    from kiln_core.contracts.stage_refs import TrainRef
+    from tasks.train import train_task
+
+    if flow_run_id is None:
+        monkeypatch.delenv("PREFECT__FLOW_RUN_ID", raising=False)
+    else:
+        monkeypatch.setenv("PREFECT__FLOW_RUN_ID", flow_run_id)
+    seen = {}
+
+    def train(plan, corpus, manifest, student_dir, **options):
+        seen.update(options)
+        return TrainRef(run_uri="memory://run", status="cancelled", adapter_uri=None, receipt_uri="memory://run/r",
+                        latest_checkpoint=None, final_loss=None, steps=0, total_steps=1)
+
+    monkeypatch.setattr(kiln_core.engine.training, "train", train)
+
+    class Plan:
+        adapter, config = "demo", type("Config", (), {"checkpoint_interval": 1, "sequences_per_step": 1})()
+
+    class Corpus:
+        kind, action_tokens, examples = "examples", 10, 1
+
+    train_task.fn(Plan(), Corpus(), None, "./student")
+    assert seen["stop_on_sigterm"] is stops_on_sigterm

@@ -43,6 +43,27 @@ def test_sigterm_asks_for_a_stop_and_never_stops_mid_step(capsys):
     assert capsys.readouterr().err.strip() == f"terminated: {MESSAGE}"  # said once
 
 
+def test_sigterm_false_takes_over_ctrl_c_only():
+    """In a run a Prefect worker started, SIGTERM stays the worker's (``tasks/train.py``): the handler
+    installed before keeps getting it, while Ctrl-C still asks for a stop."""
+    received = []
+
+    def installed_before(signum, _frame):
+        received.append(signum)
+
+    previous = signal.signal(signal.SIGTERM, installed_before)
+    try:
+        with stop_requests(sigterm=False) as stop:
+            assert signal.getsignal(signal.SIGTERM) is installed_before
+            signal.raise_signal(signal.SIGTERM)
+            assert received == [signal.SIGTERM] and not stop.is_set()
+            signal.raise_signal(signal.SIGINT)
+            assert stop.is_set()
+        assert signal.getsignal(signal.SIGTERM) is installed_before
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def test_disabled_or_off_the_main_thread_installs_nothing():
     before = previous_handlers()
     with stop_requests(enabled=False) as stop:

@@ -188,6 +188,31 @@ def test_sigterm_is_a_cooperative_cancel(tiny_student, tmp_path):
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+class TerminationSignal(BaseException):
+    """The test's own stand-in for Prefect's: in a worker's run, SIGTERM raises a ``BaseException``."""
+
+
+def test_a_termination_signal_raised_mid_run_writes_a_cancelled_receipt_and_propagates(tiny_student, tmp_path):
+    """A worker's cancel (``tasks/train.py``): the signal's exception stops training at once, the receipt
+    says ``cancelled`` (not ``training_error``), the exception still reaches the caller (Prefect then
+    ends the run Cancelled), and a retry resumes from the newest committed checkpoint."""
+    config = make_config(checkpoint_interval=2)
+
+    def progress(step, total, loss):
+        if step == 3:
+            raise TerminationSignal("SIGTERM")
+
+    with pytest.raises(TerminationSignal):
+        run(tiny_student, tmp_path, config, on_progress=progress)
+    r = receipt(tmp_path)
+    assert (r["status"], r["failure_reason"]) == ("failed", "cancelled")
+    assert r["failure_message"] == "TerminationSignal: SIGTERM"
+    assert not (tmp_path / "adapter").exists()
+    assert latest_checkpoint(resolve(str(tmp_path)), ADAPTER) == "demo-checkpoint-step-00000002.kiln-checkpoint"
+    resumed = resume_from_latest(tiny_student, tmp_path, config)
+    assert resumed.status == "success" and resumed.resumed_from == "demo-checkpoint-step-00000002.kiln-checkpoint"
+
+
 def test_non_finite_loss_fails_with_nan_loss(tiny_student, tmp_path):
     result = run(tiny_student, tmp_path, make_config(checkpoint_interval=None), tables=synthetic_tables(nan_example=2))
     assert result.status == "failed" and result.failure_reason == "nan_loss" and result.steps == 2

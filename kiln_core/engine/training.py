@@ -32,7 +32,8 @@ Progress = Callable[[int, int, float], None]
 
 def train(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir: str, *,
           on_progress: Progress | None = None, should_cancel: Callable[[], bool] | None = None,
-          on_step_committed: Callable[[int], None] | None = None, handle_signals: bool = True) -> TrainRef:
+          on_step_committed: Callable[[int], None] | None = None, handle_signals: bool = True,
+          stop_on_sigterm: bool = True) -> TrainRef:
     """Train (or resume, or find finished) the run ``plan`` describes and say how it ended.
 
     Args:
@@ -45,6 +46,7 @@ def train(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir
         on_step_committed: Called with the step number once a step (and its checkpoint, when due) is
             committed, in this process (``train_opd``'s hook; not passed to ``torchrun`` ranks).
         handle_signals: Turn Ctrl-C/SIGTERM into a stop at the next step boundary (main thread only).
+        stop_on_sigterm: False leaves SIGTERM to the handler installed before (``stop_requests``).
 
     Returns:
         ``TrainRef`` with status ``success``, ``failed`` or ``cancelled``.
@@ -67,7 +69,7 @@ def train(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir
         return finished
     if plan.resume == "latest":  # the trainers take a checkpoint basename or None
         plan = plan.model_copy(update={"resume": newest_checkpoint(run, plan.adapter)})
-    with stop_requests(handle_signals) as stop:
+    with stop_requests(handle_signals, sigterm=stop_on_sigterm) as stop:
         def cancel_requested() -> bool:
             return stop.is_set() or (should_cancel is not None and should_cancel())
 

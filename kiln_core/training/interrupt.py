@@ -3,13 +3,17 @@
 The first SIGINT or SIGTERM sets a flag that training polls at each step boundary: the run publishes
 a checkpoint, writes a ``cancelled`` receipt and returns (the CLI exits 3). A second SIGINT raises
 ``KeyboardInterrupt`` at once, wherever the main thread is; the loop records that as ``cancelled``
-too (``lifecycle.outcome_recorded``). Prefect's cancellation of a flow run is a SIGTERM, so it takes
-the cooperative path too.
+too (``lifecycle.outcome_recorded``).
 
 This is the one SIGINT/SIGTERM handler: the engine's training stage installs it around a run, and
 the trainers' ``handle_signals`` (``lifecycle.stop_signals``, e.g. a ``torchrun`` rank) use the same.
 Handlers can only be installed from the main thread; elsewhere ``stop_requests`` yields a flag that
 only ``request_stop`` sets.
+
+A caller whose SIGTERM belongs to someone else passes ``sigterm=False``: then only Ctrl-C is taken
+over, and a SIGTERM does whatever the installed handler does (in a run a Prefect worker started, it
+raises Prefect's termination signal; ``tasks/train.py`` says why). The loop records such an end as
+``cancelled`` as well.
 """
 
 from __future__ import annotations
@@ -47,8 +51,12 @@ class StopRequests:
 
 
 @contextlib.contextmanager
-def stop_requests(enabled: bool = True) -> Iterator[StopRequests]:
+def stop_requests(enabled: bool = True, *, sigterm: bool = True) -> Iterator[StopRequests]:
     """Install the SIGINT/SIGTERM handlers for the block (main thread only) and restore them after.
+
+    Args:
+        enabled: False installs nothing (the flag is then set only by ``request_stop``).
+        sigterm: False leaves SIGTERM to the handler already installed (Prefect's, in a worker's run).
 
     Example:
         >>> with stop_requests() as stop:
@@ -59,7 +67,8 @@ def stop_requests(enabled: bool = True) -> Iterator[StopRequests]:
     if not enabled or threading.current_thread() is not threading.main_thread():
         yield stop
         return
-    previous = {sig: signal.signal(sig, stop._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    signals = (signal.SIGINT, signal.SIGTERM) if sigterm else (signal.SIGINT,)
+    previous = {sig: signal.signal(sig, stop._on_signal) for sig in signals}
     try:
         yield stop
     finally:

@@ -129,8 +129,8 @@ def _failure_reason(error: BaseException) -> str:
         return "oom"
     if isinstance(error, BaseAdapterError):
         return "base_adapter_missing" if error.code == "base_adapter_missing" else "shape_mismatch"
-    if isinstance(error, KeyboardInterrupt):  # a second Ctrl-C (kiln_core.training.interrupt): the user stopped it
-        return "cancelled"
+    if not isinstance(error, Exception):  # a second Ctrl-C, or a termination signal raised as an exception
+        return "cancelled"                # (Prefect's, in a worker's run): someone stopped the run, it did not fail
     return "training_error"
 
 

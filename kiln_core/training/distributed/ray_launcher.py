@@ -48,6 +48,7 @@ __all__ = ["RayFailure", "RAY_INSTALL_HINT", "CONNECT_TIMEOUT_SECONDS", "import_
 
 RAY_INSTALL_HINT = "pip install 'kiln-flows[ray]'"
 CONNECT_TIMEOUT_SECONDS = 20.0
+STOP_GRACE_SECONDS = 20.0  # how long a driver being stopped waits for its ranks' cooperative stop
 """How long connecting to a cluster may take before the run fails as an environment failure (exit 3)."""
 DEFAULT_PORTS = {"ray": 10001, "gcs": 6379}
 
@@ -272,17 +273,25 @@ def _fit_relaying(ray, trainer, mailbox, on_progress, should_cancel, poll_second
     thread = threading.Thread(target=fit, name="kiln-ray-fit", daemon=True)
     thread.start()
     cancelled = False
-    while True:
-        thread.join(poll_seconds)
-        finished = not thread.is_alive()  # looked at before draining: every line sent before the end is relayed
-        for step, total, loss in ray.get(mailbox.take_progress.remote()):
-            if on_progress is not None:
-                on_progress(step, total, loss)
-        if finished:
-            return failure["error"]
-        if not cancelled and should_cancel is not None and should_cancel():
-            cancelled = True
-            mailbox.request_cancel.remote()
+    try:
+        while True:
+            thread.join(poll_seconds)
+            finished = not thread.is_alive()  # looked at before draining: every line sent before the end is relayed
+            for step, total, loss in ray.get(mailbox.take_progress.remote()):
+                if on_progress is not None:
+                    on_progress(step, total, loss)
+            if finished:
+                return failure["error"]
+            if not cancelled and should_cancel is not None and should_cancel():
+                cancelled = True
+                mailbox.request_cancel.remote()
+    except BaseException:
+        # The driver is being stopped (a second Ctrl-C, Prefect's termination signal in a worker's run):
+        # the ranks still stop at a step boundary after a checkpoint and a cancelled receipt, if they can
+        # within STOP_GRACE_SECONDS (inside Prefect's 30 s before SIGKILL); then the driver goes on stopping.
+        mailbox.request_cancel.remote()
+        thread.join(STOP_GRACE_SECONDS)
+        raise
 
 
 def _outcome_result(outcome: dict[str, Any]) -> TrainResult:
