@@ -347,6 +347,7 @@ class KilnFlowsState(BaseModel):
         data_cursor: The next candidate's shard and row when the corpus is a set of shards; absent
             for one corpus file.
         lr_schedule: The learning-rate schedule (our extension); absent for a constant rate.
+        pack_sequences: True for a run that packs each step's sequences (our extension); absent otherwise.
     """
 
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
@@ -365,3 +366,6 @@ class KilnFlowsState(BaseModel):
     lr_schedule: dict[str, Any] | None = Field(default=None, exclude_if=_omit_none)
     """The config's learning-rate schedule (``LrSchedule``), which the resumed steps must follow too; absent for
     Kiln's constant rate, so such a run writes the same file as before schedules existed."""
+    pack_sequences: bool | None = Field(default=None, exclude_if=_omit_none)
+    """True when a step's sequences were trained packed into one forward pass (``config.pack_sequences``): the same
+    loss, other float rounding, so a resume must pack too; absent when they were trained one after another."""

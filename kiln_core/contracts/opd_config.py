@@ -192,6 +192,8 @@ class OpdConfig(BaseModel):
     """Cost budget in US dollars; not enforced for OPD, so only empty runs. Kiln default: empty."""
     sequences_per_step: int = Field(default=1, ge=1)
     """kiln-flows extension: sequences per optimizer step (gradient accumulation, mean of their losses). Default 1, as Kiln."""
+    pack_sequences: bool = False
+    """kiln-flows extension: train a step's sequences_per_step sequences in one forward pass, packed end to end without padding (each sees only itself); the same loss, more tokens per second. Default: off (one after another)."""
     preset: Literal["quality"] | None = None
     """kiln-flows extension: a named recipe (quality) that fills in the fields this config leaves unset. Default: none."""
     lr_schedule: LrSchedule | None = Field(default=None, title="Learning-rate schedule")
@@ -400,6 +402,8 @@ def effective_config(config: OpdConfig, seed: int, top_k: int, prompt_count: int
         data.pop("preset", None)
     if data.get("lr_schedule") is None:  # likewise a constant rate (Kiln's)
         data.pop("lr_schedule", None)
+    if not data.get("pack_sequences"):  # and sequences trained one after another
+        data.pop("pack_sequences", None)
     data["learning_rate"] = resolve_learning_rate(config)
     data["seed"] = int(seed)
     data["effective_top_k"] = int(top_k)

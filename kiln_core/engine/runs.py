@@ -72,6 +72,22 @@ def run_key(corpus: CorpusRef, manifest: ManifestRef, student_weights_sha256: st
     return hashlib.sha256(canonical_json_bytes(payload)).hexdigest()[:16]
 
 
+def config_decides(config: OpdConfig) -> dict[str, Any]:
+    """The part of a run key that comes from the config: every field that decides what trains.
+
+    Example:
+        >>> "publish_guard" in config_decides(OpdConfig(training_mode="off_policy"))
+        False
+    """
+    decides = config.model_dump(mode="json", by_alias=True)
+    decides.pop("publish_guard")  # it decides whether the result is published, not what trains
+    if decides.get("lr_schedule") is None:  # a constant rate keeps the run keys runs had before schedules existed
+        decides.pop("lr_schedule", None)
+    if not decides.get("pack_sequences"):  # likewise sequences trained one after another
+        decides.pop("pack_sequences", None)
+    return decides
+
+
 def plan_run(spec: PipelineSpec, corpus: CorpusRef, manifest: ManifestRef, student_dir: str, *,
              resume: str | None = "latest", device: str | None = None, precision: str | None = None,
              gradient_checkpointing: bool = False, base_adapter: BaseAdapter | None = None,
@@ -98,10 +114,7 @@ def plan_run(spec: PipelineSpec, corpus: CorpusRef, manifest: ManifestRef, stude
     # The adapter name is part of the effective config (output_name), so every run of it agrees; the
     # resume point is not part of a run's identity.
     config: OpdConfig = spec.config.model_copy(update={"output_name": spec.adapter, "resume_checkpoint": None})
-    decides = config.model_dump(mode="json", by_alias=True)
-    decides.pop("publish_guard")  # it decides whether the result is published, not what trains
-    if decides.get("lr_schedule") is None:  # a constant rate keeps the run keys runs had before schedules existed
-        decides.pop("lr_schedule", None)
+    decides = config_decides(config)
     nproc = spec.distributed.world_size if spec.distributed else 1  # torchrun's nproc or Ray's workers
     if nproc > 1:
         # The world size decides which candidates share a step, so it decides the run (and its checkpoints).

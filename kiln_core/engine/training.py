@@ -144,6 +144,7 @@ def distributed_job(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, s
     from kiln_core.training.checkpoint import check_world_size, load_checkpoint
     from kiln_core.training.distributed.launcher import DistributedJob
     from kiln_core.training.distributed.world import check_shared_storage, check_strategy, resolve_backend
+    from kiln_core.training.plan import check_packing_world
     from kiln_core.training.student import resolve_device
 
     # The workers' device: on Ray, GPUs per worker decide; under torchrun, the plan's device (else CUDA when
@@ -151,6 +152,7 @@ def distributed_job(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, s
     device = (resolve_device("cuda" if plan.ray.gpus_per_worker > 0 else "cpu") if plan.ray is not None
               else resolve_device(plan.device))
     check_strategy(plan.strategy, device, plan.nproc)
+    check_packing_world(plan.config, plan.nproc)
     if plan.ray is None:  # on Ray the workers' devices decide (the spec refused nccl without GPUs)
         resolve_backend(plan.backend, device)
     check_shared_storage(plan.run_uri, corpus.uri)

@@ -93,6 +93,8 @@ def start_student(plan: RunPlan, student_dir: str, progress: LoopProgress, *, gr
             from kiln_core.training.distributed.fsdp import shard_student
 
             student.sharding = shard_student(student, plan.world).receipt_fields()
+        if config.pack_sequences:
+            student.check_packing()
         optimizer = build_optimizer(config.optimizer, student.lora_parameters, plan.learning_rate)
         _seed_everything(plan.seed)
         loaded = plan.loaded
@@ -177,7 +179,8 @@ def write_checkpoint(plan: RunPlan, student: Student, optimizer: torch.optim.Opt
             kiln_flows_version=__version__, world_size=world.size, backend=world.backend, strategy=world.strategy,
             sequences_per_step=contract.sequences_per_step, optimizer_steps_total=contract.optimizer_steps_total,
             loss=contract.loss, rank_rng=[RankRngState.model_validate_json(state) for state in states],
-            eval_curve=eval_curve, data_cursor=plan.data_cursor(progress.global_step), lr_schedule=contract.lr_schedule)
+            eval_curve=eval_curve, data_cursor=plan.data_cursor(progress.global_step), lr_schedule=contract.lr_schedule,
+            pack_sequences=contract.pack_sequences)
         keys = student.checkpoint_keys()
         optimizer_bytes = save_safetensors(optimizer_state_tensors(optimizer, keys)) if contract.stateful_optimizer else None
         loop_state = progress.loop_state(plan.schedule, contract.examples_read, contract.examples_filtered)

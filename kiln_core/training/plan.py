@@ -204,6 +204,18 @@ def resume_basename(plan: TrainPlan, run_dir: Location) -> str | None:
     return ckpt.check_resume_basename(plan.resume, run_dir, plan.adapter) if plan.resume else None
 
 
+def check_packing_world(config: OpdConfig, world_size: int) -> None:
+    """Refuse ``pack_sequences`` with several processes: a rank's block of a step is trained one sequence after
+    another (``step.train_step_distributed``), so packing there would be a setting that does nothing.
+
+    Raises:
+        ConfigError: ``unsupported`` on ``config.pack_sequences``.
+    """
+    if config.pack_sequences and world_size > 1:
+        raise ConfigError(f"pack_sequences trains in one process, not {world_size}: leave it off with --nproc, "
+                          "--ray or distributed.world_size", "config.pack_sequences", code="unsupported")
+
+
 def build_plan(plan: TrainPlan, *, data: DataPlan, run_dir: Location, basename: str | None, student_dir: str,
                teacher_alias: str, world: World) -> RunPlan:
     """The run of a ``TrainPlan`` whose data side is settled: identities, the checkpoint contract, the resume checks.
@@ -219,6 +231,7 @@ def build_plan(plan: TrainPlan, *, data: DataPlan, run_dir: Location, basename: 
     from kiln_core.identity.hashing import read_model_config
 
     config, adapter_name = plan.config, plan.adapter
+    check_packing_world(config, world.size)
     base_adapter = settle_base_adapter(config, plan.base_adapter)
 
     schedule, top_k, samples = data.schedule, data.top_k, data.samples_per_prompt
@@ -252,7 +265,8 @@ def build_plan(plan: TrainPlan, *, data: DataPlan, run_dir: Location, basename: 
             on_policy=data.on_policy, world_size=world.size, backend=world.backend,
             sequences_per_step=config.sequences_per_step, optimizer_steps_total=schedule.total_steps,
             loss="teacher_top_k_tail" if config.loss == "teacher_top_k_tail" else "teacher_top_k",
-            lr_schedule=config.lr_schedule.model_dump(mode="json") if config.lr_schedule is not None else None)
+            lr_schedule=config.lr_schedule.model_dump(mode="json") if config.lr_schedule is not None else None,
+            pack_sequences=True if config.pack_sequences else None)
 
     loaded = None
     if basename is not None:

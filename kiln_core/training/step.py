@@ -37,13 +37,16 @@ class StopTraining(Exception):
         self.reason, self.message, self.stop_reason = reason, message, stop_reason
 
 
-def sequence_loss(student: Student, batch: dict[str, torch.Tensor], loss_fn: Callable, config: OpdConfig):
+def sequence_loss(student: Student, batch: dict[str, torch.Tensor], loss_fn: Callable, config: OpdConfig,
+                  hidden: torch.Tensor | None = None):
     """Loss of one candidate: mean top-K KL over its action targets (+ λ·ECHO env CE when it fires).
 
+    ``hidden`` is the candidate's ``[L, H]`` hidden states when a packed forward already computed them.
     Returns ``(loss, env_ce, token_counts)``; ``env_ce`` is a float only when the ECHO term fired.
     """
     ids = batch["input_ids"]  # [L]
-    hidden = student.hidden_states(ids)  # [L, H], post final norm
+    if hidden is None:
+        hidden = student.hidden_states(ids)  # [L, H], post final norm
     rows = batch["action_positions"] - 1  # target q is scored from row q-1
     kl = loss_fn(hidden.index_select(0, rows), student.head_weight, batch["teacher_ids"], batch["teacher_logprobs"],
                  head_bias=student.head_bias, target_ids=ids.index_select(0, batch["action_positions"]))
@@ -112,6 +115,8 @@ def train_examples(student: Student, optimizer: torch.optim.Optimizer,
     (``Rollout.training_example``): the same loss trains both.
     """
     optimizer.zero_grad(set_to_none=True)
+    if plan.config.pack_sequences and len(examples) > 1:
+        return _train_packed(student, optimizer, examples, plan, progress, clock)
     losses = []
     for label, load in examples:
         loss, env_ce, counts = _forward(student, load, plan, clock)
@@ -120,6 +125,28 @@ def train_examples(student: Student, optimizer: torch.optim.Optimizer,
             raise StopTraining("nan_loss", f"OPD loss became non-finite at candidate {label}")
         _backward(loss, len(examples), plan.config, clock, student.device)
         losses.append(value)
+        progress.record_candidate(counts, env_ce)
+    return _apply_update(student, optimizer, plan, progress, losses, clock)
+
+
+def _train_packed(student: Student, optimizer: torch.optim.Optimizer,
+                  examples: Sequence[tuple[int, Callable[[], TrainingExample]]], plan: RunPlan,
+                  progress: LoopProgress, clock: Clock) -> float:
+    """``train_examples`` with ``config.pack_sequences``: one forward pass over the group packed end to end,
+    each candidate's loss from its own rows, one backward of their mean."""
+    with clock.phase("data"):
+        batches = [load().to_torch(student.device) for _, load in examples]
+    with clock.phase("forward"):
+        hidden = student.packed_hidden_states([batch["input_ids"] for batch in batches])
+        results = [sequence_loss(student, batch, plan.loss_fn, plan.config, hidden=rows)
+                   for batch, rows in zip(batches, hidden)]
+        _sync(student.device)
+    losses = [float(loss.detach()) for loss, _, _ in results]
+    for (label, _), value in zip(examples, losses):
+        if not math.isfinite(value):
+            raise StopTraining("nan_loss", f"OPD loss became non-finite at candidate {label}")
+    _backward(torch.stack([loss for loss, _, _ in results]).sum(), len(examples), plan.config, clock, student.device)
+    for _, env_ce, counts in results:
         progress.record_candidate(counts, env_ce)
     return _apply_update(student, optimizer, plan, progress, losses, clock)
 

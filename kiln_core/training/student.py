@@ -30,7 +30,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -115,6 +115,43 @@ class Student:
         with self.autocast():
             out = decoder(input_ids=input_ids[None], use_cache=False)
         return out.last_hidden_state[0]
+
+    def packed_hidden_states(self, sequences: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """``hidden_states`` of several unpadded sequences in one forward pass: ``[L_i] -> [L_i, H]`` each.
+
+        The sequences are laid end to end with positions restarting at 0 for each. transformers reads restarting
+        positions (with no attention mask) as packed sequences and masks attention block-diagonally, so each token
+        sees only its own sequence and every row equals its sequence's own forward up to float rounding
+        (``check_packing`` verifies this for the student's architecture).
+        """
+        decoder = self.model.get_base_model().model
+        ids = torch.cat(list(sequences))[None]
+        positions = torch.cat([torch.arange(int(s.shape[0]), device=ids.device) for s in sequences])[None]
+        with self.autocast():
+            out = decoder(input_ids=ids, position_ids=positions, use_cache=False)
+        return list(out.last_hidden_state[0].split([int(s.shape[0]) for s in sequences]))
+
+    def check_packing(self) -> None:
+        """Refuse ``pack_sequences`` for an architecture whose attention does not keep packed sequences apart.
+
+        Raises:
+            ConfigError: ``unsupported`` on ``config.pack_sequences``, when two short sequences packed together
+                do not give the hidden states each gives alone.
+        """
+        from kiln_core.contracts.opd_config import ConfigError
+
+        vocab = int(self.head_weight.shape[0])
+        first = torch.arange(5, device=self.device) % vocab
+        second = (torch.arange(7, device=self.device) * 3 + 1) % vocab
+        with torch.no_grad():
+            packed = self.packed_hidden_states([first, second])
+            alone = [self.hidden_states(first), self.hidden_states(second)]
+        scale = max(float(a.abs().max()) for a in alone) or 1.0
+        error = max(float((p - a).abs().max()) for p, a in zip(packed, alone)) / scale
+        if error > (2e-2 if self.precision == "bf16" else 1e-4):
+            raise ConfigError(f"pack_sequences: this student's architecture ({type(self.model.get_base_model()).__name__}) "
+                              f"lets packed sequences see each other (relative difference {error:.2g}); train them one "
+                              "after another", "config.pack_sequences", code="unsupported")
 
     def checkpoint_keys(self) -> dict[str, torch.nn.Parameter]:
         """The LoRA parameters under Kiln's checkpoint keys, in sorted order."""

@@ -48,7 +48,7 @@ class RunContract:
         auxiliary_state: ``run_identity.auxiliary_state``.
         examples_read: Prompts in the request; ``examples_filtered`` of them had no action token.
         on_policy: Adds Kiln's ``rollout-sampling`` stream (on-policy training comes next).
-        world_size, backend, sequences_per_step, optimizer_steps_total, loss, lr_schedule: our extension
+        world_size, backend, sequences_per_step, optimizer_steps_total, loss, lr_schedule, pack_sequences: our extension
             (``KilnFlowsState``), compared after Kiln's records.
     """
 
@@ -71,6 +71,7 @@ class RunContract:
     optimizer_steps_total: int = 1
     loss: str = "teacher_top_k"
     lr_schedule: dict[str, Any] | None = None
+    pack_sequences: bool | None = None
 
     @property
     def candidates_per_epoch(self) -> int:

@@ -359,4 +359,7 @@ def validate_resume(loaded: LoadedCheckpoint, contract_for_seed: Callable[[int],
     if ext.lr_schedule != contract.lr_schedule:
         raise fail("resume_lr_schedule", f"checkpoint was written with learning-rate schedule {ext.lr_schedule}, "
                    f"this run asks for {contract.lr_schedule}", EXTENSION_FILE)
+    if bool(ext.pack_sequences) != bool(contract.pack_sequences):
+        raise fail("resume_pack_sequences", f"checkpoint was written with pack_sequences {bool(ext.pack_sequences)}, "
+                   f"this run asks for {bool(contract.pack_sequences)}", EXTENSION_FILE)
     return contract
