@@ -47,21 +47,10 @@ def load_merge_request(path: str, *, weighted_sampling: bool = False):
     Raises:
         ConfigError: ``invalid_request`` (unreadable, not JSON) or a Kiln submit-time rule (exit 2).
     """
-    import json
-
     from kiln_core.contracts.distill_merge import check_distill_merge_request
-    from kiln_core.contracts.opd_config import ConfigError
-    from kiln_core.storage import resolve
-    from kiln_core.strict_json import loads_nesting_limited
+    from kiln_core.request_file import read_request_json
 
-    try:
-        text = resolve(path).read_text()
-    except (OSError, UnicodeDecodeError) as error:
-        raise ConfigError(f"cannot read distill_merge request {path}: {error}", None, code="invalid_request") from None
-    try:
-        value = loads_nesting_limited(text, where="the distill_merge request", file=path)
-    except json.JSONDecodeError as error:
-        raise ConfigError(f"invalid distill_merge request JSON: {path}: {error}", None, code="invalid_request") from None
+    value = read_request_json(path, "distill_merge")
     if weighted_sampling and isinstance(value, dict):
         value = {**value, "weighted_sampling": True}
     return check_distill_merge_request(value, file=path)

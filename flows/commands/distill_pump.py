@@ -49,23 +49,10 @@ def load_pump_request(path: str):
     Raises:
         Rejection: ``invalid_request`` (unreadable, not JSON) or any rule of ``check_distill_pump_request``.
     """
-    import json
-
     from kiln_core.contracts.distill_pump import check_distill_pump_request
-    from kiln_core.errors import Rejection
-    from kiln_core.storage import resolve
-    from kiln_core.strict_json import loads_nesting_limited
+    from kiln_core.request_file import read_request_json
 
-    try:
-        text = resolve(path).read_text()
-    except (OSError, UnicodeDecodeError) as error:
-        raise Rejection("invalid_request", f"cannot read distill/pump request {path}: {error}", file=path) from None
-    try:
-        value = loads_nesting_limited(text, where="the distill/pump request", file=path)
-    except json.JSONDecodeError as error:
-        raise Rejection("invalid_request", f"distill/pump request {path} is not valid JSON: {error}",
-                        file=path) from None
-    return check_distill_pump_request(value, file=path)
+    return check_distill_pump_request(read_request_json(path, "distill/pump"), file=path)
 
 
 def run(args: argparse.Namespace) -> int:

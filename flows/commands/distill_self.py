@@ -43,28 +43,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_quiet_argument(parser)
 
 
-def read_request(path: str):
-    """The decoded request file.
-
-    Raises:
-        Rejection: ``invalid_request`` (unreadable or not JSON, naming the file); ``nesting_too_deep``.
-    """
-    import json
-
-    from kiln_core.errors import Rejection
-    from kiln_core.storage import resolve
-    from kiln_core.strict_json import loads_nesting_limited
-
-    try:
-        text = resolve(path).read_text()
-    except (OSError, UnicodeDecodeError) as error:
-        raise Rejection("invalid_request", f"cannot read the distill/self request: {error}", file=path) from None
-    try:
-        return loads_nesting_limited(text, where="the distill/self request", file=path)
-    except json.JSONDecodeError as error:
-        raise Rejection("invalid_request", f"invalid distill/self request JSON: {error}", file=path) from None
-
-
 def run(args: argparse.Namespace) -> int:
     """Check, prepare (teacher scoring) and train; rejections (2) and failures (3) go to the CLI's guard."""
     import sys
@@ -72,7 +50,9 @@ def run(args: argparse.Namespace) -> int:
     from flows.commands._options import DTYPES
     from kiln_core.contracts.distill_self import check_distill_self_request, request_warnings
 
-    request = check_distill_self_request(read_request(args.request), file=args.request)
+    from kiln_core.request_file import read_request_json
+
+    request = check_distill_self_request(read_request_json(args.request, "distill/self"), file=args.request)
     for warning in request_warnings(request):
         print(f"warning: {warning}", file=sys.stderr)
 

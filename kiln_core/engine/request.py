@@ -23,7 +23,6 @@ The spec then runs through ``run_pipeline`` like any other: admitted, planned (r
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
 from kiln_core.contracts.eval_watch import EvalWatch, parse_eval_watch
@@ -81,16 +80,9 @@ def load_request(request_path: str, *, kiln_lenient: bool = False) -> LoadedRequ
         ConfigError: ``invalid_request`` (unreadable, not JSON, an unknown key) or a rule Kiln enforces at
             submit time; NestingTooDeep: ``nesting_too_deep`` — deeper than Kiln's parser accepts.
     """
-    from kiln_core.strict_json import loads_nesting_limited
+    from kiln_core.request_file import read_request_json
 
-    try:
-        text = resolve(request_path).read_text()
-    except (OSError, UnicodeDecodeError) as error:
-        raise ConfigError(f"cannot read OPD request {request_path}: {error}", None, code="invalid_request") from None
-    try:  # serde_json's depth limit, as every reader of Kiln's documents applies it
-        value = loads_nesting_limited(text, where="the OPD request", file=request_path)
-    except json.JSONDecodeError as error:
-        raise ConfigError(f"OPD request {request_path} is not valid JSON: {error}", None, code="invalid_request") from None
+    value = read_request_json(request_path, "OPD")
     request = parse_opd_request(value, kiln_lenient=kiln_lenient)
     ignored = [key for key in unknown_request_keys(value) if not key.kiln_refuses] if kiln_lenient else []
     warnings = [_ignored_warning(key) for key in ignored]
