@@ -1,4 +1,4 @@
-"""The one reader of request files (``kiln_core.request_file``): the OPD request and the distill/self,
+"""The one reader of request files (``kiln_core.contracts.request_file``): the OPD request and the distill/self,
 distill/pump and distill_merge requests fail the same two ways, each naming the route and the file."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kiln_core.contracts.opd_config import ConfigError
-from kiln_core.request_file import read_request_json
+from kiln_core.contracts.request_file import read_request_json
 
 
 def test_a_request_file_decodes_to_its_json(tmp_path):

@@ -48,7 +48,7 @@ def load_merge_request(path: str, *, weighted_sampling: bool = False):
         ConfigError: ``invalid_request`` (unreadable, not JSON) or a Kiln submit-time rule (exit 2).
     """
     from kiln_core.contracts.distill_merge import check_distill_merge_request
-    from kiln_core.request_file import read_request_json
+    from kiln_core.contracts.request_file import read_request_json
 
     value = read_request_json(path, "distill_merge")
     if weighted_sampling and isinstance(value, dict):

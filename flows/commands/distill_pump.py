@@ -50,7 +50,7 @@ def load_pump_request(path: str):
         Rejection: ``invalid_request`` (unreadable, not JSON) or any rule of ``check_distill_pump_request``.
     """
     from kiln_core.contracts.distill_pump import check_distill_pump_request
-    from kiln_core.request_file import read_request_json
+    from kiln_core.contracts.request_file import read_request_json
 
     return check_distill_pump_request(read_request_json(path, "distill/pump"), file=path)
 

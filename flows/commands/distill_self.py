@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     from flows.commands._options import DTYPES
     from kiln_core.contracts.distill_self import check_distill_self_request, request_warnings
 
-    from kiln_core.request_file import read_request_json
+    from kiln_core.contracts.request_file import read_request_json
 
     request = check_distill_self_request(read_request_json(args.request, "distill/self"), file=args.request)
     for warning in request_warnings(request):

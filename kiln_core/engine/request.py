@@ -80,7 +80,7 @@ def load_request(request_path: str, *, kiln_lenient: bool = False) -> LoadedRequ
         ConfigError: ``invalid_request`` (unreadable, not JSON, an unknown key) or a rule Kiln enforces at
             submit time; NestingTooDeep: ``nesting_too_deep`` — deeper than Kiln's parser accepts.
     """
-    from kiln_core.request_file import read_request_json
+    from kiln_core.contracts.request_file import read_request_json
 
     value = read_request_json(request_path, "OPD")
     request = parse_opd_request(value, kiln_lenient=kiln_lenient)
