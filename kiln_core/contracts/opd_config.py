@@ -400,15 +400,23 @@ def effective_config(config: OpdConfig, seed: int, top_k: int, prompt_count: int
     data.pop("publish_guard", None)  # decides only whether the result is published, not what trains
     if data.get("preset") is None:  # a config without a preset keeps Kiln's exact effective config
         data.pop("preset", None)
-    if data.get("lr_schedule") is None:  # likewise a constant rate (Kiln's)
-        data.pop("lr_schedule", None)
-    if not data.get("pack_sequences"):  # and sequences trained one after another
-        data.pop("pack_sequences", None)
+    drop_unused_step_extensions(data)
     data["learning_rate"] = resolve_learning_rate(config)
     data["seed"] = int(seed)
     data["effective_top_k"] = int(top_k)
     data["effective_samples_per_prompt"] = effective_samples_per_prompt(config, prompt_count)
     return _sorted(data)
+
+
+def drop_unused_step_extensions(data: dict[str, Any]) -> dict[str, Any]:
+    """Remove, in place, the step extensions a dumped config leaves at Kiln's behaviour (``lr_schedule`` empty: a
+    constant rate; ``pack_sequences`` off: one sequence after another), so the effective config and the run key
+    of such a config are what they were before the extensions existed. Returns ``data``."""
+    if data.get("lr_schedule") is None:
+        data.pop("lr_schedule", None)
+    if not data.get("pack_sequences"):
+        data.pop("pack_sequences", None)
+    return data
 
 
 def _sorted(value: Any) -> Any:

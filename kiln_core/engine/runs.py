@@ -25,7 +25,8 @@ import hashlib
 import os
 from typing import Any, Callable
 
-from kiln_core.contracts.opd_config import OpdConfig, effective_samples_per_prompt, resolve_learning_rate
+from kiln_core.contracts.opd_config import (OpdConfig, drop_unused_step_extensions, effective_samples_per_prompt,
+                                            resolve_learning_rate)
 from kiln_core.contracts.pipeline import PipelineSpec
 from kiln_core.contracts.receipt import RECEIPT_FILE
 from kiln_core.engine.base_adapter import plan_base_adapter
@@ -81,11 +82,7 @@ def config_decides(config: OpdConfig) -> dict[str, Any]:
     """
     decides = config.model_dump(mode="json", by_alias=True)
     decides.pop("publish_guard")  # it decides whether the result is published, not what trains
-    if decides.get("lr_schedule") is None:  # a constant rate keeps the run keys runs had before schedules existed
-        decides.pop("lr_schedule", None)
-    if not decides.get("pack_sequences"):  # likewise sequences trained one after another
-        decides.pop("pack_sequences", None)
-    return decides
+    return drop_unused_step_extensions(decides)
 
 
 def plan_run(spec: PipelineSpec, corpus: CorpusRef, manifest: ManifestRef, student_dir: str, *,
