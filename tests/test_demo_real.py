@@ -38,6 +38,10 @@ def test_real_demo_distills_smollm2_and_evaluates_held_out(prefect_harness, tmp_
     assert metrics["distilled student"]["reverse_kl"] < metrics["base student"]["reverse_kl"]
     assert metrics["distilled student"]["teacher_token_nll"] < metrics["base student"]["teacher_token_nll"]
     assert len(summary["answers"]) == 3 and all(set(row) == {"prompt", *metrics} for row in summary["answers"])
+    # the default student: the 15 teacher layers derive-student's auto:15 search chose on the bench
+    assert summary["student_layers"] == [0, 1, 2, 3, 4, 5, *range(21, 30)]
+    assert json.loads((Path(summary["student_dir"]) / "kiln-derivation.json").read_text())["kept_teacher_layers"] == \
+        summary["student_layers"]
     # the gate ran in the pipeline on the same held-out corpus: it improved, so it was promoted
     gate = summary["gate"]
     assert gate["outcome"] == "promoted" and gate["quality_gate"]["require_improvement"] is True
@@ -48,6 +52,7 @@ def test_real_demo_distills_smollm2_and_evaluates_held_out(prefect_harness, tmp_
     own = summary["own_answers"]
     assert set(own) == {"base student", "distilled student"} and all(m["examples"] == 4 for m in own.values())
     for word in ("top-1 agree", "base student", "distilled student", "kiln-flows eval --student", "gate: promoted",
-                 "PASSED quality gate", "in short: distillation closed", "own greedy answers", "tokens/answer"):
+                 "PASSED quality gate", "in short: distillation closed", "own greedy answers", "tokens/answer",
+                 "student   15 layers, the teacher's 0-5+21-29"):
         assert word in report
 

@@ -304,6 +304,7 @@ def _real_result(outcome: str) -> dict:
         "answers": [{"prompt": "What is the capital of France?", "teacher": "Paris.", "base student": "France",
                      "distilled student": "Paris"}],
         "student_dir": "/s", "heldout_corpus": "/h.jsonl", "train_corpus": "/t.jsonl", "teacher_dir": "/t",
+        "student_layers": [0, 1, 2, 3, 4, 5, 21, 22, 23, 24, 25, 26, 27, 28, 29],
     }
 
 
@@ -315,6 +316,7 @@ def test_the_real_demo_report_compares_the_models_against_the_teacher():
     base = next(line for line in lines if line.strip().startswith("base student"))
     assert "1.5000" in base and "40.0%" in base and "2.00x" in base  # NLL 4.0 against the teacher's 2.0
     assert "gate: promoted" in text and "latest.json not moved" not in text
+    assert "  student   15 layers, the teacher's 0-5+21-29" in lines
     assert "[1] What is the capital of France?" in text and "'Paris'" in text
     assert "--corpus /h.jsonl --train-corpus /t.jsonl --teacher /t --generate 3" in text
     assert lines[-1] == "  wall time 61 s"

@@ -101,3 +101,27 @@ def test_a_budget_of_one_scores_one_candidate(tmp_path, four_layer_teacher, prob
     assert result.returncode == 0, result.stderr
     search = last_json(result)["search"]
     assert len(search["candidates"]) == 1 and search["probe_examples"] == 2 and search["budget"] == 1
+
+
+def test_the_real_preparation_derives_an_auto_student_once_per_probe(tmp_path, four_layer_teacher, probe, monkeypatch):  # noqa: F811
+    """``prepare_student`` (demo --real, bench/distill_quality.py): an ``auto:N`` student is searched once, then
+    reused; another probe corpus is another search, never the first probe's student."""
+    import shutil
+
+    from kiln_core.models import derive
+    from kiln_core.models.prepare import prepare_student
+
+    teacher = tmp_path / "models" / "teacher"
+    shutil.copytree(four_layer_teacher, teacher)
+    first = prepare_student(teacher, "auto:3", probe_corpus=probe)
+    assert first.parent == teacher.parent
+    assert json.loads((first / "kiln-derivation.json").read_text())["keep_layers_spec"] == "auto:3"
+
+    derived = []
+    real_derive = derive.derive_student
+    monkeypatch.setattr(derive, "derive_student", lambda *a, **k: derived.append(a) or real_derive(*a, **k))
+    assert prepare_student(teacher, "auto:3", probe_corpus=probe) == first and derived == []
+    other_probe = tmp_path / "other-probe.jsonl"
+    other_probe.write_bytes(probe.read_bytes())
+    second = prepare_student(teacher, "auto:3", probe_corpus=other_probe)
+    assert second != first and len(derived) == 1 and (second / "kiln-derivation.json").is_file()

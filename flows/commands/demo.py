@@ -28,6 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--real", action="store_true",
                         help="run on SmolLM2-135M-Instruct and its half-depth student instead of tiny models")
     parser.add_argument("--heldout", type=int, default=24, help="--real: held-out prompts to evaluate on")
+    parser.add_argument("--keep-layers", metavar="SPEC",
+                        help="--real: the teacher layers the student keeps, as derive-student takes them (default: "
+                             "0-5 and 21-29, what auto:15 chose; auto:15 searches again, probed on training examples)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -69,8 +72,10 @@ def _run_real(args: argparse.Namespace, started: float) -> int:
 
     check_prerequisites()  # a missing extra is a Rejection: exit 2 (the CLI's guard) before any flow starts
     start_local_api()
+    from flows.demo_real import DEFAULT_KEEP_LAYERS
+
     state = demo_real(workdir=args.out, train_examples=args.examples or 96, heldout_examples=args.heldout,
-                      epochs=args.epochs or 2, return_state=True)
+                      epochs=args.epochs or 2, keep_layers=args.keep_layers or DEFAULT_KEEP_LAYERS, return_state=True)
     wall = time.perf_counter() - started
     if not state.is_completed():
         return _ended(args, f"demo --real ended {state.type.value}: {state.message}")

@@ -23,7 +23,7 @@ from typing import Any
 
 from kiln_core.models.gguf import ModelImportError, publish_directory, refuse_existing_output
 
-__all__ = ["DERIVATION_RECORD", "parse_keep_layers", "derive_student", "read_derivation"]
+__all__ = ["DERIVATION_RECORD", "parse_keep_layers", "derive_student", "layer_ranges", "read_derivation"]
 
 DERIVATION_RECORD = "kiln-derivation.json"
 _LAYER_KEY = re.compile(r"^(model\.layers\.)(\d+)(\..+)$")
@@ -136,6 +136,22 @@ def derive_student(teacher_dir: str | os.PathLike[str], keep_layers: str, out_di
             record["search"] = search
         publish_directory(staged, out, DERIVATION_RECORD, record)
     return out
+
+
+def layer_ranges(kept: list[int]) -> str:
+    """Kept teacher layers as runs, for people to read.
+
+    Example:
+        >>> layer_ranges([0, 1, 2, 5, 7, 8])
+        '0-2+5+7-8'
+    """
+    runs: list[str] = []
+    for layer in kept:
+        if runs and layer == int(runs[-1].rsplit("-", 1)[-1]) + 1:
+            runs[-1] = f"{runs[-1].split('-')[0]}-{layer}"
+        else:
+            runs.append(str(layer))
+    return "+".join(runs)
 
 
 def read_derivation(student_dir: str | os.PathLike[str]) -> dict[str, Any] | None:

@@ -4,7 +4,9 @@ Each step is cached under one directory and content-addressed, so a rerun skips 
 and a change of any input makes a new entry instead of reusing a stale one:
 
 1. ``prepare_models`` — SmolLM2-135M-Instruct imported from the installed GGUF
-   (``models/<gguf sha256 prefix>/teacher``) and its depth-pruned student (``…/student-<spec>``);
+   (``models/<gguf sha256 prefix>/teacher``, ``prepare_teacher``) and its depth-pruned student
+   (``…/student-<spec>``, ``prepare_student``; an ``auto:N`` student needs a scored probe corpus, so it
+   is derived after step 3);
 2. ``teacher_examples`` — the teacher's greedy answers to the shipped prompts
    (``examples/<key>.jsonl``, key = SHA-256 of the teacher's weight digest, the prompts and the
    generation settings);
@@ -23,7 +25,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-__all__ = ["prepare_models", "teacher_examples", "scored_corpus"]
+__all__ = ["prepare_models", "prepare_student", "prepare_teacher", "teacher_examples", "scored_corpus"]
 
 GENERATION_FORMAT = "kiln-flows.teacher-greedy-answers.v1"
 
@@ -35,22 +37,44 @@ def prepare_models(cache_dir: str | os.PathLike[str], keep_layers: str = "every:
     Returns:
         ``(teacher_dir, student_dir)``.
     """
+    teacher = prepare_teacher(cache_dir, on_stage)
+    return teacher, prepare_student(teacher, keep_layers, on_stage=on_stage)
+
+
+def prepare_teacher(cache_dir: str | os.PathLike[str], on_stage: Callable[[str], None] | None = None) -> Path:
+    """SmolLM2-135M-Instruct imported from the installed GGUF, once per GGUF file."""
     from kiln_core.identity.hashing import sha256_file
-    from kiln_core.models import derive_student, import_gguf, smollm2_gguf_path
+    from kiln_core.models import import_gguf, smollm2_gguf_path
 
     gguf = smollm2_gguf_path()
-    digest = sha256_file(gguf)[0].hex()[:16]
-    root = Path(cache_dir, "models", digest)
-    teacher, student = root / "teacher", root / f"student-{keep_layers.replace(':', '').replace(',', '_')}"
+    teacher = Path(cache_dir, "models", sha256_file(gguf)[0].hex()[:16], "teacher")
     if not (teacher / "kiln-import.json").is_file():
         if on_stage:
             on_stage("import")
         import_gguf(gguf, teacher)
+    return teacher
+
+
+def prepare_student(teacher: str | os.PathLike[str], keep_layers: str = "every:2", *,
+                    probe_corpus: str | os.PathLike[str] | None = None,
+                    on_stage: Callable[[str], None] | None = None) -> Path:
+    """The student ``derive-student --keep-layers keep_layers`` makes from ``teacher``, once per spec.
+
+    ``auto:N`` needs ``probe_corpus`` (the layer search's scored slice); its name is part of the cache
+    entry, so another probe makes another student.
+    """
+    from kiln_core.models.derive import derive_student
+
+    name = "student-" + keep_layers.replace(":", "").replace(",", "_")
+    if probe_corpus is not None:
+        name += "-probe-" + Path(probe_corpus).stem[:12]
+    student = Path(teacher).parent / name  # beside its teacher: the GGUF's digest names both
     if not (student / "kiln-derivation.json").is_file():
         if on_stage:
             on_stage("derive")
-        derive_student(teacher, keep_layers, student)
-    return teacher, student
+        derive_student(teacher, keep_layers, student,
+                       probe_corpus=None if probe_corpus is None else str(probe_corpus))
+    return student
 
 
 def teacher_examples(teacher_dir: str | os.PathLike[str], prompts: Sequence[dict[str, Any]], cache_dir: str | os.PathLike[str], *,
