@@ -130,7 +130,6 @@ def prepare(cache: Path, heldout_limit: int | None = None, keep_layers: list[str
     from kiln_core.admission import admit_corpus
     from kiln_core.data import load_prompts
     from kiln_core.evaluation import admit_eval_corpus
-    from kiln_core.models.layer_search import AUTO_PREFIX
     from kiln_core.models.prepare import prepare_student, prepare_teacher, scored_corpus, teacher_examples
 
     started = time.perf_counter()
@@ -142,11 +141,8 @@ def prepare(cache: Path, heldout_limit: int | None = None, keep_layers: list[str
                                     on_progress=lambda done, total: log(f"teacher answers ({split}): {done}/{total}"))
         # a derived student keeps the teacher's tokenizer and template, so the teacher picks the same targets
         corpora[split] = scored_corpus(examples, teacher, teacher, cache)
-    students = {}
-    for spec in keep_layers or ["every:2"]:
-        auto = spec.strip().startswith(AUTO_PREFIX)
-        students[spec] = prepare_student(teacher, spec, probe_corpus=corpora["train"] if auto else None,
-                                         on_stage=on_stage)
+    students = {spec: prepare_student(teacher, spec, probe_corpus=corpora["train"], on_stage=on_stage)
+                for spec in keep_layers or ["every:2"]}
     first = next(iter(students.values()))  # the students share one tokenizer: one admission serves all
     manifest = corpora["train"].read_text(encoding="utf-8").split("\n", 1)[0]
     train = admit_corpus(str(corpora["train"]), str(first), top_k=32)
@@ -194,9 +190,10 @@ def evaluate_dir(setup: dict[str, Any], model_dir: Path, adapter: Path | None = 
 def short_spec(spec: str, student: Path) -> str:
     """The layers a student kept, as runs (``auto:15 → 0-5+21-29``)."""
     from kiln_core.models.derive import layer_ranges, read_derivation
+    from kiln_core.models.layer_search import is_auto
 
     kept = layer_ranges(read_derivation(student)["kept_teacher_layers"])
-    return f"{spec} → {kept}" if spec.strip().startswith("auto:") else kept
+    return f"{spec} → {kept}" if is_auto(spec) else kept
 
 
 def train_and_track(setup: dict[str, Any], student: Path, cache: Path, overrides: dict[str, Any], eval_every: int,

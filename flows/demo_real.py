@@ -107,7 +107,6 @@ def demo_real(workdir: str = "./kiln-data", train_examples: int = 96, heldout_ex
     from kiln_core.evaluation.own_answers import own_answer_metrics
     from kiln_core.models import check_same_vocabulary
     from kiln_core.models.derive import read_derivation
-    from kiln_core.models.layer_search import AUTO_PREFIX
     from kiln_core.models.prepare import prepare_student, prepare_teacher, scored_corpus, teacher_examples
 
     root = Path(workdir).resolve()
@@ -123,8 +122,7 @@ def demo_real(workdir: str = "./kiln-data", train_examples: int = 96, heldout_ex
         with stage(f"score {LABELS[split]}", len(splits[split]), "ex") as update:
             corpora[split] = scored_corpus(examples[split], teacher, teacher, cache, on_progress=update)
     with stage("derive"):
-        probe = corpora["train"] if keep_layers.strip().startswith(AUTO_PREFIX) else None
-        student = prepare_student(teacher, keep_layers, probe_corpus=probe)
+        student = prepare_student(teacher, keep_layers, probe_corpus=corpora["train"])
         check_same_vocabulary(teacher, student)
 
     # admit, train, gate (base vs distilled on the held-out corpus), publish if promoted

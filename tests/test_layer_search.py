@@ -125,3 +125,16 @@ def test_the_real_preparation_derives_an_auto_student_once_per_probe(tmp_path, f
     other_probe.write_bytes(probe.read_bytes())
     second = prepare_student(teacher, "auto:3", probe_corpus=other_probe)
     assert second != first and len(derived) == 1 and (second / "kiln-derivation.json").is_file()
+
+
+def test_a_fixed_spec_ignores_the_probe_and_keeps_one_cache_entry(tmp_path, four_layer_teacher, probe):  # noqa: F811
+    """The demo and the bench pass their training corpus as the probe whatever the spec: only ``auto:N`` uses it."""
+    import shutil
+
+    from kiln_core.models.prepare import prepare_student
+
+    teacher = tmp_path / "models" / "teacher"
+    shutil.copytree(four_layer_teacher, teacher)
+    with_probe = prepare_student(teacher, "0,3", probe_corpus=probe)
+    assert prepare_student(teacher, "0,3") == with_probe == teacher.parent / "student-0_3"
+    assert "search" not in json.loads((with_probe / "kiln-derivation.json").read_text())

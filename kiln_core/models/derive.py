@@ -145,13 +145,13 @@ def layer_ranges(kept: list[int]) -> str:
         >>> layer_ranges([0, 1, 2, 5, 7, 8])
         '0-2+5+7-8'
     """
-    runs: list[str] = []
+    runs: list[list[int]] = []  # [first, last] of each run of consecutive layers
     for layer in kept:
-        if runs and layer == int(runs[-1].rsplit("-", 1)[-1]) + 1:
-            runs[-1] = f"{runs[-1].split('-')[0]}-{layer}"
+        if runs and layer == runs[-1][1] + 1:
+            runs[-1][1] = layer
         else:
-            runs.append(str(layer))
-    return "+".join(runs)
+            runs.append([layer, layer])
+    return "+".join(str(first) if first == last else f"{first}-{last}" for first, last in runs)
 
 
 def read_derivation(student_dir: str | os.PathLike[str]) -> dict[str, Any] | None:

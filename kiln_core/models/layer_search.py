@@ -21,10 +21,20 @@ from typing import Any
 
 from kiln_core.models.gguf import ModelImportError
 
-__all__ = ["AUTO_PREFIX", "both_ends_candidates", "parse_auto", "search_layers"]
+__all__ = ["AUTO_PREFIX", "both_ends_candidates", "is_auto", "parse_auto", "search_layers"]
 
 AUTO_PREFIX = "auto:"
 DEFAULT_PROBE_EXAMPLES = 16
+
+
+def is_auto(spec: str) -> bool:
+    """Whether a ``--keep-layers`` spec asks for the measured search (``auto:N``), valid or not.
+
+    Example:
+        >>> is_auto(" auto:15"), is_auto("every:2")
+        (True, False)
+    """
+    return spec.strip().startswith(AUTO_PREFIX)
 
 
 def parse_auto(spec: str, num_layers: int) -> int | None:
@@ -37,10 +47,9 @@ def parse_auto(spec: str, num_layers: int) -> int | None:
         >>> parse_auto("auto:15", 30), parse_auto("every:2", 30)
         (15, None)
     """
-    text = spec.strip()
-    if not text.startswith(AUTO_PREFIX):
+    if not is_auto(spec):
         return None
-    count = text.removeprefix(AUTO_PREFIX)
+    count = spec.strip().removeprefix(AUTO_PREFIX)
     if not count.isdigit() or not 2 <= int(count) < num_layers:
         raise ModelImportError("invalid_keep_layers", f"--keep-layers {spec!r}: auto:N needs 2 <= N < {num_layers} "
                                "(the teacher's layer count)", field="keep_layers")

@@ -3,15 +3,15 @@
 Each step is cached under one directory and content-addressed, so a rerun skips what it already has
 and a change of any input makes a new entry instead of reusing a stale one:
 
-1. ``prepare_models`` — SmolLM2-135M-Instruct imported from the installed GGUF
-   (``models/<gguf sha256 prefix>/teacher``, ``prepare_teacher``) and its depth-pruned student
-   (``…/student-<spec>``, ``prepare_student``; an ``auto:N`` student needs a scored probe corpus, so it
-   is derived after step 3);
+1. ``prepare_teacher`` — SmolLM2-135M-Instruct imported from the installed GGUF
+   (``models/<gguf sha256 prefix>/teacher``);
 2. ``teacher_examples`` — the teacher's greedy answers to the shipped prompts
    (``examples/<key>.jsonl``, key = SHA-256 of the teacher's weight digest, the prompts and the
    generation settings);
 3. ``scored_corpus`` — those examples scored by the teacher through ``kiln_core.scoring`` (the path
-   ``kiln-flows score`` takes) into a corpus admission accepts (``corpora/<key>.jsonl``).
+   ``kiln-flows score`` takes) into a corpus admission accepts (``corpora/<key>.jsonl``);
+4. ``prepare_student`` — the teacher's depth-pruned student (``…/student-<spec>``, beside the teacher),
+   after the corpora because an ``auto:N`` student is chosen by a search probed on a scored corpus.
 
 Everything is published atomically (a temp file renamed, or a staged directory), so an interrupted
 run leaves no half entry behind.
@@ -25,20 +25,9 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-__all__ = ["prepare_models", "prepare_student", "prepare_teacher", "teacher_examples", "scored_corpus"]
+__all__ = ["prepare_teacher", "teacher_examples", "scored_corpus", "prepare_student"]
 
 GENERATION_FORMAT = "kiln-flows.teacher-greedy-answers.v1"
-
-
-def prepare_models(cache_dir: str | os.PathLike[str], keep_layers: str = "every:2",
-                   on_stage: Callable[[str], None] | None = None) -> tuple[Path, Path]:
-    """The imported teacher and its derived student, built once per GGUF file and spec.
-
-    Returns:
-        ``(teacher_dir, student_dir)``.
-    """
-    teacher = prepare_teacher(cache_dir, on_stage)
-    return teacher, prepare_student(teacher, keep_layers, on_stage=on_stage)
 
 
 def prepare_teacher(cache_dir: str | os.PathLike[str], on_stage: Callable[[str], None] | None = None) -> Path:
@@ -60,13 +49,14 @@ def prepare_student(teacher: str | os.PathLike[str], keep_layers: str = "every:2
                     on_stage: Callable[[str], None] | None = None) -> Path:
     """The student ``derive-student --keep-layers keep_layers`` makes from ``teacher``, once per spec.
 
-    ``auto:N`` needs ``probe_corpus`` (the layer search's scored slice); its name is part of the cache
-    entry, so another probe makes another student.
+    ``probe_corpus`` is the layer search's scored slice, used by ``auto:N`` only (which needs it); its name
+    is then part of the cache entry, so another probe makes another student.
     """
     from kiln_core.models.derive import derive_student
+    from kiln_core.models.layer_search import is_auto
 
     name = "student-" + keep_layers.replace(":", "").replace(",", "_")
-    if probe_corpus is not None:
+    if probe_corpus is not None and is_auto(keep_layers):
         name += "-probe-" + Path(probe_corpus).stem[:12]
     student = Path(teacher).parent / name  # beside its teacher: the GGUF's digest names both
     if not (student / "kiln-derivation.json").is_file():
