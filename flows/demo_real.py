@@ -106,13 +106,14 @@ def demo_real(workdir: str = "./kiln-data", train_examples: int = 96, heldout_ex
     from kiln_core.evaluation import admit_eval_corpus, evaluate_tables, generate_answers, load_eval_model
     from kiln_core.evaluation.own_answers import own_answer_metrics
     from kiln_core.models import check_same_vocabulary
-    from kiln_core.models.derive import read_derivation
+    from kiln_core.models.derive import check_keep_layers, read_derivation
     from kiln_core.models.prepare import prepare_student, prepare_teacher, scored_corpus, teacher_examples
 
     root = Path(workdir).resolve()
     cache = root / "real-cache"
     with stage("import"):
         teacher = prepare_teacher(cache)
+        check_keep_layers(teacher, keep_layers)  # a bad spec is refused before minutes of answering and scoring
     splits = {"train": load_prompts("train")[:train_examples], "heldout": load_prompts("heldout")[:heldout_examples]}
     examples, corpora = {}, {}
     for split, prompts in splits.items():

