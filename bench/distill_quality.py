@@ -46,6 +46,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
+from flows.console import quiet_third_party_warnings  # noqa: E402
+
+quiet_third_party_warnings()  # the libraries' notices about their own internal calls, as the CLI does
+
 # name → the config fields that differ from BASE_CONFIG. `kiln` is Kiln's loss; the rest are opt-in.
 RECIPES: dict[str, dict[str, Any]] = {
     "kiln": {"loss": "teacher_top_k", "learning_rate": 1e-3},
@@ -60,6 +64,10 @@ RECIPES: dict[str, dict[str, Any]] = {
     "sft@3e-3": {"loss": "teacher_token_ce", "learning_rate": 3e-3},
 }
 DEFAULT_RECIPES = "kiln,tail,sft,forward,tail+forward,kiln@3e-3,forward@3e-4,forward@3e-3"
+# Seconds per step of the quality preset on the auto:15 student, this 2-core machine, quiet (2026-12-03: 2,034
+# steps in 639 s). --final plans as many epochs as fit its budget at this pace, because the preset's learning
+# rate decays over the run's planned steps: a plan far longer than the budget is cut before the rate comes down.
+QUIET_STEP_S = 0.31
 BASE_CONFIG = {"training_mode": "off_policy", "top_k": 32, "lora_rank": 16, "lora_alpha": 32.0, "seed": 7,
                "optimizer": {"kind": "adam_w"}}
 
@@ -71,7 +79,8 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=1, help="epochs over the 226 training prompts per recipe")
     parser.add_argument("--max-steps", type=int, help="stop each recipe after this many steps (default: all epochs)")
     parser.add_argument("--eval-every", type=int, default=57, help="steps between held-out evaluations")
-    parser.add_argument("--final", metavar="PRESET", help="train only this preset (kiln_core PRESETS) for --final-minutes")
+    parser.add_argument("--final", metavar="PRESET", help="train only this preset (kiln_core PRESETS) for --final-minutes, "
+                        "planning the epochs that fit them at QUIET_STEP_S (--set epochs=N plans others)")
     parser.add_argument("--final-minutes", type=float, default=15.0)
     parser.add_argument("--heldout-limit", type=int, help="evaluate on the first N held-out examples only")
     parser.add_argument("--threads", type=int, default=2)
@@ -99,7 +108,7 @@ def main() -> None:
             from kiln_core.contracts.opd_config import PRESETS
 
             runs[f"preset {args.final}{label}"] = train_and_track(
-                setup, student, cache, {**PRESETS[args.final], "epochs": 50, **settings}, args.eval_every,
+                setup, student, cache, {**PRESETS[args.final], "epochs": epochs_that_fit(setup, args.final_minutes), **settings}, args.eval_every,
                 budget_s=args.final_minutes * 60)
         else:
             for name in args.recipes.split(","):
@@ -239,6 +248,15 @@ def train_and_track(setup: dict[str, Any], student: Path, cache: Path, overrides
     return {"config": config.model_dump(mode="json", by_alias=True), "status": result.status, "steps": result.steps,
             "train_seconds": round(train_seconds, 1), "loss_history": result.loss_history, "curve": curve,
             "load_average_before": load_before, "load_average_after": load_after}
+
+
+def epochs_that_fit(setup: dict[str, Any], minutes: float) -> int:
+    """Whole epochs over the training corpus that fit ``minutes`` of training at ``QUIET_STEP_S`` (at least 1).
+
+    The budget still stops a slower machine; ``--set epochs=N`` plans another length.
+    """
+    steps_per_epoch = setup["train_tables"].num_examples
+    return max(1, int(minutes * 60 / (QUIET_STEP_S * steps_per_epoch)))
 
 
 def evaluate_checkpoints(setup: dict[str, Any], student_dir: Path, run_root: Path, config: Any,

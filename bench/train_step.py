@@ -11,7 +11,10 @@ after another, in turn, ``--repeat`` times; the figures are the best of the repe
 The trainer's phase clock splits the loop's wall time into forward, backward, optimizer step, data
 preparation, checkpoint publishing and the rest (bookkeeping, callbacks). Tokens/s counts every input token
 of every trained candidate over the loop's wall time. Goal: the packed variant at ≥ 2× the tokens/s of one
-sequence per step, with ≤ 10 % of the loop outside forward/backward.
+sequence per step, with ≤ 10 % of the loop outside forward/backward. The last line before the JSON sets the
+goal against the arithmetic: the training FLOPs per token counted from the shapes, the rate the base variant
+reaches, and the rate this CPU multiplies the model's own matrices at, whose ratio bounds any speedup that
+keeps the arithmetic.
 
 Usage:
     python bench/train_step.py                                   # the side-by-side table (a few minutes on 2 cores)
@@ -137,6 +140,36 @@ def measure(name: str, tables: CorpusTables, student: Path, work: Path, args: ar
     }
 
 
+def training_flops_per_token(args: argparse.Namespace, mean_len: float) -> float:
+    """Arithmetic of one trained token, counted from the shapes (multiply-adds × 2).
+
+    The layers' forward (projections, MLP, causal attention over half the sequence on average) and their
+    backward, which costs the same again: the base weights are frozen, so only the activations' gradients are
+    computed (LoRA's rank-16 products are left out). The LM head runs on action rows only (the loss reads no
+    other) three times: forward, then again in backward, which recomputes the logits instead of keeping
+    ``[rows, vocab]`` (``kiln_core.loss``), and the hidden states' gradient.
+    """
+    h, inter = args.hidden, args.intermediate
+    kv = h // args.heads * args.kv_heads
+    projections = h * h + 2 * h * kv + h * h + 3 * h * inter
+    attention = 2 * (mean_len / 2) * h
+    layers_forward = 2 * args.layers * (projections + attention)
+    head_forward = 2 * args.action_frac * h * args.vocab
+    return 2 * layers_forward + 3 * head_forward
+
+
+def matmul_flops_per_s(rows: int, args: argparse.Namespace, seconds: float = 2.0) -> float:
+    """What this CPU multiplies at on the model's own MLP shape (``rows`` tokens × hidden @ hidden × MLP)."""
+    x, w = torch.randn(rows, args.hidden), torch.randn(args.hidden, args.intermediate)
+    for _ in range(3):
+        x @ w
+    n, started = 0, time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        x @ w
+        n += 1
+    return 2 * rows * args.hidden * args.intermediate * n / (time.perf_counter() - started)
+
+
 def load_average() -> str:
     try:
         return " ".join(Path("/proc/loadavg").read_text().split()[:3])
@@ -162,6 +195,11 @@ def main() -> None:
             if name not in best or figures["tokens_per_s"] > best[name]["tokens_per_s"]:
                 best[name] = figures
     load_after = load_average()
+    mean_len = float(np.mean([tables.example(i).input_ids.shape[0] for i in range(tables.num_examples)]))
+    flops_per_token = training_flops_per_token(args, mean_len)
+    # the best the CPU does on the model's MLP shape, as one sequence or eight packed: a ceiling for any schedule
+    matmul_rate = (max(matmul_flops_per_s(int(mean_len) * n, args) for n in (1, 8)) if args.device == "cpu"
+                   else float("nan"))
 
     print(f"train step bench: hidden {args.hidden}, layers {args.layers}, heads {args.heads}/{args.kv_heads}, "
           f"vocab {args.vocab}, {args.examples} sequences of {args.min_len}-{args.max_len} tokens, K {args.top_k}, "
@@ -175,11 +213,18 @@ def main() -> None:
         f["speedup_vs_base"] = round(ratio, 3)
         print(f"{name:<16}{f['steps']:>6}{f['threads']:>5}{f['loop_s']:>9.2f}{f['tokens_per_s']:>10,.0f}{ratio:>8.2f}"
               f"{f['outside_forward_backward_share']:>13.1%}  {VARIANTS[name]['what']}")
+    if base and args.device == "cpu":
+        achieved = base["tokens_per_s"] * flops_per_token
+        print(f"arithmetic: {flops_per_token / 1e6:,.0f} MFLOP per trained token; base runs at {achieved / 1e9:,.1f} GFLOP/s, "
+              f"{achieved / matmul_rate:.0%} of the {matmul_rate / 1e9:,.1f} GFLOP/s this CPU multiplies the model's "
+              f"MLP matrices at (best of 1 and 8 sequences of rows): no schedule of the same arithmetic exceeds "
+              f"{matmul_rate / achieved:.2f}x base")
     print(json.dumps({
         "bench": "train_step", "hidden": args.hidden, "layers": args.layers, "vocab": args.vocab,
         "lengths": [args.min_len, args.max_len], "examples": args.examples, "top_k": args.top_k,
         "device": args.device, "checkpoint_interval": args.interval, "repeat": args.repeat,
         "build_model_s": round(build_s, 2), "load_average": {"before": load_before, "after": load_after},
+        "training_flops_per_token": round(flops_per_token), "matmul_flops_per_s": round(matmul_rate),
         "target_speedup": TARGET_SPEEDUP, "target_outside_forward_backward_share": TARGET_OVERHEAD,
         "variants": best,
     }))
