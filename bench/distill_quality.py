@@ -107,9 +107,9 @@ def main() -> None:
         if args.final:
             from kiln_core.contracts.opd_config import PRESETS
 
-            runs[f"preset {args.final}{label}"] = train_and_track(
-                setup, student, cache, {**PRESETS[args.final], "epochs": epochs_that_fit(setup, args.final_minutes), **settings}, args.eval_every,
-                budget_s=args.final_minutes * 60)
+            planned = {**PRESETS[args.final], "epochs": epochs_that_fit(setup, args.final_minutes), **settings}
+            runs[f"preset {args.final}{label}"] = train_and_track(setup, student, cache, planned, args.eval_every,
+                                                                  budget_s=args.final_minutes * 60)
         else:
             for name in args.recipes.split(","):
                 runs[name + label] = train_and_track(setup, student, cache, {**RECIPES[name], "epochs": args.epochs, **settings},
