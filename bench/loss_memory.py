@@ -37,6 +37,7 @@ import psutil
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+from kiln_core.logit_head import LogitHead  # noqa: E402
 from kiln_core.loss import topk_reverse_kl  # noqa: E402
 
 MIB = 2**20
@@ -205,7 +206,9 @@ def main() -> None:
         notes.append(f"naive reference cannot fit at T={args.T}; both sides run at T={T}")
 
     inputs, params = make_inputs(args, T, dtype, device)
-    ours_fn = lambda *a: topk_reverse_kl(*a, chunk_rows=args.chunk_rows)  # noqa: E731
+    def ours_fn(hidden, weight, ids, logprobs):
+        return topk_reverse_kl(hidden, LogitHead(weight), ids, logprobs, chunk_rows=args.chunk_rows)
+
     ours = bench("kiln-flows topk_reverse_kl", ours_fn, inputs, params, args.repeats, device)
     naive = bench("naive [T,V] logits", naive_topk_reverse_kl, inputs, params, args.naive_repeats, device)
 

@@ -1,9 +1,10 @@
 """The student losses, memory-bounded: Kiln's top-K reverse KL, ECHO env cross-entropy, and the tail variant.
 
 Every function here works on ONE sequence (Kiln: one sequence per optimizer step) and takes the
-student's final normed hidden rows plus the lm_head weight, never the logits. The reason is memory:
-at V = 248,320 a ``[T, V]`` fp32 logits tensor costs about 1 GiB per 1,000 rows, and autograd keeps
-one more of the same size for its gradient. So:
+student's final normed hidden rows plus its ``LogitHead`` (``kiln_core.logit_head``: the LM head and the
+model's own logit post-processing), never the logits. The reason is memory: at V = 248,320 a ``[T, V]``
+fp32 logits tensor costs about 1 GiB per 1,000 rows, and autograd keeps one more of the same size for
+its gradient. So:
 
 * ``topk_reverse_kl`` (the default loss, Kiln's crates/kiln-opd-loss-kernel/src/lib.rs) computes
   the student logit only at the teacher's K ids, in row chunks, and recomputes the gathered head
@@ -22,6 +23,8 @@ import math
 
 import torch
 
+from kiln_core.logit_head import LogitHead
+
 __all__ = [
     "topk_reverse_kl",
     "echo_env_cross_entropy",
@@ -31,118 +34,7 @@ __all__ = [
 
 
 # ---------------------------------------------------------------------------------------------
-# Memory-bounded building blocks (custom autograd Functions)
-
-
-class _GatheredLogits(torch.autograd.Function):
-    """``s[t, k] = hidden[t] · W[ids[t, k]] (+ bias[ids[t, k]])`` in fp32, chunked over rows.
-
-    Only the inputs are saved for backward; the gathered ``[chunk, K, H]`` head rows are
-    rebuilt per chunk there, so no ``[T, K, H]`` copy of W outlives a chunk.
-    """
-
-    @staticmethod
-    def forward(ctx, hidden, weight, ids, bias, chunk_rows):
-        n_rows, k = ids.shape
-        out = torch.empty((n_rows, k), dtype=torch.float32, device=hidden.device)  # [T, K]
-        for lo in range(0, n_rows, chunk_rows):
-            hi = min(lo + chunk_rows, n_rows)
-            flat = ids[lo:hi].reshape(-1).long()  # [c*K]
-            w = weight.index_select(0, flat).view(hi - lo, k, -1).float()  # [c, K, H]
-            s = torch.bmm(w, hidden[lo:hi].float().unsqueeze(-1)).squeeze(-1)  # [c, K]
-            if bias is not None:
-                s = s + bias.index_select(0, flat).view(hi - lo, k).float()
-            out[lo:hi] = s
-            del w, s  # free this chunk before the next gather, not after it
-        ctx.chunk_rows = chunk_rows
-        ctx.save_for_backward(hidden, weight, ids, bias)
-        return out
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out):
-        hidden, weight, ids, bias = ctx.saved_tensors
-        need_h, need_w, _, need_b, _ = ctx.needs_input_grad
-        n_rows, k = ids.shape
-        grad_h = torch.empty_like(hidden) if need_h else None
-        # A frozen head (LoRA) must cost nothing: no [V, H] buffer unless W really needs a gradient.
-        grad_w = torch.zeros_like(weight) if need_w else None
-        grad_b = torch.zeros_like(bias) if need_b else None
-        for lo in range(0, n_rows, ctx.chunk_rows):
-            hi = min(lo + ctx.chunk_rows, n_rows)
-            flat = ids[lo:hi].reshape(-1).long()  # [c*K]
-            g = grad_out[lo:hi].float()  # [c, K]
-            if need_h:  # dL/dh[t] = sum_k g[t, k] * W[ids[t, k]]
-                w = weight.index_select(0, flat).view(hi - lo, k, -1).float()  # [c, K, H]
-                grad_h[lo:hi] = torch.bmm(g.unsqueeze(1), w).squeeze(1).to(grad_h.dtype)
-                del w
-            if need_w:  # dL/dW[v] = sum over (t, k) with ids[t, k] == v of g[t, k] * h[t]
-                contrib = g.unsqueeze(-1) * hidden[lo:hi].float().unsqueeze(1)  # [c, K, H]
-                grad_w.index_add_(0, flat, contrib.reshape(len(flat), -1).to(grad_w.dtype))
-            if need_b:
-                grad_b.index_add_(0, flat, g.reshape(-1).to(grad_b.dtype))
-        return grad_h, grad_w, None, grad_b, None
-
-
-class _FullLogSumExp(torch.autograd.Function):
-    """``lse[r] = logsumexp_v(hidden[r] · W[v] (+ bias[v]))`` over the FULL vocabulary, tiled.
-
-    Forward keeps a running log-add-exp over ``[chunk_rows, chunk_vocab]`` logit tiles; backward
-    recomputes each tile to form ``softmax * grad`` (the only place the full softmax is needed).
-    The vocabulary is the outer loop so each head chunk is upcast once and each ``grad_W`` slice is
-    written once, accumulated in fp32.
-    """
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, chunk_rows, chunk_vocab):
-        n_rows, vocab = hidden.shape[0], weight.shape[0]
-        h32 = hidden.float()  # [R, H]; small next to W
-        lse = torch.full((n_rows,), -math.inf, dtype=torch.float32, device=hidden.device)
-        for v0 in range(0, vocab, chunk_vocab):
-            w, b = _vocab_chunk(weight, bias, v0, v0 + chunk_vocab)
-            for r0 in range(0, n_rows, chunk_rows):
-                z = h32[r0 : r0 + chunk_rows] @ w.T  # [c, cv]
-                if b is not None:
-                    z = z + b
-                lse[r0 : r0 + chunk_rows] = torch.logaddexp(lse[r0 : r0 + chunk_rows], z.logsumexp(-1))
-        ctx.chunks = (chunk_rows, chunk_vocab)
-        ctx.save_for_backward(hidden, weight, bias, lse)
-        return lse
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_lse):
-        hidden, weight, bias, lse = ctx.saved_tensors
-        need_h, need_w, need_b, _, _ = ctx.needs_input_grad
-        chunk_rows, chunk_vocab = ctx.chunks
-        n_rows, vocab = hidden.shape[0], weight.shape[0]
-        h32 = hidden.float()
-        g = grad_lse.float()
-        grad_h = torch.zeros_like(h32) if need_h else None
-        grad_w = torch.zeros_like(weight) if need_w else None
-        grad_b = torch.zeros_like(bias) if need_b else None
-        for v0 in range(0, vocab, chunk_vocab):
-            w, b = _vocab_chunk(weight, bias, v0, v0 + chunk_vocab)
-            gw = torch.zeros_like(w) if need_w else None  # fp32 accumulator for this slice
-            for r0 in range(0, n_rows, chunk_rows):
-                h = h32[r0 : r0 + chunk_rows]
-                z = h @ w.T if b is None else h @ w.T + b  # [c, cv]
-                # d lse / d z = softmax(z); scaled by the incoming per-row gradient.
-                p = torch.exp(z - lse[r0 : r0 + chunk_rows, None]) * g[r0 : r0 + chunk_rows, None]
-                if need_h:
-                    grad_h[r0 : r0 + chunk_rows] += p @ w
-                if need_w:
-                    gw += p.T @ h
-                if need_b:
-                    grad_b[v0 : v0 + chunk_vocab] += p.sum(0).to(grad_b.dtype)
-            if need_w:
-                grad_w[v0 : v0 + chunk_vocab] = gw.to(grad_w.dtype)
-        return (grad_h.to(hidden.dtype) if need_h else None), grad_w, grad_b, None, None
-
-
-def _vocab_chunk(weight, bias, v0, v1):
-    """fp32 views of head rows ``[v0, v1)`` and their bias (or None)."""
-    return weight[v0:v1].float(), (None if bias is None else bias[v0:v1].float())
+# Building blocks
 
 
 def _log1mexp(a: torch.Tensor) -> torch.Tensor:
@@ -173,24 +65,24 @@ def _tail_reverse_kl(log_q_s, log_q_tail, teacher_logprobs, tail_floor) -> torch
     return head + log_q_tail.exp() * (log_q_tail - log_p_tail)
 
 
-def _check_rows(hidden, head_weight, ids, head_bias, chunk_rows, name="teacher_ids"):
-    if hidden.dim() != 2 or head_weight.dim() != 2 or hidden.shape[1] != head_weight.shape[1]:
+def _check_rows(hidden, head, ids, chunk_rows, name="teacher_ids"):
+    if hidden.dim() != 2 or head.weight.dim() != 2 or hidden.shape[1] != head.weight.shape[1]:
         raise ValueError(
-            f"hidden must be [T, H] and head_weight [V, H]; "
-            f"got {tuple(hidden.shape)} and {tuple(head_weight.shape)}"
+            f"hidden must be [T, H] and the head's weight [V, H]; "
+            f"got {tuple(hidden.shape)} and {tuple(head.weight.shape)}"
         )
     if ids.shape[0] != hidden.shape[0] or ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(
             f"{name} must be int32/int64 with {hidden.shape[0]} rows; got {ids.dtype} {tuple(ids.shape)}"
         )
-    if head_bias is not None and tuple(head_bias.shape) != (head_weight.shape[0],):
-        raise ValueError(f"head_bias must be [V={head_weight.shape[0]}]; got {tuple(head_bias.shape)}")
+    if head.bias is not None and tuple(head.bias.shape) != (head.weight.shape[0],):
+        raise ValueError(f"the head's bias must be [V={head.weight.shape[0]}]; got {tuple(head.bias.shape)}")
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1; got {chunk_rows}")
 
 
-def _check_topk(hidden, head_weight, teacher_ids, teacher_logprobs, head_bias, chunk_rows):
-    _check_rows(hidden, head_weight, teacher_ids, head_bias, chunk_rows)
+def _check_topk(hidden, head, teacher_ids, teacher_logprobs, chunk_rows):
+    _check_rows(hidden, head, teacher_ids, chunk_rows)
     if teacher_ids.dim() != 2 or teacher_logprobs.shape != teacher_ids.shape:
         raise ValueError(
             f"teacher_ids and teacher_logprobs must both be [T, K]; "
@@ -206,28 +98,26 @@ def _check_topk(hidden, head_weight, teacher_ids, teacher_logprobs, head_bias, c
 
 def topk_reverse_kl(
     hidden: torch.Tensor,
-    head_weight: torch.Tensor,
+    head: LogitHead,
     teacher_ids: torch.Tensor,
     teacher_logprobs: torch.Tensor,
     *,
-    head_bias: torch.Tensor | None = None,
     chunk_rows: int = 1024,
 ) -> torch.Tensor:
     """Kiln's default OPD loss: top-K reverse KL on the teacher's support, mean over targets.
 
     For each action target q, scored from student row t = q − 1, with S_t the teacher's K ids:
-    ``s_v = hidden[t] · W[v]`` for v ∈ S_t only; ``log p̂ = s − logsumexp_S(s)``,
-    ``log q̂ = ℓ − logsumexp_S(ℓ)``; ``KL_t = Σ_S p̂ (log p̂ − log q̂)``. No tail bucket, no
-    temperature. ``[T, V]`` logits are never formed; extra memory is one ``[chunk_rows, K, H]``
-    gather in forward and again in backward. ``grad_W`` is allocated only if
-    ``head_weight.requires_grad`` (a LoRA student's frozen head costs nothing).
+    ``s_v`` = the student's own logit of v (``head.gathered``: the LM head and the model's soft cap or scale) for
+    v ∈ S_t only; ``log p̂ = s − logsumexp_S(s)``, ``log q̂ = ℓ − logsumexp_S(ℓ)``; ``KL_t = Σ_S p̂ (log p̂ − log q̂)``.
+    No tail bucket, no temperature. ``[T, V]`` logits are never formed; extra memory is one ``[chunk_rows, K, H]``
+    gather in forward and again in backward. ``grad_W`` is allocated only if ``head.weight.requires_grad``
+    (a LoRA student's frozen head costs nothing).
 
     Args:
         hidden: final normed hidden rows already aligned to the targets, ``[T_a, H]`` (fp32/bf16).
-        head_weight: lm_head weight ``[V, H]``.
+        head: the student's ``LogitHead`` (``kiln_core.logit_head``).
         teacher_ids: the teacher's K token ids per target, ``[T_a, K]`` int32/int64, file order.
         teacher_logprobs: the teacher's raw full-vocabulary logprobs at those ids, ``[T_a, K]``.
-        head_bias: optional lm_head bias ``[V]``, added to each gathered logit.
         chunk_rows: targets processed per chunk; trades peak memory for kernel launches.
 
     Returns:
@@ -237,23 +127,22 @@ def topk_reverse_kl(
         ValueError: on mismatched shapes, non-integer ids, or T_a == 0.
 
     Example:
-        >>> h = torch.randn(5, 8, requires_grad=True); w = torch.randn(50, 8)
+        >>> h = torch.randn(5, 8, requires_grad=True); head = LogitHead(torch.randn(50, 8))
         >>> ids = torch.stack([torch.randperm(50)[:16] for _ in range(5)])
         >>> ell = torch.log_softmax(torch.randn(5, 16), -1).sort(-1, descending=True).values
-        >>> topk_reverse_kl(h, w, ids, ell).backward()
+        >>> topk_reverse_kl(h, head, ids, ell).backward()
     """
-    _check_topk(hidden, head_weight, teacher_ids, teacher_logprobs, head_bias, chunk_rows)
-    s = _GatheredLogits.apply(hidden, head_weight, teacher_ids, head_bias, chunk_rows)  # [T, K]
+    _check_topk(hidden, head, teacher_ids, teacher_logprobs, chunk_rows)
+    s = head.gathered(hidden, teacher_ids, chunk_rows=chunk_rows)  # [T, K]
     return _renormalized_reverse_kl(s, teacher_logprobs).mean()
 
 
 def echo_env_cross_entropy(
     hidden_rows: torch.Tensor,
-    head_weight: torch.Tensor,
+    head: LogitHead,
     target_ids: torch.Tensor,
     observation_count: int,
     *,
-    head_bias: torch.Tensor | None = None,
     chunk_rows: int = 1024,
     chunk_vocab: int = 8192,
 ) -> torch.Tensor:
@@ -267,10 +156,9 @@ def echo_env_cross_entropy(
 
     Args:
         hidden_rows: hidden rows for O', ``[R, H]``; R may be 0.
-        head_weight: lm_head weight ``[V, H]``.
+        head: the student's ``LogitHead``.
         target_ids: the observed next token per row, ``[R]`` int32/int64.
         observation_count: |O| ≥ R, and > 0 whenever R > 0.
-        head_bias: optional lm_head bias ``[V]``.
         chunk_rows: rows per logit tile.
         chunk_vocab: vocabulary entries per logit tile.
 
@@ -282,12 +170,12 @@ def echo_env_cross_entropy(
         ValueError: on mismatched shapes or an ``observation_count`` smaller than R.
 
     Example:
-        >>> h = torch.randn(3, 8, requires_grad=True); w = torch.randn(50, 8)
-        >>> echo_env_cross_entropy(h, w, torch.tensor([4, 7, 9]), observation_count=5).backward()
+        >>> h = torch.randn(3, 8, requires_grad=True); head = LogitHead(torch.randn(50, 8))
+        >>> echo_env_cross_entropy(h, head, torch.tensor([4, 7, 9]), observation_count=5).backward()
     """
     if target_ids.dim() != 1:
         raise ValueError(f"target_ids must be [R]; got {tuple(target_ids.shape)}")
-    _check_rows(hidden_rows, head_weight, target_ids, head_bias, chunk_rows, name="target_ids")
+    _check_rows(hidden_rows, head, target_ids, chunk_rows, name="target_ids")
     n_rows = hidden_rows.shape[0]
     if observation_count < n_rows or (n_rows > 0 and observation_count <= 0):
         raise ValueError(
@@ -295,18 +183,17 @@ def echo_env_cross_entropy(
         )
     if n_rows == 0:
         return hidden_rows.float().sum() * 0.0
-    lse = _FullLogSumExp.apply(hidden_rows, head_weight, head_bias, chunk_rows, chunk_vocab)  # [R]
-    target = _GatheredLogits.apply(hidden_rows, head_weight, target_ids[:, None], head_bias, chunk_rows)
+    lse = head.logsumexp(hidden_rows, chunk_rows=chunk_rows, chunk_vocab=chunk_vocab)  # [R]
+    target = head.gathered(hidden_rows, target_ids[:, None], chunk_rows=chunk_rows)
     return (lse - target[:, 0]).sum() / observation_count
 
 
 def topk_tail_reverse_kl(
     hidden: torch.Tensor,
-    head_weight: torch.Tensor,
+    head: LogitHead,
     teacher_ids: torch.Tensor,
     teacher_logprobs: torch.Tensor,
     *,
-    head_bias: torch.Tensor | None = None,
     chunk_rows: int = 1024,
     chunk_vocab: int = 8192,
     tail_floor: float = 1e-12,
@@ -317,10 +204,10 @@ def topk_tail_reverse_kl(
     softmax (``log q_v = s_v − LSE_full``), ``p_v = exp(ℓ_v)`` the raw teacher probabilities (not
     renormalized), ``p⊥ = 1 − Σ_S p`` and ``q⊥ = 1 − Σ_S q = 1 − exp(lse_S(s) − LSE_full)``, both
     computed with log1mexp and floored at ``tail_floor`` (so ``log 0`` never reaches the gradient).
-    Not Kiln's objective: Kiln discards the tail (reference §4).
+    Not Kiln's objective: Kiln discards the tail (docs/kiln-compatibility.md).
 
     Args:
-        hidden, head_weight, teacher_ids, teacher_logprobs, head_bias: as in `topk_reverse_kl`.
+        hidden, head, teacher_ids, teacher_logprobs: as in `topk_reverse_kl`.
         chunk_rows: rows per chunk (gather and full-vocab tiles).
         chunk_vocab: vocabulary entries per full-vocab tile.
         tail_floor: lower bound of both tail masses, in probability.
@@ -329,14 +216,14 @@ def topk_tail_reverse_kl(
         Scalar fp32 tensor: mean of KL_t over the T_a targets.
 
     Example:
-        >>> h = torch.randn(5, 8, requires_grad=True); w = torch.randn(50, 8)
+        >>> h = torch.randn(5, 8, requires_grad=True); head = LogitHead(torch.randn(50, 8))
         >>> ids = torch.stack([torch.randperm(50)[:16] for _ in range(5)])
         >>> ell = torch.log_softmax(torch.randn(5, 50), -1).topk(16).values
-        >>> topk_tail_reverse_kl(h, w, ids, ell).backward()
+        >>> topk_tail_reverse_kl(h, head, ids, ell).backward()
     """
-    _check_topk(hidden, head_weight, teacher_ids, teacher_logprobs, head_bias, chunk_rows)
-    s = _GatheredLogits.apply(hidden, head_weight, teacher_ids, head_bias, chunk_rows)  # [T, K]
-    lse_full = _FullLogSumExp.apply(hidden, head_weight, head_bias, chunk_rows, chunk_vocab)  # [T]
+    _check_topk(hidden, head, teacher_ids, teacher_logprobs, chunk_rows)
+    s = head.gathered(hidden, teacher_ids, chunk_rows=chunk_rows)  # [T, K]
+    lse_full = head.logsumexp(hidden, chunk_rows=chunk_rows, chunk_vocab=chunk_vocab)  # [T]
     log_q_s = s - lse_full[:, None]  # student full-vocab log-probs at S
     log_mass_s = torch.logsumexp(s, dim=-1) - lse_full  # log Σ_S q ≤ 0
     log_q_tail = _log1mexp(log_mass_s.clamp_max(math.log1p(-tail_floor)))

@@ -91,6 +91,26 @@ def build_tiny_tokenizer(out_dir: str | Path, *, vocab_size: int = 384, generati
     return out
 
 
+# The architectures a tiny model can take: transformers' config class, causal-LM class and what the family needs
+# beyond the shared shape. The post-processing values are set away from their defaults where the default would do
+# nothing (Granite's logits_scaling 1.0, Gemma 3's soft cap off), so the tiny model exercises what a real one does.
+TINY_ARCHITECTURES: dict[str, tuple[str, str, dict]] = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": "auto"}),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  {"head_dim": "auto", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": "auto"}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": "auto", "final_logit_softcapping": 30.0}),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": "auto", "final_logit_softcapping": 30.0}),
+    "cohere": ("CohereConfig", "CohereForCausalLM", {"logit_scale": 0.0625}),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", {"logits_scaling": 8.0}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+}
+
+
 def build_tiny_model(
     out_dir: str | Path,
     *,
@@ -104,8 +124,12 @@ def build_tiny_model(
     tokenizer_vocab_size: int = 384,
     generation_blocks: bool = True,
     max_position_embeddings: int = 2048,
+    architecture: str = "qwen3",
+    tie_word_embeddings: bool | None = None,
+    chat_template: str | None = None,
 ) -> Path:
-    """Build a Qwen3-shaped causal LM with seeded random weights, plus its tokenizer.
+    """Build a causal LM with seeded random weights (Qwen3-shaped unless ``architecture`` says otherwise), plus its
+    tokenizer.
 
     ``vocab_size`` (the logit width) may exceed the tokenizer's entry count, as in real Qwen models.
 
@@ -121,36 +145,49 @@ def build_tiny_model(
         tokenizer_vocab_size: BPE vocabulary size of the tokenizer.
         generation_blocks: Whether the chat template carries ``{% generation %}`` blocks.
         max_position_embeddings: Context cap written to the config.
+        architecture: A key of ``TINY_ARCHITECTURES`` (``qwen3``, ``gemma2``, ``phi3``, ...).
+        tie_word_embeddings: Share the LM head with the embeddings; the family's default when None (Qwen3: untied).
+        chat_template: Replaces the tokenizer's ChatML template (a family's own, e.g. Gemma's).
 
     Returns:
         The output directory.
 
     Example:
         >>> build_tiny_model("/tmp/student", seed=1)  # doctest: +SKIP
+        >>> build_tiny_model("/tmp/gemma2", architecture="gemma2")  # doctest: +SKIP
     """
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    import transformers
 
+    if architecture not in TINY_ARCHITECTURES:
+        raise ValueError(f"unknown tiny architecture {architecture!r}; one of {sorted(TINY_ARCHITECTURES)}")
+    config_name, model_name, extra = TINY_ARCHITECTURES[architecture]
     out = Path(out_dir)
     build_tiny_tokenizer(out, vocab_size=tokenizer_vocab_size, generation_blocks=generation_blocks)
-    config = Qwen3Config(
+    if chat_template is not None:
+        _replace_chat_template(out, chat_template)
+    family = {key: (hidden_size // num_heads if value == "auto" else value) for key, value in extra.items()}
+    if tie_word_embeddings is None:
+        tie_word_embeddings = False if architecture == "qwen3" else None
+    if tie_word_embeddings is not None:
+        family["tie_word_embeddings"] = tie_word_embeddings
+    config = getattr(transformers, config_name)(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
-        head_dim=hidden_size // num_heads,
         max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=False,
         bos_token_id=None,
         eos_token_id=2,
         pad_token_id=0,
+        **family,
     )
     generator_state = torch.random.get_rng_state()
     try:
         torch.manual_seed(seed)
-        model = Qwen3ForCausalLM(config)
+        model = getattr(transformers, model_name)(config)
         # Default init gives near-uniform logits; a larger scale makes teachers and students disagree
         # in ways the tests can see.
         with torch.no_grad():
@@ -162,6 +199,18 @@ def build_tiny_model(
         torch.random.set_rng_state(generator_state)
     _drop_volatile_config_keys(out / "config.json")
     return out
+
+
+def _replace_chat_template(model_dir: Path, template: str) -> None:
+    """Write ``template`` where the saved tokenizer keeps its chat template."""
+    jinja = model_dir / "chat_template.jinja"
+    if jinja.exists():
+        jinja.write_text(template, encoding="utf-8")
+        return
+    config_path = model_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config["chat_template"] = template
+    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def _drop_volatile_config_keys(config_path: Path) -> None:

@@ -47,3 +47,19 @@ def naive_topk_tail_reverse_kl(hidden, head_weight, teacher_ids, teacher_logprob
     p_tail = torch.clamp(1.0 - p.sum(dim=-1), min=tail_floor)
     support = (q * (torch.log(q) - torch.log(p))).sum(dim=-1)
     return (support + q_tail * (torch.log(q_tail) - torch.log(p_tail))).mean()
+
+
+def reverse_kl_from_logits(logits, teacher_ids, teacher_logprobs):
+    """Kiln's top-K reverse KL of whole logit rows ``[T, V]`` (e.g. transformers' own ``model(...).logits``):
+    mean over rows of KL(p̂ ‖ q̂), both restricted to the teacher's K ids and renormalized."""
+    student = normalize(logits.float().gather(1, teacher_ids.long()))
+    teacher = normalize(teacher_logprobs.float())
+    return (student * (torch.log(student) - torch.log(teacher))).sum(dim=-1).mean()
+
+
+def softcapped_scaled_logits(hidden, weight, bias=None, *, scale=1.0, softcap=None):
+    """``cap · tanh(scale · (hidden · Wᵀ + b) / cap)`` written out: Cohere's and Granite's scale, Gemma's soft cap."""
+    logits = full_logits(hidden, weight, bias) * scale
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    return logits

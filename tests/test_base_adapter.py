@@ -18,6 +18,7 @@ import torch
 
 from kiln_core.canonical import sha256_prefixed
 from kiln_core.contracts.latest import LatestPointer, encode_latest
+from kiln_core.contracts.lora_targets import KILN_LORA_TARGETS, LoraTargets
 from kiln_core.contracts.opd_config import OpdConfig
 from kiln_core.engine.base_adapter import plan_base_adapter, resolve_base_adapter
 from kiln_core.errors import EnvironmentFailure
@@ -27,6 +28,7 @@ from kiln_core.training.student import load_student
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny matrices: one thread (conftest)
 
 RANK, ALPHA = 4, 8.0
+KILN_TARGETS = LoraTargets(modules=KILN_LORA_TARGETS)  # the tiny Qwen3 student's
 
 
 def write_adapter(student_dir: Path, directory: Path, *, seed: int = 11, rank: int = RANK, alpha: float = ALPHA) -> Path:
@@ -86,9 +88,9 @@ def test_a_directory_or_uri_is_taken_as_the_adapter_itself(adapter, tmp_path, mo
     assert resolve_base_adapter("./adapter", str(tmp_path)).uri == str(adapter)  # relative: the working directory
     assert resolve_base_adapter(adapter.as_uri(), str(tmp_path)).adapter_model_bytes > 0
     # the trainer, given no resolved adapter, reads a directory itself (a name needs a storage root)
-    assert settle_base_adapter(config(base_adapter=str(adapter)), None).uri == str(adapter)
+    assert settle_base_adapter(config(base_adapter=str(adapter)), None, KILN_TARGETS).uri == str(adapter)
     with pytest.raises(BaseAdapterError) as error:
-        settle_base_adapter(config(base_adapter="warm"), None)
+        settle_base_adapter(config(base_adapter="warm"), None, KILN_TARGETS)
     assert error.value.code == "base_adapter_missing" and "storage root" in error.value.message
 
 
@@ -144,7 +146,7 @@ def test_a_base_adapter_of_another_rank_or_alpha_is_refused(adapter, tmp_path, o
     publish(tmp_path, "warm", adapter)
     with pytest.raises(BaseAdapterError) as error:
         plan_base_adapter(OpdConfig(training_mode="off_policy", base_adapter="warm",
-                                    **{"lora_rank": RANK, "lora_alpha": ALPHA, **overrides}), str(tmp_path))
+                                    **{"lora_rank": RANK, "lora_alpha": ALPHA, **overrides}), str(tmp_path), KILN_TARGETS)
     assert (error.value.code, error.value.field) == ("base_adapter_mismatch", field) and fragment in error.value.message
 
 
@@ -155,7 +157,7 @@ def test_a_base_adapter_with_other_target_modules_is_refused(adapter, tmp_path):
     adapter_config = json.loads((adapter / "adapter_config.json").read_text())
     (other / "adapter_config.json").write_text(json.dumps({**adapter_config, "target_modules": ["q_proj", "v_proj"]}))
     with pytest.raises(BaseAdapterError) as error:
-        plan_base_adapter(config(base_adapter=str(other)), str(tmp_path))
+        plan_base_adapter(config(base_adapter=str(other)), str(tmp_path), KILN_TARGETS)
     assert error.value.code == "base_adapter_mismatch" and "target_modules mismatch" in error.value.message
 
 
@@ -170,7 +172,7 @@ def test_tensors_that_do_not_fit_the_student_are_refused(adapter, tiny_student, 
     key = sorted(name for name in tensors if "down_proj.lora_A" in name)[0]
     tensors[key] = torch.zeros(RANK, tensors[key].shape[1] + 1)
     save_file(tensors, other / "adapter_model.safetensors")
-    base = plan_base_adapter(config(base_adapter=str(other)), str(tmp_path))
+    base = plan_base_adapter(config(base_adapter=str(other)), str(tmp_path), KILN_TARGETS)
     student = load_student(tiny_student, rank=RANK, alpha=ALPHA, seed=1, device="cpu", precision="fp32")
     with pytest.raises(BaseAdapterError) as error:
         load_base_adapter(student, base)
@@ -182,7 +184,7 @@ def test_weights_that_changed_after_planning_are_not_loaded(adapter, tiny_studen
     copy.mkdir()
     for name in ("adapter_config.json", "adapter_model.safetensors"):
         (copy / name).write_bytes((adapter / name).read_bytes())
-    base = plan_base_adapter(config(base_adapter=str(copy)), str(tmp_path))
+    base = plan_base_adapter(config(base_adapter=str(copy)), str(tmp_path), KILN_TARGETS)
     write_adapter(tiny_student, tmp_path / "replacement", seed=99)
     (copy / "adapter_model.safetensors").write_bytes((tmp_path / "replacement" / "adapter_model.safetensors").read_bytes())
     student = load_student(tiny_student, rank=RANK, alpha=ALPHA, seed=1, device="cpu", precision="fp32")

@@ -42,13 +42,13 @@ def test_shard_student_shards_the_base_layers_and_keeps_lora_and_head_whole(tiny
         elif ".layers." in name:
             assert isinstance(param, DTensor), name
     assert all(not isinstance(param, DTensor) for param in sharded.lora_parameters.values())
-    assert not isinstance(sharded.head_weight, DTensor)
+    assert not isinstance(sharded.head.weight, DTensor)
 
     lora = sum(param.numel() for param in sharded.lora_parameters.values())
     total = sum(param.numel() for param in whole.model.parameters())
     assert report.sharded_parameters + report.replicated_parameters == total
     assert report.local_parameters == report.sharded_parameters  # one rank holds all of every shard
-    assert report.replicated_parameters >= lora + sharded.head_weight.numel()
+    assert report.replicated_parameters >= lora + sharded.head.weight.numel()
 
     tokens = torch.tensor([1, 5, 9, 2])
     with torch.no_grad():

@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from kiln_core.logit_head import LogitHead
 from kiln_core.loss import compose_step_loss, echo_env_cross_entropy, topk_reverse_kl, topk_tail_reverse_kl
 from naive_losses import naive_echo_env_cross_entropy, naive_topk_reverse_kl, naive_topk_tail_reverse_kl
 
@@ -72,7 +73,8 @@ def test_topk_reverse_kl_by_hand():
     expected = 0.25 * math.log(0.25 / (2 / 3)) + 0.75 * math.log(0.75 / (1 / 3))
     args = tiny_case()
     assert naive_topk_reverse_kl(*args).item() == pytest.approx(expected, rel=RTOL)
-    assert topk_reverse_kl(*args).item() == pytest.approx(expected, rel=RTOL)
+    hidden, weight, ids, logprobs = args
+    assert topk_reverse_kl(hidden, LogitHead(weight), ids, logprobs).item() == pytest.approx(expected, rel=RTOL)
 
 
 def test_tail_reverse_kl_by_hand():
@@ -80,7 +82,8 @@ def test_tail_reverse_kl_by_hand():
     expected = 0.2 * math.log(0.2 / 0.5) + 0.6 * math.log(0.6 / 0.25) + 0.2 * math.log(0.2 / 0.25)
     args = tiny_case()
     assert naive_topk_tail_reverse_kl(*args).item() == pytest.approx(expected, rel=RTOL)
-    assert topk_tail_reverse_kl(*args).item() == pytest.approx(expected, rel=RTOL)
+    hidden, weight, ids, logprobs = args
+    assert topk_tail_reverse_kl(hidden, LogitHead(weight), ids, logprobs).item() == pytest.approx(expected, rel=RTOL)
 
 
 def test_echo_by_hand():
@@ -88,7 +91,7 @@ def test_echo_by_hand():
     hidden, weight, _, _ = tiny_case()
     expected = -math.log(0.6) / 2
     assert naive_echo_env_cross_entropy(hidden, weight, torch.tensor([1]), 2).item() == pytest.approx(expected, rel=RTOL)
-    assert echo_env_cross_entropy(hidden, weight, torch.tensor([1]), 2).item() == pytest.approx(expected, rel=RTOL)
+    assert echo_env_cross_entropy(hidden, LogitHead(weight), torch.tensor([1]), 2).item() == pytest.approx(expected, rel=RTOL)
 
 
 # --------------------------------------------------------------------------------------------
@@ -101,7 +104,7 @@ def test_echo_by_hand():
 @pytest.mark.parametrize("bias", [False, True])
 def test_topk_matches_naive(k, chunk_rows, train_head, bias):
     hidden, weight, ids, logprobs, head_bias = make_inputs(k, bias=bias, train_head=train_head)
-    ours = topk_reverse_kl(hidden, weight, ids, logprobs, head_bias=head_bias, chunk_rows=chunk_rows)
+    ours = topk_reverse_kl(hidden, LogitHead(weight, head_bias), ids, logprobs, chunk_rows=chunk_rows)
     ref = naive_topk_reverse_kl(hidden, weight, ids, logprobs, head_bias=head_bias)
     assert ours.item() > 0.1  # a real, non-trivial KL
     assert ours.item() == pytest.approx(ref.item(), rel=RTOL)
@@ -111,13 +114,13 @@ def test_topk_matches_naive(k, chunk_rows, train_head, bias):
 
 def test_topk_accepts_int32_ids():
     hidden, weight, ids, logprobs, _ = make_inputs(16)
-    a = topk_reverse_kl(hidden, weight, ids.int(), logprobs, chunk_rows=5)
+    a = topk_reverse_kl(hidden, LogitHead(weight), ids.int(), logprobs, chunk_rows=5)
     assert a.item() == pytest.approx(naive_topk_reverse_kl(hidden, weight, ids, logprobs).item(), rel=RTOL)
 
 
 def test_topk_frozen_head_allocates_no_head_gradient():
     hidden, weight, ids, logprobs, _ = make_inputs(32)
-    loss = topk_reverse_kl(hidden, weight, ids, logprobs, chunk_rows=8)
+    loss = topk_reverse_kl(hidden, LogitHead(weight), ids, logprobs, chunk_rows=8)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         loss.backward()
     assert weight.grad is None and hidden.grad is not None
@@ -128,7 +131,7 @@ def test_topk_frozen_head_allocates_no_head_gradient():
 @pytest.mark.parametrize("k", [16, 32])
 def test_topk_never_sees_full_logits_or_full_gather(k):
     hidden, weight, ids, logprobs, _ = make_inputs(k)
-    ours = largest_tensor_seen(lambda: topk_reverse_kl(hidden, weight, ids, logprobs, chunk_rows=8).backward())
+    ours = largest_tensor_seen(lambda: topk_reverse_kl(hidden, LogitHead(weight), ids, logprobs, chunk_rows=8).backward())
     assert ours < min(T * V, T * k * H)  # W itself (V*H) is the biggest thing an op may touch
     # The probe can fail: the naive reference trips it.
     naive = largest_tensor_seen(lambda: naive_topk_reverse_kl(hidden, weight, ids, logprobs).backward())
@@ -139,7 +142,7 @@ def test_topk_bf16_inputs_match_fp32_reference():
     hidden, weight, ids, logprobs, head_bias = make_inputs(32, bias=True, train_head=True)
     h16, w16, b16 = (t.detach().bfloat16().requires_grad_() for t in (hidden, weight, head_bias))
     h32, w32, b32 = (t.detach().float().requires_grad_() for t in (h16, w16, b16))
-    ours = topk_reverse_kl(h16, w16, ids, logprobs, head_bias=b16, chunk_rows=10)
+    ours = topk_reverse_kl(h16, LogitHead(w16, b16), ids, logprobs, chunk_rows=10)
     ref = naive_topk_reverse_kl(h32, w32, ids, logprobs, head_bias=b32)
     assert ours.dtype == torch.float32
     assert ours.item() == pytest.approx(ref.item(), rel=1e-4)
@@ -154,10 +157,10 @@ def test_full_vocab_losses_bf16_inputs_match_fp32_reference(which):
     h16, w16, b16 = (t.detach().bfloat16().requires_grad_() for t in (hidden, weight, head_bias))
     h32, w32, b32 = (t.detach().float().requires_grad_() for t in (h16, w16, b16))
     if which == "echo":
-        ours = echo_env_cross_entropy(h16, w16, ids[:, 0], 40, head_bias=b16, chunk_rows=8, chunk_vocab=50)
+        ours = echo_env_cross_entropy(h16, LogitHead(w16, b16), ids[:, 0], 40, chunk_rows=8, chunk_vocab=50)
         ref = naive_echo_env_cross_entropy(h32, w32, ids[:, 0], 40, head_bias=b32)
     else:
-        ours = topk_tail_reverse_kl(h16, w16, ids, logprobs, head_bias=b16, chunk_rows=8, chunk_vocab=50)
+        ours = topk_tail_reverse_kl(h16, LogitHead(w16, b16), ids, logprobs, chunk_rows=8, chunk_vocab=50)
         ref = naive_topk_tail_reverse_kl(h32, w32, ids, logprobs, head_bias=b32)
     assert ours.item() == pytest.approx(ref.item(), rel=1e-4)
     assert_grads_close(grads(ours, (h16, w16, b16)), grads(ref, (h32, w32, b32)), tol=1e-2)
@@ -167,7 +170,7 @@ def test_topk_is_zero_when_student_matches_teacher_on_support():
     hidden, weight, ids, _, _ = make_inputs(16)
     # Teacher = the student's own full-vocab log-softmax at S: equal after renormalization.
     logprobs = torch.log_softmax(hidden.detach() @ weight.T, dim=-1).gather(1, ids)
-    loss = topk_reverse_kl(hidden, weight, ids, logprobs, chunk_rows=8)
+    loss = topk_reverse_kl(hidden, LogitHead(weight), ids, logprobs, chunk_rows=8)
     assert abs(loss.item()) < 1e-6
     (g,) = grads(loss, (hidden,))
     assert g.abs().max().item() < 1e-6
@@ -176,11 +179,11 @@ def test_topk_is_zero_when_student_matches_teacher_on_support():
 def test_topk_rejects_bad_shapes():
     hidden, weight, ids, logprobs, _ = make_inputs(16)
     with pytest.raises(ValueError, match="teacher_logprobs"):
-        topk_reverse_kl(hidden, weight, ids, logprobs[:, :8])
+        topk_reverse_kl(hidden, LogitHead(weight), ids, logprobs[:, :8])
     with pytest.raises(ValueError, match="int32/int64"):
-        topk_reverse_kl(hidden, weight, ids.float(), logprobs)
+        topk_reverse_kl(hidden, LogitHead(weight), ids.float(), logprobs)
     with pytest.raises(ValueError, match="no action targets"):
-        topk_reverse_kl(hidden[:0], weight, ids[:0], logprobs[:0])
+        topk_reverse_kl(hidden[:0], LogitHead(weight), ids[:0], logprobs[:0])
 
 
 # --------------------------------------------------------------------------------------------
@@ -195,7 +198,7 @@ def test_echo_matches_naive_with_warning_filter(train_head, bias, chunks):
     targets = ids[:, 0]
     observation_count = 27  # |O| before the warning filter > the 20 eligible rows
     ours = echo_env_cross_entropy(
-        hidden, weight, targets, observation_count, head_bias=head_bias, chunk_rows=chunks[0], chunk_vocab=chunks[1]
+        hidden, LogitHead(weight, head_bias), targets, observation_count, chunk_rows=chunks[0], chunk_vocab=chunks[1]
     )
     ref = naive_echo_env_cross_entropy(hidden, weight, targets, observation_count, head_bias=head_bias)
     mean_over_rows = naive_echo_env_cross_entropy(hidden, weight, targets, 20, head_bias=head_bias)
@@ -208,14 +211,15 @@ def test_echo_matches_naive_with_warning_filter(train_head, bias, chunks):
 def test_echo_tiles_never_see_full_logits():
     hidden, weight, ids, _, _ = make_inputs(16, rows=20)
     args = (hidden, weight, ids[:, 0], 20)
-    ours = largest_tensor_seen(lambda: echo_env_cross_entropy(*args, chunk_rows=7, chunk_vocab=50).backward())
+    ours = largest_tensor_seen(lambda: echo_env_cross_entropy(hidden, LogitHead(weight), ids[:, 0], 20, chunk_rows=7,
+                                                              chunk_vocab=50).backward())
     assert ours < 20 * V
     assert largest_tensor_seen(lambda: naive_echo_env_cross_entropy(*args).backward()) >= 20 * V
 
 
 def test_echo_zero_rows_is_connected_zero():
     hidden, weight, _, _, _ = make_inputs(16, rows=0)
-    loss = echo_env_cross_entropy(hidden, weight, torch.zeros(0, dtype=torch.long), observation_count=3)
+    loss = echo_env_cross_entropy(hidden, LogitHead(weight), torch.zeros(0, dtype=torch.long), observation_count=3)
     assert loss.item() == 0.0 and loss.requires_grad
     loss.backward()
     assert hidden.grad is not None and hidden.grad.shape == (0, H)
@@ -224,7 +228,7 @@ def test_echo_zero_rows_is_connected_zero():
 def test_echo_rejects_count_below_rows():
     hidden, weight, ids, _, _ = make_inputs(16, rows=4)
     with pytest.raises(ValueError, match="observation_count"):
-        echo_env_cross_entropy(hidden, weight, ids[:, 0], observation_count=3)
+        echo_env_cross_entropy(hidden, LogitHead(weight), ids[:, 0], observation_count=3)
 
 
 # --------------------------------------------------------------------------------------------
@@ -236,7 +240,7 @@ def test_echo_rejects_count_below_rows():
 def test_tail_matches_naive(k, train_head, bias, chunks):
     hidden, weight, ids, logprobs, head_bias = make_inputs(k, bias=bias, train_head=train_head)
     ours = topk_tail_reverse_kl(
-        hidden, weight, ids, logprobs, head_bias=head_bias, chunk_rows=chunks[0], chunk_vocab=chunks[1]
+        hidden, LogitHead(weight, head_bias), ids, logprobs, chunk_rows=chunks[0], chunk_vocab=chunks[1]
     )
     ref = naive_topk_tail_reverse_kl(hidden, weight, ids, logprobs, head_bias=head_bias)
     assert ours.item() == pytest.approx(ref.item(), rel=RTOL)
@@ -249,13 +253,13 @@ def test_tail_matches_naive(k, train_head, bias, chunks):
 def test_tail_is_zero_when_student_matches_teacher_and_finite_when_support_is_everything():
     hidden, weight, ids, _, _ = make_inputs(16)
     logprobs = torch.log_softmax(hidden.detach() @ weight.T, dim=-1).gather(1, ids)
-    loss = topk_tail_reverse_kl(hidden, weight, ids, logprobs, chunk_rows=8, chunk_vocab=50)
+    loss = topk_tail_reverse_kl(hidden, LogitHead(weight), ids, logprobs, chunk_rows=8, chunk_vocab=50)
     assert abs(loss.item()) < 1e-6
     # S = the whole vocabulary: both tails are 0, floored; loss and gradients must stay finite.
     hidden2, weight2 = hidden[:2].detach().requires_grad_(), weight[:16]
     ids2 = torch.arange(16).expand(2, 16)
     teacher = torch.log_softmax(torch.randn(2, 16), dim=-1)
-    loss2 = topk_tail_reverse_kl(hidden2, weight2, ids2, teacher)
+    loss2 = topk_tail_reverse_kl(hidden2, LogitHead(weight2), ids2, teacher)
     loss2.backward()
     assert torch.isfinite(loss2) and torch.isfinite(hidden2.grad).all()
     ref = naive_topk_reverse_kl(hidden2, weight2, ids2, teacher)  # no tail left: same as renormalized

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kiln_core import loss as L
+from kiln_core.logit_head import LogitHead
 from kiln_core.training import objectives as O
 from naive_losses import naive_topk_tail_reverse_kl
 from plan_support import train_plan
@@ -46,7 +47,7 @@ def naive_forward_kl(h, w, b, ids, ell):
 def test_teacher_token_cross_entropy_matches_naive(bias):
     h, w, b, ids, ell, targets = problem(bias=bias)
     h1 = h.clone().requires_grad_(True)
-    value = O.teacher_token_cross_entropy(h1, w, targets, head_bias=b, chunk_rows=3, chunk_vocab=64)
+    value = O.teacher_token_cross_entropy(h1, LogitHead(w, b), targets, chunk_rows=3, chunk_vocab=64)
     value.backward()
     h2 = h.double().clone().requires_grad_(True)
     reference = naive_ce(h2, w, b, targets)
@@ -59,7 +60,7 @@ def test_teacher_token_cross_entropy_matches_naive(bias):
 def test_topk_forward_kl_matches_naive(bias):
     h, w, b, ids, ell, _ = problem(seed=1, bias=bias)
     h1 = h.clone().requires_grad_(True)
-    value = O.topk_forward_kl(h1, w, ids, ell, head_bias=b, chunk_rows=2, chunk_vocab=50)
+    value = O.topk_forward_kl(h1, LogitHead(w, b), ids, ell, chunk_rows=2, chunk_vocab=50)
     value.backward()
     h2 = h.double().clone().requires_grad_(True)
     reference = naive_forward_kl(h2, w, b, ids, ell)
@@ -76,22 +77,22 @@ def test_forward_kl_is_zero_only_when_the_student_matches_the_renormalized_teach
     w = torch.eye(vocab)  # hidden = logits directly
     h = torch.full((1, vocab), -1e4)
     h[0, ids[0]] = torch.log_softmax(ell[0], -1)
-    assert float(O.topk_forward_kl(h, w, ids, ell)) < 1e-5
+    assert float(O.topk_forward_kl(h, LogitHead(w), ids, ell)) < 1e-5
     h2 = h.clone()
     h2[0, 0 if 0 not in ids[0] else 1] = 0.0  # some student mass outside the teacher's K ids
-    assert float(O.topk_forward_kl(h2, w, ids, ell)) > 1e-3
+    assert float(O.topk_forward_kl(h2, LogitHead(w), ids, ell)) > 1e-3
     # Kiln's renormalized reverse KL cannot see that mass: it stays ~0.
-    assert float(L.topk_reverse_kl(h2, w, ids, ell)) < 1e-5
+    assert float(L.topk_reverse_kl(h2, LogitHead(w), ids, ell)) < 1e-5
 
 
 def test_step_loss_registry_names_every_trainable_loss():
     h, w, b, ids, ell, targets = problem(seed=2)
     assert set(O.STEP_LOSSES) == {"teacher_top_k", "teacher_top_k_tail", "teacher_token_ce", "teacher_top_k_forward",
                                   "teacher_top_k_tail_forward"}
-    assert float(O.step_loss("teacher_top_k")(h, w, ids, ell, target_ids=targets)) == pytest.approx(float(L.topk_reverse_kl(h, w, ids, ell)))
-    assert float(O.step_loss("teacher_token_ce")(h, w, ids, ell, target_ids=targets)) == pytest.approx(float(naive_ce(h, w, None, targets)), abs=TOL)
-    both = O.step_loss("teacher_top_k_tail_forward")(h, w, ids, ell, target_ids=targets)
-    assert float(both) == pytest.approx(float(L.topk_tail_reverse_kl(h, w, ids, ell)) + float(naive_forward_kl(h, w, None, ids, ell)), abs=1e-4)
+    assert float(O.step_loss("teacher_top_k")(h, LogitHead(w), ids, ell, target_ids=targets)) == pytest.approx(float(L.topk_reverse_kl(h, LogitHead(w), ids, ell)))
+    assert float(O.step_loss("teacher_token_ce")(h, LogitHead(w), ids, ell, target_ids=targets)) == pytest.approx(float(naive_ce(h, w, None, targets)), abs=TOL)
+    both = O.step_loss("teacher_top_k_tail_forward")(h, LogitHead(w), ids, ell, target_ids=targets)
+    assert float(both) == pytest.approx(float(L.topk_tail_reverse_kl(h, LogitHead(w), ids, ell)) + float(naive_forward_kl(h, w, None, ids, ell)), abs=1e-4)
     for unavailable in ("sampled_token", "full_vocab"):
         with pytest.raises(ValueError):
             O.step_loss(unavailable)

@@ -363,7 +363,7 @@ def test_hidden_states_are_post_norm_rows_of_the_logits(tiny_student):
     with torch.no_grad():
         hidden = student.hidden_states(ids)  # [L, H]
         logits = student.model(input_ids=ids[None]).logits[0]  # [L, V], what generation would see
-    torch.testing.assert_close(hidden @ student.head_weight.T, logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(student.logit_head.logits(hidden), logits, rtol=1e-5, atol=1e-5)
     names = list(student.lora_parameters)
     assert names == sorted(names) and all(".lora_A." in n or ".lora_B." in n for n in names)
     modules = {n.split(".")[-4] for n in names}

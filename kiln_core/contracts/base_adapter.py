@@ -23,7 +23,7 @@ class BaseAdapter(BaseModel):
         adapter_model_sha256: ``sha256:`` of ``adapter_model.safetensors`` — what the run key and the
             receipt record, and what loading checks again.
         adapter_model_bytes: Size of ``adapter_model.safetensors``.
-        rank, alpha, target_modules: From ``adapter_config.json``.
+        rank, alpha, target_modules, target_parameters: From ``adapter_config.json`` (sorted).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -35,6 +35,7 @@ class BaseAdapter(BaseModel):
     rank: int
     alpha: float
     target_modules: list[str]
+    target_parameters: list[str] = []
 
     def receipt_record(self) -> dict[str, Any]:
         """Kiln's receipt ``adapters.base``: ``{path, adapter_model_sha256, adapter_model_bytes}``."""

@@ -23,6 +23,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator
 
 from kiln_core.contracts.eval_curve import EvalCurve
+from kiln_core.contracts.lora_targets import LoraTargets
 from kiln_core.errors import Rejection
 
 MANIFEST_TYPE = "kiln.training-checkpoint.v1"
@@ -348,6 +349,7 @@ class KilnFlowsState(BaseModel):
             for one corpus file.
         lr_schedule: The learning-rate schedule (our extension); absent for a constant rate.
         pack_sequences: True for a run that packs each step's sequences (our extension); absent otherwise.
+        lora_targets: The layers the LoRA adapts when they are not Kiln's seven projections; absent otherwise.
     """
 
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
@@ -369,3 +371,7 @@ class KilnFlowsState(BaseModel):
     pack_sequences: bool | None = Field(default=None, exclude_if=_omit_none)
     """True when a step's sequences were trained packed into one forward pass (``config.pack_sequences``): the same
     loss, other float rounding, so a resume must pack too; absent when they were trained one after another."""
+    lora_targets: LoraTargets | None = Field(default=None, exclude_if=_omit_none)
+    """The student's LoRA targets (``kiln_core.training.lora_targets``) when they differ from Kiln's seven
+    projections (Phi-3's fused ``qkv_proj``, a mixture of experts' tensors); absent for Kiln's, so a Llama or Qwen
+    run writes the same file as before targets were resolved from the model."""

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kiln_core.contracts.checkpoint import TokenCounts
 from kiln_core.contracts.eval_curve import EvalCurve, StopRule
+from kiln_core.contracts.lora_targets import LoraTargets
 
 RECEIPT_FILE = "train_receipt.json"
 FAILURE_REASONS = ("data_schema_error", "adapter_load_failed", "zero_groups", "zero_action_tokens", "zero_env_tokens",
@@ -85,6 +86,8 @@ class HyperparameterReceipt(_Receipt):
     """Ours: the optimizer kind."""
     sequences_per_step: int = 1
     """Ours: candidates per optimizer step per process."""
+    lora_targets: LoraTargets | None = Field(default=None, exclude_if=_omit_none)
+    """Ours: the layers the LoRA adapts, resolved from the student (``kiln_core.training.lora_targets``)."""
 
 
 class OpdReceipt(_Receipt):

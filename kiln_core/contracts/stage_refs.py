@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kiln_core.contracts.base_adapter import BaseAdapter
 from kiln_core.contracts.eval_watch import EvalWatch
+from kiln_core.contracts.lora_targets import LoraTargets
 from kiln_core.contracts.identity import TeacherIdentity, parse_manifest_line
 from kiln_core.contracts.opd_config import (OpdConfig, effective_samples_per_prompt, resolve_learning_rate,
                                              resolve_top_k)
@@ -147,6 +148,9 @@ class TrainPlan(_Ref):
     base_adapter: BaseAdapter | None = None
     """The resolved ``config.base_adapter``: the directory and weights digest the run warm-starts from;
     its digest is part of the run key."""
+    lora_targets: LoraTargets | None = Field(default=None, exclude_if=lambda value: value is None)
+    """The student's LoRA targets, resolved from its config (``kiln_core.training.lora_targets``) when the engine
+    plans the run; None for a direct call of the trainers, which read them from the student when they plan."""
     ray: RayOptions | None = Field(default=None, exclude_if=lambda value: value is None)
     """Train on a Ray cluster (``distributed: {engine: ray}``) with ``nproc`` workers; None: torchrun or this
     process. Not part of the run's identity (the world size is); absent from the JSON of other plans."""

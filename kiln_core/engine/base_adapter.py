@@ -27,6 +27,7 @@ from kiln_core.contracts.opd_config import OpdConfig
 from kiln_core.errors import EnvironmentFailure
 from kiln_core.storage import resolve
 from kiln_core.contracts.base_adapter import BaseAdapter
+from kiln_core.contracts.lora_targets import LoraTargets
 from kiln_core.training.base_adapter import BaseAdapterError, check_base_adapter_fits, read_base_adapter
 
 __all__ = ["resolve_base_adapter", "plan_base_adapter"]
@@ -78,7 +79,7 @@ def resolve_base_adapter(value: str, storage_root: str) -> BaseAdapter:
     return base
 
 
-def plan_base_adapter(config: OpdConfig, storage_root: str) -> BaseAdapter | None:
+def plan_base_adapter(config: OpdConfig, storage_root: str, targets: LoraTargets) -> BaseAdapter | None:
     """The run's base adapter, resolved and checked against its LoRA config; None without one.
 
     Raises:
@@ -87,5 +88,5 @@ def plan_base_adapter(config: OpdConfig, storage_root: str) -> BaseAdapter | Non
     if config.base_adapter is None:
         return None
     base = resolve_base_adapter(config.base_adapter, storage_root)
-    check_base_adapter_fits(base, config)
+    check_base_adapter_fits(base, config, targets)
     return base

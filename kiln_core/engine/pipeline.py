@@ -146,11 +146,13 @@ def prepare(spec: PipelineSpec, stages_: Stages | None = None, *, resume: str | 
 
     from kiln_core.engine.base_adapter import plan_base_adapter
     from kiln_core.identity.model_files import check_model_files
+    from kiln_core.training.lora_targets import resolve_lora_targets
 
     stages_ = stages_ or LocalStages()
-    base_adapter = plan_base_adapter(spec.config, spec.storage_root)  # refused before any admission work
     student_dir = localize_directory(spec.student)
     check_model_files(student_dir, role="student")  # a truncated shard is refused before any work
+    lora_targets = resolve_lora_targets(student_dir)  # from config.json: a model with nothing to adapt is refused now
+    base_adapter = plan_base_adapter(spec.config, spec.storage_root, lora_targets)  # before any admission work
     manifest = stages_.manifest(spec.teacher, spec.storage_root, max(32, spec.config.top_k))
     if spec.prompts is not None:  # the one place the source decides the path: the data stage
         corpus = stages_.prompts(spec, manifest, student_dir)
@@ -162,7 +164,7 @@ def prepare(spec: PipelineSpec, stages_: Stages | None = None, *, resume: str | 
     held_out = admit_held_out(spec, corpus, manifest, student_dir)
     plan = plan_run(spec, corpus, manifest, student_dir, resume=resume, device=device, precision=precision,
                     gradient_checkpointing=gradient_checkpointing, base_adapter=base_adapter, held_out=held_out,
-                    claim=claim)
+                    claim=claim, lora_targets=lora_targets)
     return PreparedRun(spec=spec, manifest=manifest, corpus=corpus, plan=plan, student_dir=student_dir,
                        gate_corpus=gate_corpus)
 

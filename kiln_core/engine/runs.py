@@ -34,6 +34,7 @@ from kiln_core.contracts.stage_refs import CorpusRef, HeldOutRef, ManifestRef, T
 from kiln_core.errors import Rejection
 from kiln_core.storage import Location, list_children, resolve
 from kiln_core.contracts.base_adapter import BaseAdapter
+from kiln_core.contracts.lora_targets import LoraTargets
 
 RUNS_DIR = "runs"  # <root>/runs/<adapter>/ holds the runs and latest.json (kiln_core.contracts.latest)
 ADAPTER_DIR = "adapter"
@@ -88,7 +89,8 @@ def config_decides(config: OpdConfig) -> dict[str, Any]:
 def plan_run(spec: PipelineSpec, corpus: CorpusRef, manifest: ManifestRef, student_dir: str, *,
              resume: str | None = "latest", device: str | None = None, precision: str | None = None,
              gradient_checkpointing: bool = False, base_adapter: BaseAdapter | None = None,
-             held_out: HeldOutRef | None = None, claim: Callable[[Location], None] | None = None) -> TrainPlan:
+             held_out: HeldOutRef | None = None, claim: Callable[[Location], None] | None = None,
+             lora_targets: LoraTargets | None = None) -> TrainPlan:
     """The run directory, the effective config (seed, output name) and the resume point of a spec.
 
     ``base_adapter`` is the spec's resolved ``config.base_adapter`` when the caller already has it
@@ -96,6 +98,7 @@ def plan_run(spec: PipelineSpec, corpus: CorpusRef, manifest: ManifestRef, stude
     ``eval:`` corpus as ``prepare`` admitted it (required with ``spec.eval``). ``claim`` is called with
     the run directory as soon as it is known, before the resume rule looks inside it (``run_pipeline``
     takes the run lock there: another live run's checkpoints are not a reason to ask for a resume).
+    ``lora_targets`` are the student's (``resolve_lora_targets``), read from ``student_dir`` when None.
 
     Raises:
         ResumeRequired: ``resume`` is None and the run directory already holds committed checkpoints.
@@ -104,9 +107,12 @@ def plan_run(spec: PipelineSpec, corpus: CorpusRef, manifest: ManifestRef, stude
         RunInProgress: raised by ``claim`` (``kiln_core.engine.run_lock``) when another live run holds the run key.
     """
     from kiln_core.identity.hashing import base_model_sha256
+    from kiln_core.training.lora_targets import resolve_lora_targets
 
+    if lora_targets is None:
+        lora_targets = resolve_lora_targets(student_dir)
     if base_adapter is None:
-        base_adapter = plan_base_adapter(spec.config, spec.storage_root)
+        base_adapter = plan_base_adapter(spec.config, spec.storage_root, lora_targets)
 
     # The adapter name is part of the effective config (output_name), so every run of it agrees; the
     # resume point is not part of a run's identity.
@@ -143,7 +149,8 @@ def plan_run(spec: PipelineSpec, corpus: CorpusRef, manifest: ManifestRef, stude
                      strategy=distributed.strategy if distributed else "ddp",
                      ray=distributed.ray_options() if distributed else None,
                      device=device, precision=precision, gradient_checkpointing=gradient_checkpointing,
-                     eval_watch=spec.eval, held_out=held_out, base_adapter=base_adapter, vllm=spec.vllm)
+                     eval_watch=spec.eval, held_out=held_out, base_adapter=base_adapter, vllm=spec.vllm,
+                     lora_targets=lora_targets)
 
 
 def check_resume_name(value: str, storage_root: str, adapter: str) -> str:

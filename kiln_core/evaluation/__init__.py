@@ -9,7 +9,7 @@
 """
 
 from kiln_core.evaluation.corpus import admit_eval_corpus, check_no_overlap, prompt_key
-from kiln_core.evaluation.metrics import EvalMetrics, evaluate_examples, evaluate_tables, full_vocab_argmax
+from kiln_core.evaluation.metrics import EvalMetrics, evaluate_examples, evaluate_tables
 from kiln_core.evaluation.models import EvalInputError, EvalModel, generate_answers, load_eval_model
 
 __all__ = [
@@ -20,7 +20,6 @@ __all__ = [
     "check_no_overlap",
     "evaluate_examples",
     "evaluate_tables",
-    "full_vocab_argmax",
     "generate_answers",
     "load_eval_model",
     "prompt_key",

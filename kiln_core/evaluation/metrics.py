@@ -13,8 +13,9 @@ Memory is bounded as in training: the KL gathers K logits per row, the NLL uses 
 full-vocabulary logsumexp, and the argmax projects ``chunk_rows`` rows at a time, so no ``[T, V]``
 tensor exists beyond one ``[chunk_rows, V]`` chunk.
 
-``evaluate_examples`` takes any model with ``hidden_states(ids) -> [L, H]``, ``head_weight`` and
-``head_bias`` — the trainer's ``Student`` as it trains (a small held-out slice every N steps), or an
+Every logit is the model's own (``LogitHead``: the LM head and the model's soft cap or scale).
+
+``evaluate_examples`` takes any model with ``hidden_states(ids) -> [L, H]`` and ``logit_head`` — the trainer's ``Student`` as it trains (a small held-out slice every N steps), or an
 ``EvalModel`` loaded from a directory and an optional PEFT adapter (``kiln-flows eval``, the gate).
 """
 
@@ -27,6 +28,7 @@ from typing import Any, Iterable, Protocol
 import torch
 
 from kiln_core.corpus import CorpusTables, TrainingExample
+from kiln_core.logit_head import LogitHead
 from kiln_core.loss import echo_env_cross_entropy, topk_reverse_kl
 
 __all__ = ["EvalMetrics", "HiddenStateModel", "evaluate_examples", "evaluate_tables"]
@@ -42,10 +44,7 @@ class HiddenStateModel(Protocol):
     def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor: ...
 
     @property
-    def head_weight(self) -> torch.Tensor: ...
-
-    @property
-    def head_bias(self) -> torch.Tensor | None: ...
+    def logit_head(self) -> LogitHead: ...
 
 
 @dataclass(frozen=True)
@@ -80,7 +79,7 @@ def evaluate_examples(model: HiddenStateModel, examples: Iterable[TrainingExampl
     """The three metrics of ``model`` over ``examples`` (no gradients; the model's mode is kept).
 
     Args:
-        model: Anything with ``hidden_states``, ``head_weight``, ``head_bias`` and ``device``.
+        model: Anything with ``hidden_states``, ``logit_head`` and ``device``.
         examples: Admitted examples (``CorpusTables.example(i)``).
         chunk_rows: Action rows projected onto the full vocabulary at once.
 
@@ -96,30 +95,15 @@ def evaluate_examples(model: HiddenStateModel, examples: Iterable[TrainingExampl
             n = int(rows.shape[0])
             if n == 0:
                 continue
-            weight, bias = model.head_weight, model.head_bias
+            head = model.logit_head
             targets = batch["input_ids"].index_select(0, batch["action_positions"])  # the corpus tokens
-            kl_sum += float(topk_reverse_kl(rows, weight, batch["teacher_ids"], batch["teacher_logprobs"],
-                                            head_bias=bias, chunk_rows=chunk_rows)) * n
-            nll_sum += float(echo_env_cross_entropy(rows, weight, targets, n, head_bias=bias, chunk_rows=chunk_rows)) * n
-            agree += int((full_vocab_argmax(rows, weight, bias, chunk_rows) == batch["teacher_ids"][:, 0]).sum())
+            kl_sum += float(topk_reverse_kl(rows, head, batch["teacher_ids"], batch["teacher_logprobs"],
+                                            chunk_rows=chunk_rows)) * n
+            nll_sum += float(echo_env_cross_entropy(rows, head, targets, n, chunk_rows=chunk_rows)) * n
+            agree += int((head.argmax(rows, chunk_rows=chunk_rows) == batch["teacher_ids"][:, 0]).sum())
             tokens += n
             count += 1
     if tokens == 0:
         return EvalMetrics(math.nan, math.nan, math.nan, 0, count)
     return EvalMetrics(kl_sum / tokens, agree / tokens, nll_sum / tokens, tokens, count)
 
-
-def full_vocab_argmax(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                      chunk_rows: int = DEFAULT_CHUNK_ROWS) -> torch.Tensor:
-    """Argmax over the whole vocabulary of ``rows @ weight.T (+ bias)`` in fp32, ``chunk_rows`` at a time.
-
-    Ties go to the lowest id (``torch.argmax``'s first maximum).
-    """
-    out = torch.empty(rows.shape[0], dtype=torch.long, device=rows.device)
-    w = weight.float()
-    for lo in range(0, rows.shape[0], chunk_rows):
-        logits = rows[lo : lo + chunk_rows].float() @ w.T  # [chunk, V]: the only full-width tensor
-        if bias is not None:
-            logits = logits + bias.float()
-        out[lo : lo + chunk_rows] = logits.argmax(dim=-1)
-    return out

@@ -1,8 +1,8 @@
 """Models to evaluate: a student directory with or without a PEFT adapter, and greedy answers.
 
 ``load_eval_model`` gives an ``EvalModel`` with the interface the metrics need (``hidden_states``,
-``head_weight``, ``head_bias``, ``device``), the same post-final-norm hidden states the trainer's
-``Student`` computes. An adapter that does not fit the student (other shapes, other target modules)
+``logit_head``, ``device``): the same decoder output and the same model's-own logits as the trainer's
+``Student``, proven against ``model(...).logits`` at load (``kiln_core.logit_head.check_own_logits``). An adapter that does not fit the student (other shapes, other target modules)
 is a rejection, not a crash.
 """
 
@@ -15,6 +15,7 @@ from typing import Any, Sequence
 import torch
 
 from kiln_core.errors import Rejection
+from kiln_core.logit_head import LogitHead, check_own_logits, decoder_of, logit_head_of
 
 __all__ = ["EvalModel", "EvalInputError", "load_eval_model", "generate_answers", "generate_answer_ids"]
 
@@ -38,15 +39,12 @@ class EvalModel:
 
     def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Final normed hidden states of one unpadded sequence: ``[L] -> [L, H]``."""
-        return self._base.model(input_ids=input_ids[None], use_cache=False).last_hidden_state[0]
+        return decoder_of(self.model)(input_ids=input_ids[None], use_cache=False).last_hidden_state[0]
 
     @property
-    def head_weight(self) -> torch.Tensor:
-        return self._base.get_output_embeddings().weight
-
-    @property
-    def head_bias(self) -> torch.Tensor | None:
-        return getattr(self._base.get_output_embeddings(), "bias", None)
+    def logit_head(self) -> LogitHead:
+        """The model's own logits: its LM head and output post-processing."""
+        return logit_head_of(self.model)
 
 
 def load_eval_model(student_dir: str | os.PathLike[str], adapter_dir: str | os.PathLike[str] | None = None, *,
@@ -55,6 +53,7 @@ def load_eval_model(student_dir: str | os.PathLike[str], adapter_dir: str | os.P
 
     Raises:
         EvalInputError: ``invalid_student`` (not loadable) or ``adapter_mismatch``.
+        UnsupportedArchitecture: ``unsupported_architecture`` — its logits cannot be reproduced row by row.
 
     Example:
         >>> model = load_eval_model("models/student", "kiln-data/runs/demo/adapter")  # doctest: +SKIP
@@ -81,7 +80,9 @@ def load_eval_model(student_dir: str | os.PathLike[str], adapter_dir: str | os.P
                                  f"{str(error).splitlines()[0]}", file=str(adapter_dir)) from None
     model.to(dev)
     model.eval()
-    return EvalModel(model=model, device=dev, tokenizer=tokenizer)
+    evaluated = EvalModel(model=model, device=dev, tokenizer=tokenizer)
+    check_own_logits(model, evaluated.logit_head, evaluated.hidden_states)
+    return evaluated
 
 
 def generate_answers(model: EvalModel, prompts: Sequence[list[dict[str, Any]]], *, max_new_tokens: int = 64,

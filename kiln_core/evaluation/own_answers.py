@@ -38,10 +38,8 @@ def teacher_scored_answer(teacher: EvalModel, prompt_ids: list[int], answer_ids:
     ids = torch.tensor(prompt_ids + answer_ids, dtype=torch.long, device=teacher.device)
     positions = torch.arange(len(prompt_ids), len(ids), device=teacher.device)
     with torch.no_grad():
-        rows = teacher.hidden_states(ids).index_select(0, positions - 1).float()
-        logits = rows @ teacher.head_weight.float().T
-        if teacher.head_bias is not None:
-            logits = logits + teacher.head_bias.float()
+        rows = teacher.hidden_states(ids).index_select(0, positions - 1)
+        logits = teacher.logit_head.logits(rows)  # [A, V]: the teacher's own logits
         logprobs = torch.log_softmax(logits, dim=-1)  # [A, V]: one short answer at a time
         top = torch.topk(logprobs, top_k, dim=-1)
         nll = -float(logprobs.gather(1, ids.index_select(0, positions)[:, None]).sum())

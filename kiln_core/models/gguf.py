@@ -10,7 +10,7 @@ needs the ``gguf`` package again.
 The architecture is checked first, from the file header alone (``read_gguf_header``: a few hundred
 bytes, no ``gguf`` package, no tensors), so an unsupported model is refused before anything heavy
 happens. Supported are the decoder-only families whose transformers modules carry the projections
-the student's LoRA targets (``kiln_core.training.student.LORA_TARGET_MODULES``).
+the student's LoRA targets (``kiln_core.training.lora_targets``).
 
 The output appears atomically (``kiln_core.storage.StagedDirectory``; ``kiln-import.json`` is written
 last and is the commit): on any failure nothing is left at ``--out``.

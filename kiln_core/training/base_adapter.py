@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 from kiln_core.canonical import sha256_prefixed
 from kiln_core.contracts.base_adapter import BaseAdapter
+from kiln_core.contracts.lora_targets import LoraTargets
 from kiln_core.errors import EnvironmentFailure, Rejection
 from kiln_core.storage import resolve
 
@@ -77,25 +78,26 @@ def read_base_adapter(name: str, adapter_uri: str, *, looked_up: str | None = No
                                field="config.base_adapter", file=location.uri) from None
     try:
         rank, alpha, targets = int(config["r"]), float(config["lora_alpha"]), sorted(config["target_modules"])
+        expert_targets = sorted(config.get("target_parameters") or [])
     except (KeyError, TypeError, ValueError):
         raise BaseAdapterError("base_adapter_missing", f"base adapter {name!r}: {location.child(CONFIG_FILE).uri} "
                                "is not a LoRA adapter config (r, lora_alpha, target_modules)",
                                field="config.base_adapter", file=location.child(CONFIG_FILE).uri) from None
     return BaseAdapter(name=name, uri=location.uri, adapter_model_sha256=sha256_prefixed(weights),
-                       adapter_model_bytes=len(weights), rank=rank, alpha=alpha, target_modules=targets)
+                       adapter_model_bytes=len(weights), rank=rank, alpha=alpha, target_modules=targets,
+                       target_parameters=expert_targets)
 
 
-def check_base_adapter_fits(base: BaseAdapter, config: OpdConfig) -> None:
+def check_base_adapter_fits(base: BaseAdapter, config: OpdConfig, targets: LoraTargets) -> None:
     """Refuse a base adapter whose shape or scale differs from the run's LoRA (before any model loads).
 
     Kiln compares the rank and the target modules (``adapter_shape.rs``); kiln-flows compares the
-    alpha as well, since ``alpha / rank`` scales every loaded weight.
+    alpha as well, since ``alpha / rank`` scales every loaded weight. ``targets`` are the student's
+    (``kiln_core.training.lora_targets``).
 
     Raises:
         BaseAdapterError: ``base_adapter_mismatch``, naming the field to change.
     """
-    from kiln_core.training.student import LORA_TARGET_MODULES
-
     if base.rank != config.lora_rank:
         raise BaseAdapterError("base_adapter_mismatch", f"base adapter rank mismatch: training rank is "
                                f"{config.lora_rank}, adapter {base.name!r} rank is {base.rank} ({base.uri})",
@@ -104,13 +106,17 @@ def check_base_adapter_fits(base: BaseAdapter, config: OpdConfig) -> None:
         raise BaseAdapterError("base_adapter_mismatch", f"base adapter lora_alpha mismatch: training lora_alpha is "
                                f"{config.lora_alpha:g}, adapter {base.name!r} has {base.alpha:g}: the warm-started "
                                "student would not be the base adapter", field="config.lora_alpha")
-    expected = sorted(LORA_TARGET_MODULES)
+    expected = list(targets.modules)
     if base.target_modules != expected:
         raise BaseAdapterError("base_adapter_mismatch", f"base adapter target_modules mismatch: expected {expected}, "
                                f"adapter {base.name!r} has {base.target_modules}", field="config.base_adapter")
+    if base.target_parameters != list(targets.parameters):
+        raise BaseAdapterError("base_adapter_mismatch", f"base adapter target_parameters mismatch: expected "
+                               f"{list(targets.parameters)}, adapter {base.name!r} has {base.target_parameters}",
+                               field="config.base_adapter")
 
 
-def settle_base_adapter(config: OpdConfig, base: BaseAdapter | None) -> BaseAdapter | None:
+def settle_base_adapter(config: OpdConfig, base: BaseAdapter | None, targets: LoraTargets) -> BaseAdapter | None:
     """The run's base adapter, checked against ``config``: ``base`` when the caller resolved it, else
     ``config.base_adapter`` read as an adapter directory (a name needs the engine's storage root).
 
@@ -137,7 +143,7 @@ def settle_base_adapter(config: OpdConfig, base: BaseAdapter | None) -> BaseAdap
     elif base.name != value:
         raise ConfigError(f"the resolved base adapter is {base.name!r}, but config.base_adapter is {value!r}",
                           "config.base_adapter")
-    check_base_adapter_fits(base, config)
+    check_base_adapter_fits(base, config, targets)
     return base
 
 

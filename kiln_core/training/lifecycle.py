@@ -86,7 +86,7 @@ def start_student(plan: RunPlan, student_dir: str, progress: LoopProgress, *, gr
     with clock.phase("setup"):
         student = load_student(student_dir, rank=config.lora_rank, alpha=config.lora_alpha, seed=plan.seed,
                                device=plan.device.type, precision=plan.precision,
-                               gradient_checkpointing=gradient_checkpointing)
+                               gradient_checkpointing=gradient_checkpointing, targets=plan.lora_targets)
         if plan.world.strategy == "fsdp" and plan.world.size > 1:
             # Shard the frozen base weights across the ranks; the LoRA parameters stay plain replicated
             # tensors, so everything below (resume, warm start, optimizer) is the same as under ddp.
@@ -180,7 +180,7 @@ def write_checkpoint(plan: RunPlan, student: Student, optimizer: torch.optim.Opt
             sequences_per_step=contract.sequences_per_step, optimizer_steps_total=contract.optimizer_steps_total,
             loss=contract.loss, rank_rng=[RankRngState.model_validate_json(state) for state in states],
             eval_curve=eval_curve, data_cursor=plan.data_cursor(progress.global_step), lr_schedule=contract.lr_schedule,
-            pack_sequences=contract.pack_sequences)
+            pack_sequences=contract.pack_sequences, lora_targets=contract.lora_targets)
         keys = student.checkpoint_keys()
         optimizer_bytes = save_safetensors(optimizer_state_tensors(optimizer, keys)) if contract.stateful_optimizer else None
         loop_state = progress.loop_state(plan.schedule, contract.examples_read, contract.examples_filtered)

@@ -11,24 +11,17 @@ from __future__ import annotations
 
 import torch
 
-from kiln_core.loss import (
-    _check_topk,
-    _FullLogSumExp,
-    _GatheredLogits,
-    echo_env_cross_entropy,
-    topk_reverse_kl,
-    topk_tail_reverse_kl,
-)
+from kiln_core.logit_head import LogitHead
+from kiln_core.loss import _check_topk, echo_env_cross_entropy, topk_reverse_kl, topk_tail_reverse_kl
 
 __all__ = ["teacher_token_cross_entropy", "topk_forward_kl", "STEP_LOSSES", "step_loss"]
 
 
 def teacher_token_cross_entropy(
     hidden: torch.Tensor,
-    head_weight: torch.Tensor,
+    head: LogitHead,
     target_ids: torch.Tensor,
     *,
-    head_bias: torch.Tensor | None = None,
     chunk_rows: int = 1024,
     chunk_vocab: int = 8192,
 ) -> torch.Tensor:
@@ -38,22 +31,21 @@ def teacher_token_cross_entropy(
     It is `echo_env_cross_entropy` with |O| = T, so it shares that function's memory bound.
 
     Example:
-        >>> h = torch.randn(3, 8, requires_grad=True); w = torch.randn(50, 8)
-        >>> teacher_token_cross_entropy(h, w, torch.tensor([4, 7, 9])).backward()
+        >>> h = torch.randn(3, 8, requires_grad=True); head = LogitHead(torch.randn(50, 8))
+        >>> teacher_token_cross_entropy(h, head, torch.tensor([4, 7, 9])).backward()
     """
     if hidden.shape[0] == 0:
         raise ValueError("no action targets: the cross-entropy is a mean over at least one target")
-    return echo_env_cross_entropy(hidden, head_weight, target_ids, int(hidden.shape[0]), head_bias=head_bias,
-                                  chunk_rows=chunk_rows, chunk_vocab=chunk_vocab)
+    return echo_env_cross_entropy(hidden, head, target_ids, int(hidden.shape[0]), chunk_rows=chunk_rows,
+                                  chunk_vocab=chunk_vocab)
 
 
 def topk_forward_kl(
     hidden: torch.Tensor,
-    head_weight: torch.Tensor,
+    head: LogitHead,
     teacher_ids: torch.Tensor,
     teacher_logprobs: torch.Tensor,
     *,
-    head_bias: torch.Tensor | None = None,
     chunk_rows: int = 1024,
     chunk_vocab: int = 8192,
 ) -> torch.Tensor:
@@ -65,38 +57,38 @@ def topk_forward_kl(
     teacher's proportions, against every other token — the term Kiln's loss lacks. Always ≥ 0.
 
     Example:
-        >>> h = torch.randn(5, 8, requires_grad=True); w = torch.randn(50, 8)
+        >>> h = torch.randn(5, 8, requires_grad=True); head = LogitHead(torch.randn(50, 8))
         >>> ids = torch.stack([torch.randperm(50)[:16] for _ in range(5)])
         >>> ell = torch.log_softmax(torch.randn(5, 50), -1).topk(16).values
-        >>> topk_forward_kl(h, w, ids, ell).backward()
+        >>> topk_forward_kl(h, head, ids, ell).backward()
     """
-    _check_topk(hidden, head_weight, teacher_ids, teacher_logprobs, head_bias, chunk_rows)
-    s = _GatheredLogits.apply(hidden, head_weight, teacher_ids, head_bias, chunk_rows)  # [T, K]
-    lse_full = _FullLogSumExp.apply(hidden, head_weight, head_bias, chunk_rows, chunk_vocab)  # [T]
+    _check_topk(hidden, head, teacher_ids, teacher_logprobs, chunk_rows)
+    s = head.gathered(hidden, teacher_ids, chunk_rows=chunk_rows)  # [T, K]
+    lse_full = head.logsumexp(hidden, chunk_rows=chunk_rows, chunk_vocab=chunk_vocab)  # [T]
     log_p = torch.log_softmax(teacher_logprobs.float(), dim=-1)
     return (log_p.exp() * (log_p - (s - lse_full[:, None]))).sum(-1).mean()
 
 
-# `config.loss` → the step's KL term. Every entry takes (hidden, head_weight, teacher_ids,
-# teacher_logprobs, *, head_bias, target_ids); the target ids are the corpus tokens of the rows.
-def _kiln(h, w, ids, lp, *, head_bias=None, target_ids=None):
-    return topk_reverse_kl(h, w, ids, lp, head_bias=head_bias)
+# `config.loss` → the step's KL term. Every entry takes (hidden, head, teacher_ids, teacher_logprobs,
+# *, target_ids); the target ids are the corpus tokens of the rows.
+def _kiln(h, head, ids, lp, *, target_ids=None):
+    return topk_reverse_kl(h, head, ids, lp)
 
 
-def _tail(h, w, ids, lp, *, head_bias=None, target_ids=None):
-    return topk_tail_reverse_kl(h, w, ids, lp, head_bias=head_bias)
+def _tail(h, head, ids, lp, *, target_ids=None):
+    return topk_tail_reverse_kl(h, head, ids, lp)
 
 
-def _sft(h, w, ids, lp, *, head_bias=None, target_ids=None):
-    return teacher_token_cross_entropy(h, w, target_ids, head_bias=head_bias)
+def _sft(h, head, ids, lp, *, target_ids=None):
+    return teacher_token_cross_entropy(h, head, target_ids)
 
 
-def _forward(h, w, ids, lp, *, head_bias=None, target_ids=None):
-    return topk_forward_kl(h, w, ids, lp, head_bias=head_bias)
+def _forward(h, head, ids, lp, *, target_ids=None):
+    return topk_forward_kl(h, head, ids, lp)
 
 
-def _tail_plus_forward(h, w, ids, lp, *, head_bias=None, target_ids=None):
-    return topk_tail_reverse_kl(h, w, ids, lp, head_bias=head_bias) + topk_forward_kl(h, w, ids, lp, head_bias=head_bias)
+def _tail_plus_forward(h, head, ids, lp, *, target_ids=None):
+    return topk_tail_reverse_kl(h, head, ids, lp) + topk_forward_kl(h, head, ids, lp)
 
 
 STEP_LOSSES = {

@@ -29,8 +29,10 @@ from kiln_core.storage import Location, move_aside, remove_tree, resolve
 from kiln_core.training import checkpoint as ckpt
 from kiln_core.training import run_identity
 from kiln_core.contracts.base_adapter import BaseAdapter
+from kiln_core.contracts.lora_targets import LoraTargets
 from kiln_core.training.base_adapter import settle_base_adapter
 from kiln_core.training.data_identity import corpus_content_revision, teacher_capabilities
+from kiln_core.training.lora_targets import resolve_lora_targets
 from kiln_core.training.distributed.world import World
 from kiln_core.training.objectives import step_loss
 from kiln_core.training.receipt import TRAINING_DATA_SOURCE, RunFacts, library_versions, receipt_status
@@ -94,6 +96,8 @@ class RunPlan:
     world: World
     base_adapter: BaseAdapter | None = None
     """The warm start (``config.base_adapter``) a fresh run loads before step 1; a resume never reloads it."""
+    lora_targets: LoraTargets | None = None
+    """The layers the student's LoRA adapts (``kiln_core.training.lora_targets``)."""
     shards: ShardLayout | None = None
     """The corpus's shards when it is a set (checkpoints record the data cursor); None for one file."""
 
@@ -232,7 +236,8 @@ def build_plan(plan: TrainPlan, *, data: DataPlan, run_dir: Location, basename: 
 
     config, adapter_name = plan.config, plan.adapter
     check_packing_world(config, world.size)
-    base_adapter = settle_base_adapter(config, plan.base_adapter)
+    lora_targets = plan.lora_targets or resolve_lora_targets(student_dir)
+    base_adapter = settle_base_adapter(config, plan.base_adapter, lora_targets)
 
     schedule, top_k, samples = data.schedule, data.top_k, data.samples_per_prompt
     dev = resolve_device(plan.device)
@@ -266,7 +271,8 @@ def build_plan(plan: TrainPlan, *, data: DataPlan, run_dir: Location, basename: 
             sequences_per_step=config.sequences_per_step, optimizer_steps_total=schedule.total_steps,
             loss="teacher_top_k_tail" if config.loss == "teacher_top_k_tail" else "teacher_top_k",
             lr_schedule=config.lr_schedule.model_dump(mode="json") if config.lr_schedule is not None else None,
-            pack_sequences=True if config.pack_sequences else None)
+            pack_sequences=True if config.pack_sequences else None,
+            lora_targets=None if lora_targets.is_kiln_default else lora_targets)
 
     loaded = None
     if basename is not None:
@@ -288,14 +294,15 @@ def build_plan(plan: TrainPlan, *, data: DataPlan, run_dir: Location, basename: 
         teacher_content_revision=data.teacher_content_revision, examples_read=data.examples_read,
         examples_filtered=data.examples_filtered, candidates_per_epoch=schedule.candidates_per_epoch,
         total_steps=schedule.total_steps, device=dev.type, library_versions=versions,
-        base_adapter=base_adapter.receipt_record() if base_adapter is not None else None,
+        base_adapter=base_adapter.receipt_record() if base_adapter is not None else None, lora_targets=lora_targets,
         distributed=None if world.size == 1 and world.cluster is None else DistributedReceipt(
             world_size=world.size, backend=world.backend, strategy=world.strategy,
             sequences_per_step_per_rank=config.sequences_per_step, sequences_per_optimizer_step=schedule.sequences_per_step,
             **(world.cluster.receipt_fields() if world.cluster is not None else {})))
     run_plan = RunPlan(run_dir=run_dir, adapter_name=adapter_name, config=config, schedule=schedule,
                        seed=contract.init_seed, learning_rate=lr, device=dev, precision=prec, contract=contract,
-                       facts=facts, loaded=loaded, world=world, base_adapter=base_adapter, shards=data.shards)
+                       facts=facts, loaded=loaded, world=world, base_adapter=base_adapter, lora_targets=lora_targets,
+                       shards=data.shards)
     if loaded is not None:
         check_data_cursor(run_plan, loaded)
     return run_plan

@@ -29,6 +29,7 @@ from pydantic import ValidationError
 
 from kiln_core.canonical import canonical_sha256
 from kiln_core.contracts.eval_curve import EvalCurve
+from kiln_core.contracts.lora_targets import LoraTargets
 from kiln_core.contracts.opd_config import EchoConfig, OpdConfig
 from kiln_core.contracts.receipt import (
     FAILURE_REASONS,
@@ -109,6 +110,8 @@ class RunFacts:
     """Prompts dropped at tokenization (on-policy)."""
     base_adapter: dict[str, Any] | None = None
     """The warm start's receipt ``adapters.base`` (``{path, adapter_model_sha256, adapter_model_bytes}``), or None."""
+    lora_targets: LoraTargets | None = None
+    """The layers the LoRA adapts (the receipt's ``hyperparameters.lora_targets``)."""
 
 
 @dataclass
@@ -185,7 +188,8 @@ def build_receipt(facts: RunFacts, outcome: RunOutcome) -> TrainReceipt:
         hyperparameters=HyperparameterReceipt(
             rank=config.lora_rank, alpha=float(config.lora_alpha), alpha_over_rank=config.lora_alpha / config.lora_rank,
             learning_rate=facts.learning_rate, epochs=config.epochs, seed=facts.seed,
-            optimizer=config.optimizer.kind, sequences_per_step=facts.sequences_per_step),
+            optimizer=config.optimizer.kind, sequences_per_step=facts.sequences_per_step,
+            lora_targets=facts.lora_targets),
         opd=OpdReceipt(
             training_mode=config.training_mode, objective=config.objective, loss_granularity=LOSS_GRANULARITY,
             teacher_id=facts.teacher_alias, teacher_content_revision=facts.teacher_content_revision,

@@ -48,8 +48,9 @@ def sequence_loss(student: Student, batch: dict[str, torch.Tensor], loss_fn: Cal
     if hidden is None:
         hidden = student.hidden_states(ids)  # [L, H], post final norm
     rows = batch["action_positions"] - 1  # target q is scored from row q-1
-    kl = loss_fn(hidden.index_select(0, rows), student.head_weight, batch["teacher_ids"], batch["teacher_logprobs"],
-                 head_bias=student.head_bias, target_ids=ids.index_select(0, batch["action_positions"]))
+    head = student.logit_head
+    kl = loss_fn(hidden.index_select(0, rows), head, batch["teacher_ids"], batch["teacher_logprobs"],
+                 target_ids=ids.index_select(0, batch["action_positions"]))
     env_positions = batch["env_positions"]  # [E], the observation tokens with a causal row
     observed = int(batch.get("observation_tokens", env_positions.shape[0]))  # |O|, before the warning filter
     # O': Kiln trims the warning prefix with warning_filter on and env_mask_mode env_only, which are
@@ -61,8 +62,7 @@ def sequence_loss(student: Student, batch: dict[str, torch.Tensor], loss_fn: Cal
     env_ce, lam = None, 0.0
     if echo is not None and echo.lambda_ != 0.0 and kept > 0:  # Kiln: no env CE rows, no ECHO term
         lam = echo.lambda_
-        env_ce = echo_env_cross_entropy(hidden.index_select(0, keep - 1), student.head_weight, ids.index_select(0, keep),
-                                        observed, head_bias=student.head_bias)
+        env_ce = echo_env_cross_entropy(hidden.index_select(0, keep - 1), head, ids.index_select(0, keep), observed)
     loss, fired = compose_step_loss(kl, env_ce, lam, observed)
     # Kiln's TokenCountReceipt::observe_completion (train_receipt.rs): env_tokens is the active env-CE
     # count after the warning filter; context is what is neither action nor active env.

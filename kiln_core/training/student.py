@@ -2,11 +2,11 @@
 
 Choices, and why:
 
-* **LoRA targets every linear projection of attention and MLP** (``q_proj``, ``k_proj``, ``v_proj``,
-  ``o_proj``, ``gate_proj``, ``up_proj``, ``down_proj``). Kiln picks its set inside
-  ``TrainableLoraParams`` and the public sources do not say which (reference §3.2, "UNCONFIRMED"); the
-  all-linear set is the common choice for distillation students and the superset of the alternatives.
-  Embeddings and the LM head stay frozen, so the loss never allocates a ``[V, H]`` gradient.
+* **LoRA targets every linear projection of attention and MLP**, resolved from the model
+  (``kiln_core.training.lora_targets``): Kiln's ``q_proj``…``down_proj`` for Llama and Qwen, the fused
+  ``qkv_proj``/``gate_up_proj`` for Phi-3, the experts' tensors of a mixture-of-experts block. Kiln picks its
+  set inside ``TrainableLoraParams`` (``crates/kiln-train``); the all-linear set is the common choice for
+  distillation students. Embeddings and the LM head stay frozen, so the loss never allocates a ``[V, H]`` gradient.
 * **Seeded init independent of the device and of global RNG state**: ``lora_A`` gets PEFT's own
   Kaiming-uniform init drawn from a CPU ``torch.Generator`` seeded with the run's seed, in sorted
   parameter-name order; ``lora_B`` starts at zero. Same seed → identical adapter at step 0 on any
@@ -16,9 +16,11 @@ Choices, and why:
 * **Precision**: ``fp32`` = fp32 weights and activations (CPU default, bit-exact resume);
   ``bf16`` = bf16 base weights and bf16 autocast, with fp32 LoRA parameters, gradients and
   optimizer state (CUDA default). The loss always upcasts to fp32.
-* **No logits**: ``hidden_states`` calls the inner decoder (``get_base_model().model``), whose
-  ``last_hidden_state`` is already post-final-norm for Qwen3 (``Qwen3Model.forward`` applies
-  ``self.norm``), and the loss projects only the rows and ids it needs through the LM head.
+* **No logits, but the model's own**: ``hidden_states`` calls the decoder (``get_decoder()``), whose
+  ``last_hidden_state`` is what the model's forward feeds its LM head, and the loss projects only the rows and ids
+  it needs through ``logit_head`` — the LM head plus the model's own post-processing (Gemma's soft cap, Cohere's
+  and Granite's scale). ``load_student`` proves at load that this reproduces ``model(...).logits``
+  (``kiln_core.logit_head.check_own_logits``) and refuses the model otherwise.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import json
 import math
 import os
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -35,10 +38,12 @@ from typing import Any, Sequence
 import torch
 
 from kiln_core.canonical import sha256_hex
+from kiln_core.logit_head import LogitHead, UnsupportedArchitecture, check_own_logits, decoder_of, logit_head_of
+from kiln_core.contracts.lora_targets import LoraTargets
+from kiln_core.training.lora_targets import lora_targets_of
 
-__all__ = ["LORA_TARGET_MODULES", "Student", "load_student", "student_identity", "kiln_parameter_key", "resolve_device"]
+__all__ = ["Student", "load_student", "student_identity", "kiln_parameter_key", "resolve_device"]
 
-LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ADAPTER_NAME = "default"  # PEFT's adapter slot; part of the stable parameter names
 
 
@@ -81,6 +86,7 @@ class Student:
         device: Where it runs.
         precision: ``fp32`` or ``bf16``.
         lora_parameters: Trainable parameters by stable name, in sorted name order.
+        lora_targets: The modules (and expert tensors) the LoRA adapts.
         sharding: With ``strategy: fsdp``, this rank's view of the sharded base weights
             (``distributed.fsdp.ShardingReport.receipt_fields``); None when the student is whole.
     """
@@ -89,20 +95,18 @@ class Student:
     device: torch.device
     precision: str
     lora_parameters: dict[str, torch.nn.Parameter]
+    lora_targets: LoraTargets | None = None
     sharding: dict[str, int] | None = None
 
     @property
     def head(self) -> torch.nn.Module:
+        """The LM head module (frozen; under FSDP it stays whole on every rank)."""
         return self.model.get_base_model().get_output_embeddings()
 
     @property
-    def head_weight(self) -> torch.Tensor:
-        """LM head weight ``[V, H]`` (frozen)."""
-        return self.head.weight
-
-    @property
-    def head_bias(self) -> torch.Tensor | None:
-        return getattr(self.head, "bias", None)
+    def logit_head(self) -> LogitHead:
+        """The model's own logits as the loss computes them: the LM head and the model's post-processing."""
+        return logit_head_of(self.model)
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.precision == "bf16":
@@ -111,7 +115,7 @@ class Student:
 
     def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Final normed hidden states of one unpadded sequence: ``[L] -> [L, H]``."""
-        decoder = self.model.get_base_model().model
+        decoder = decoder_of(self.model)
         with self.autocast():
             out = decoder(input_ids=input_ids[None], use_cache=False)
         return out.last_hidden_state[0]
@@ -124,7 +128,7 @@ class Student:
         sees only its own sequence and every row equals its sequence's own forward up to float rounding
         (``check_packing`` verifies this for the student's architecture).
         """
-        decoder = self.model.get_base_model().model
+        decoder = decoder_of(self.model)
         ids = torch.cat(list(sequences))[None]
         positions = torch.cat([torch.arange(int(s.shape[0]), device=ids.device) for s in sequences])[None]
         with self.autocast():
@@ -144,7 +148,7 @@ class Student:
         """
         from kiln_core.contracts.opd_config import ConfigError
 
-        vocab = int(self.head_weight.shape[0])
+        vocab = self.logit_head.vocab_size
         sequences = [torch.arange(5, device=self.device) % vocab, (torch.arange(7, device=self.device) * 3 + 1) % vocab]
         with torch.no_grad():
             packed = self.packed_hidden_states(sequences)
@@ -214,6 +218,7 @@ def load_student(
     device: str | None = None,
     precision: str | None = None,
     gradient_checkpointing: bool = False,
+    targets: LoraTargets | None = None,
 ) -> Student:
     """Load the student model and wrap it with a freshly, deterministically initialized LoRA adapter.
 
@@ -225,9 +230,14 @@ def load_student(
         device: ``cpu``/``cuda``; default CUDA when available.
         precision: ``fp32``/``bf16``; default bf16 on CUDA, fp32 on CPU.
         gradient_checkpointing: Recompute decoder layers in backward (less memory, same math).
+        targets: The LoRA targets the run planned (``resolve_lora_targets``); read from the model when None.
 
     Returns:
         The ``Student``.
+
+    Raises:
+        UnsupportedArchitecture: ``unsupported_architecture`` — kiln-flows cannot reproduce the model's logits,
+            or it has nothing for LoRA to adapt.
 
     Example:
         >>> student = load_student("./student", rank=16, alpha=32.0, seed=7)  # doctest: +SKIP
@@ -246,15 +256,28 @@ def load_student(
     base = AutoModelForCausalLM.from_pretrained(str(student_dir), dtype=dtype, local_files_only=True)
     base.requires_grad_(False)
     _disable_dropout(base)
+    base.to(device_)
+    # The model's own logits, proven before anything is adapted: a family kiln-flows cannot reproduce is refused.
+    unadapted = Student(model=base, device=device_, precision=precision_, lora_parameters={})
+    check_own_logits(base, unadapted.logit_head, unadapted.hidden_states)
+    targets = targets if targets is not None else lora_targets_of(base)
     lora = LoraConfig(
         r=rank,
         lora_alpha=alpha,
-        target_modules=list(LORA_TARGET_MODULES),
+        target_modules=list(targets.modules),
+        target_parameters=list(targets.parameters) or None,
         lora_dropout=0.0,
         bias="none",
         task_type="CAUSAL_LM",
     )
-    model = get_peft_model(base, lora, adapter_name=ADAPTER_NAME)
+    with warnings.catch_warnings():  # PEFT notes that adapting expert tensors is new; the matrix tests it
+        warnings.filterwarnings("ignore", message=".*target_parameters.*")
+        try:
+            model = get_peft_model(base, lora, adapter_name=ADAPTER_NAME)
+        except ValueError as error:  # PEFT refuses a target it cannot wrap in this family
+            raise UnsupportedArchitecture(
+                "unsupported_architecture", f"model type {base.config.model_type!r}: PEFT cannot adapt its LoRA "
+                f"targets [{targets.describe()}]: {str(error).splitlines()[0]}") from None
     params = {name: p for name, p in sorted(model.named_parameters()) if p.requires_grad}
     for name, p in params.items():
         if p.dtype != torch.float32:  # LoRA master weights are always fp32
@@ -270,7 +293,7 @@ def load_student(
             base_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     # train() only so that gradient checkpointing is active; dropout is already 0 everywhere.
     model.train()
-    return Student(model=model, device=device_, precision=precision_, lora_parameters=params)
+    return Student(model=model, device=device_, precision=precision_, lora_parameters=params, lora_targets=targets)
 
 
 def _disable_dropout(model: torch.nn.Module) -> None:

@@ -27,6 +27,7 @@ from kiln_core.contracts.checkpoint import (
     SchedulerRecord,
     StateFiles,
 )
+from kiln_core.contracts.lora_targets import LoraTargets
 
 __all__ = ["RunContract"]
 
@@ -48,8 +49,8 @@ class RunContract:
         auxiliary_state: ``run_identity.auxiliary_state``.
         examples_read: Prompts in the request; ``examples_filtered`` of them had no action token.
         on_policy: Adds Kiln's ``rollout-sampling`` stream (on-policy training comes next).
-        world_size, backend, sequences_per_step, optimizer_steps_total, loss, lr_schedule, pack_sequences: our extension
-            (``KilnFlowsState``), compared after Kiln's records.
+        world_size, backend, sequences_per_step, optimizer_steps_total, loss, lr_schedule, pack_sequences,
+            lora_targets: our extension (``KilnFlowsState``), compared after Kiln's records.
     """
 
     adapter_name: str
@@ -72,6 +73,8 @@ class RunContract:
     loss: str = "teacher_top_k"
     lr_schedule: dict[str, Any] | None = None
     pack_sequences: bool | None = None
+    lora_targets: LoraTargets | None = None
+    """None for Kiln's seven projections."""
 
     @property
     def candidates_per_epoch(self) -> int:

@@ -37,6 +37,7 @@ from kiln_core.contracts.checkpoint import (
     OpdLoopState,
     ResumeError,
 )
+from kiln_core.contracts.lora_targets import LoraTargets
 from kiln_core.storage import INCOMPLETE_SENTINEL, Location, iter_files
 from kiln_core.training.checkpoint.contract import RunContract
 from kiln_core.training.checkpoint.names import at
@@ -362,4 +363,10 @@ def validate_resume(loaded: LoadedCheckpoint, contract_for_seed: Callable[[int],
     if bool(ext.pack_sequences) != bool(contract.pack_sequences):
         raise fail("resume_pack_sequences", f"checkpoint was written with pack_sequences {bool(ext.pack_sequences)}, "
                    f"this run asks for {bool(contract.pack_sequences)}", EXTENSION_FILE)
+    if ext.lora_targets != contract.lora_targets:
+        def named(targets: LoraTargets | None) -> str:
+            return "Kiln's seven projections" if targets is None else f"[{targets.describe()}]"
+
+        raise fail("resume_lora_targets", f"checkpoint's LoRA adapts {named(ext.lora_targets)}, this run's student "
+                   f"resolves to {named(contract.lora_targets)}", EXTENSION_FILE)
     return contract

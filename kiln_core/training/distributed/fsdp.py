@@ -12,7 +12,7 @@ LoRA wrap:
 * **Replicated, as under ddp**: the LoRA parameters (``ignored_params``: plain tensors, so the
   hand-made gradient all-reduce, the optimizer, the checkpoint files and PEFT's adapter saving stay
   exactly as they are) and the LM head (the loss projects only the rows it needs through
-  ``Student.head_weight`` outside any module's forward, so no FSDP hook would gather it; with tied
+  ``Student.logit_head`` outside any module's forward, so no FSDP hook would gather it; with tied
   embeddings the input embedding is that same tensor and stays replicated with it).
 * **Same values, same kernels**: an all-gather reassembles the exact fp32/bf16 weights, so on CPU the
   fsdp adapter equals the ddp adapter of the same world size byte for byte.
@@ -76,9 +76,11 @@ def shard_student(student: "Student", world: "World") -> ShardingReport:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
+    from kiln_core.logit_head import decoder_of
+
     mesh = init_device_mesh(student.device.type, (world.size,))
     replicated = {*student.lora_parameters.values(), *student.head.parameters()}
-    decoder = student.model.get_base_model().model
+    decoder = decoder_of(student.model)
     layers = list(decoder.layers)
     for layer in layers:
         fully_shard(layer, mesh=mesh, ignored_params=replicated)
