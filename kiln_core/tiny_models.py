@@ -127,6 +127,7 @@ def build_tiny_model(
     architecture: str = "qwen3",
     tie_word_embeddings: bool | None = None,
     chat_template: str | None = None,
+    init_std: float = 0.2,
 ) -> Path:
     """Build a causal LM with seeded random weights (Qwen3-shaped unless ``architecture`` says otherwise), plus its
     tokenizer.
@@ -148,6 +149,8 @@ def build_tiny_model(
         architecture: A key of ``TINY_ARCHITECTURES`` (``qwen3``, ``gemma2``, ``phi3``, ...).
         tie_word_embeddings: Share the LM head with the embeddings; the family's default when None (Qwen3: untied).
         chat_template: Replaces the tokenizer's ChatML template (a family's own, e.g. Gemma's).
+        init_std: Standard deviation of every matrix's normal init (0.2 makes tiny teachers and students disagree
+            visibly; a deep model at real width wants transformers' own 0.02).
 
     Returns:
         The output directory.
@@ -193,7 +196,7 @@ def build_tiny_model(
         with torch.no_grad():
             for name, parameter in model.named_parameters():
                 if parameter.dim() == 2:
-                    parameter.normal_(0.0, 0.2)
+                    parameter.normal_(0.0, init_std)
         model.save_pretrained(str(out))
     finally:
         torch.random.set_rng_state(generator_state)

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from model_matrix import REFUSED, SUPPORTED, TOLERANCE, FamilyCase, describe_head, render_support_table
+from model_matrix import (BF16_TOLERANCE, REFUSED, SUPPORTED, TOLERANCE, FamilyCase, describe_head,
+                          render_support_table)
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "models.md"
 
@@ -141,14 +142,16 @@ def test_docs_models_md_is_the_matrix(matrix, one_torch_thread):
             "step1": step1 <= TOLERANCE,
             "resume": case.resumes_byte_identically(),
             "on_policy": case.on_policy().status == "success",
+            "bf16": case.bf16_difference() <= BF16_TOLERANCE,
         }
         config = json.loads((case.student / "config.json").read_text())
         rows.append({
             "family": f"`{family}`", "class": f"`{config['architectures'][0]}`", "logits": describe_head(case.student),
             "lora": ", ".join(f"`{name}`" for name in (lambda t: (*t.modules, *t.parameters))(
                 resolve_lora_targets(case.student))),
-            **{name: f"✓ (≤ {TOLERANCE:g})" if ok and name in ("scoring", "step1")
-               else ("✓ KL 0, top-1 100 %" if ok and name == "untrained" else ("✓" if ok else "✗"))
+            **{name: ("✗" if not ok else f"✓ (≤ {TOLERANCE:g})" if name in ("scoring", "step1")
+                      else "✓ KL 0, top-1 100 %" if name == "untrained"
+                      else f"✓ (≤ {BF16_TOLERANCE:.0%})" if name == "bf16" else "✓")
                for name, ok in checks.items()},
             "verdict": "supported" if all(checks.values()) else "**broken**",
         })
@@ -156,7 +159,7 @@ def test_docs_models_md_is_the_matrix(matrix, one_torch_thread):
         config = json.loads((matrix[family].student / "config.json").read_text())
         rows.append({"family": f"`{family}`", "class": f"`{config['architectures'][0]}`",
                      "logits": "not reproduced", "lora": "—", "scoring": "✓ (its own forward)", "untrained": "—",
-                     "step1": "—", "resume": "—", "on_policy": "—",
+                     "step1": "—", "resume": "—", "on_policy": "—", "bf16": "—",
                      "verdict": "refused: `unsupported_architecture`"})
     table = render_support_table(rows)
     if os.environ.get("KILN_FLOWS_WRITE_MODELS_DOC") == "1":
@@ -202,3 +205,9 @@ def test_kiln_targets_write_no_record_into_the_checkpoint_state(tiny_student):
     from kiln_core.training.lora_targets import resolve_lora_targets
 
     assert resolve_lora_targets(tiny_student).is_kiln_default
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", SUPPORTED)
+def test_bf16_on_the_cpu_trains_the_fp32_objective_within_its_rounding(matrix, family, one_torch_thread):
+    assert matrix[family].bf16_difference() <= BF16_TOLERANCE
