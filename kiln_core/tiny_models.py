@@ -93,7 +93,8 @@ def build_tiny_tokenizer(out_dir: str | Path, *, vocab_size: int = 384, generati
 
 # The architectures a tiny model can take: transformers' config class, causal-LM class and what the family needs
 # beyond the shared shape. The post-processing values are set away from their defaults where the default would do
-# nothing (Granite's logits_scaling 1.0, Gemma 3's soft cap off), so the tiny model exercises what a real one does.
+# nothing (Granite's logits_scaling 1.0, Gemma 3's soft cap off), and the soft cap sits where a tiny model's logits
+# (a few units) reach it, as a real Gemma's (tens) reach its 30: the tiny model exercises what a real one does.
 TINY_ARCHITECTURES: dict[str, tuple[str, str, dict]] = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": "auto"}),
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
@@ -102,8 +103,8 @@ TINY_ARCHITECTURES: dict[str, tuple[str, str, dict]] = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   {"head_dim": "auto", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": "auto"}),
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": "auto", "final_logit_softcapping": 30.0}),
-    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": "auto", "final_logit_softcapping": 30.0}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": "auto", "final_logit_softcapping": 5.0}),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": "auto", "final_logit_softcapping": 5.0}),
     "cohere": ("CohereConfig", "CohereForCausalLM", {"logit_scale": 0.0625}),
     "granite": ("GraniteConfig", "GraniteForCausalLM", {"logits_scaling": 8.0}),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),

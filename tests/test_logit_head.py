@@ -104,7 +104,7 @@ def decoder_rows(model):
 def test_the_self_check_accepts_the_models_own_head_and_refuses_a_plain_projection(gemma2, dtype):
     model = load(gemma2, dtype)
     head = logit_head_of(model)
-    assert head.softcap == 30.0
+    assert head.softcap == 5.0
     assert check_own_logits(model, head, decoder_rows(model)) <= (1e-5 if dtype == torch.float32 else 2e-2)
     with pytest.raises(UnsupportedArchitecture) as refused:
         check_own_logits(model, LogitHead(head.weight, head.bias), decoder_rows(model))
