@@ -104,6 +104,18 @@ def _reference_model(model_dir: str):
     return _MODELS[model_dir]
 
 
+def measurement(name: str):
+    """Compute a ``FamilyCase`` measurement once; later calls (another test, the doc table) read it back."""
+    def wrap(method):
+        def measured(self):
+            if name not in self.results:
+                self.results[name] = method(self)
+            return self.results[name]
+        measured.__doc__ = method.__doc__
+        return measured
+    return wrap
+
+
 @dataclass
 class FamilyCase:
     """One family's models, corpora and measurements (each computed once, on first use)."""
@@ -139,6 +151,7 @@ class FamilyCase:
 
     # -- measurements -----------------------------------------------------------------------------------------
 
+    @measurement("scoring")
     def scoring_difference(self) -> float:
         """Largest |corpus logprob − log_softmax(model(...).logits)| at every action row's K ids (self-scored)."""
         _, tables = self.scored(self.student, "self-scored")
@@ -150,15 +163,16 @@ class FamilyCase:
                 rows = logprobs[torch.as_tensor(example.action_positions, dtype=torch.long) - 1]
                 expected = rows.gather(1, torch.as_tensor(example.teacher_ids, dtype=torch.long))
                 worst = max(worst, float((expected - torch.as_tensor(example.teacher_logprobs)).abs().max()))
-        return self.results.setdefault("scoring", worst)
+        return worst
 
+    @measurement("untrained")
     def untrained(self) -> tuple[float, float]:
         """``(reverse KL, top-1 agreement)`` of the untrained student on its own scores (``kiln-flows eval``)."""
         from kiln_core.evaluation import evaluate_tables, load_eval_model
 
         _, tables = self.scored(self.student, "self-scored")
         metrics = evaluate_tables(load_eval_model(str(self.student), device="cpu"), tables)
-        return self.results.setdefault("untrained", (metrics.reverse_kl, metrics.top1_agreement))
+        return (metrics.reverse_kl, metrics.top1_agreement)
 
     def train(self, run: str, **hooks):
         """A 6-step off-policy run on the teacher's scores (checkpoints every 2 steps) into ``root/run``."""
@@ -180,6 +194,7 @@ class FamilyCase:
     def reference_run(self):
         return self.train("reference")
 
+    @measurement("step1")
     def first_step_difference(self) -> tuple[float, float]:
         """``(kiln-flows' step-1 loss, |it − the loss from model(...).logits|)`` (LoRA B is 0 at step 1)."""
         _, tables = self.scored(self.teacher, "teacher-scored")
@@ -190,8 +205,9 @@ class FamilyCase:
             expected = reverse_kl_from_logits(rows, torch.as_tensor(example.teacher_ids, dtype=torch.long),
                                               torch.as_tensor(example.teacher_logprobs))
         loss = self.reference_run.loss_history[0]
-        return self.results.setdefault("step1", (loss, abs(loss - float(expected))))
+        return (loss, abs(loss - float(expected)))
 
+    @measurement("bf16")
     def bf16_difference(self) -> float:
         """Relative difference of the step-1 loss with the student in bf16 (weights and autocast) against fp32."""
         from kiln_core.contracts.opd_config import OpdConfig
@@ -208,8 +224,9 @@ class FamilyCase:
                 loss, _, _ = sequence_loss(student, tables.example(0).to_torch(student.device), step_loss("teacher_top_k"),
                                            config)
             losses[precision] = float(loss)
-        return self.results.setdefault("bf16", abs(losses["bf16"] - losses["fp32"]) / losses["fp32"])
+        return abs(losses["bf16"] - losses["fp32"]) / losses["fp32"]
 
+    @measurement("resume")
     def resumes_byte_identically(self) -> bool:
         """Interrupted after step 3, resumed from the newest checkpoint (step 2): the same adapter bytes."""
         from kiln_core.training.checkpoint import latest_checkpoint
@@ -231,8 +248,9 @@ class FamilyCase:
         reference = self.reference_run
         same = (resumed.status == reference.status == "success" and resumed.resumed_from == newest
                 and _adapter_bytes(self.root / "interrupted") == _adapter_bytes(self.root / "reference"))
-        return self.results.setdefault("resume", same)
+        return same
 
+    @measurement("on_policy")
     def on_policy(self):
         """Two prompts, two rollouts each, sampled by the student and scored by the teacher, trained."""
         from kiln_core.contracts.opd_config import parse_opd_request
@@ -252,7 +270,7 @@ class FamilyCase:
         plan = TrainPlan.for_config(request.config, str(self.root / "on-policy"), ADAPTER, top_k=TOP_K,
                                     samples_per_prompt=2, device="cpu")
         result = train_on_policy(plan, request.prompts, student_dir=str(self.student), teacher=teacher)
-        return self.results.setdefault("on_policy", result)
+        return result
 
 
 def _adapter_bytes(run_dir: Path) -> bytes:
