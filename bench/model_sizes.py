@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+from train_step import load_average  # noqa: E402  (bench/ is on the path when a bench runs)
 
 SHAPES: dict[str, dict] = {
     "smollm2-135m": dict(architecture="llama", hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
@@ -131,13 +132,6 @@ def run_child(action: str, shape: str, seq: int, args: argparse.Namespace, work:
     if done.returncode != 0 or not lines:
         raise SystemExit(f"{action} {shape} (seq {seq}) failed:\n{done.stderr[-3000:]}")
     return json.loads(lines[-1][len("RESULT "):])
-
-
-def load_average() -> str:
-    try:
-        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    except OSError:
-        return "unknown"
 
 
 def main() -> None:

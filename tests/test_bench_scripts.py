@@ -205,3 +205,22 @@ def test_stream_memory_bench_refuses_bad_options_before_any_work(tmp_path, argv,
     done = run_script(STREAM_BENCH, *argv, "--work", str(work), timeout=120)
     assert done.returncode == 2 and message in done.stderr, done.stderr
     assert not work.exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# bench/model_sizes.py
+
+
+@pytest.mark.slow
+def test_model_sizes_bench_trains_each_wide_vocabulary_student_at_two_lengths(tmp_path):
+    done = run_script(REPO / "bench" / "model_sizes.py", "--shapes", "qwen-151k,gemma-256k", "--steps", "1",
+                      "--seq", "16", "--long-seq", "32", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stderr[-2000:]
+    figures = json.loads(done.stdout.splitlines()[-1])
+    assert [(run["shape"], run["seq"]) for run in figures["runs"]] == [
+        ("qwen-151k", 16), ("qwen-151k", 32), ("gemma-256k", 16), ("gemma-256k", 32)]
+    for run in figures["runs"]:
+        assert run["steps"] == 1 and run["tokens_per_s"] > 0 and run["peak_rss_mib"] > 100
+        assert run["parameters"] > 256000 * 256 if run["shape"] == "gemma-256k" else run["parameters"] > 151936 * 256
+    assert {entry["shape"] for entry in figures["wide_vocabulary"]} == {"qwen-151k", "gemma-256k"}
+    assert "load average before" in done.stdout
