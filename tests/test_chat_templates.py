@@ -126,3 +126,152 @@ def test_the_engines_render_alike(kit):
         except KilnTemplateError:
             continue
         assert render_for_generation(KITS[kit].template, prompt) == expected, name
+
+
+# --- what Kiln refuses is refused, on every path, in one line ----------------------------------------------
+
+REFUSING = {"gemma2": "System role not supported", "mistral": "Conversation roles must alternate"}
+"""Templates with no system role, and the words their ``raise_exception`` says about a leading system message."""
+
+PLAIN_EXAMPLE = {"messages": CONVERSATIONS["single"][:-1], "teacher_response": "Two plus two is four."}
+SYSTEM_EXAMPLE = {"messages": CONVERSATIONS["system"][:-1], "teacher_response": "Paris."}
+
+
+def write_jsonl(path: Path, records: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+def score(model: Path, examples: list[dict], out: Path) -> Path:
+    from kiln_core.scoring import score_examples
+
+    score_examples(str(write_jsonl(out.with_suffix(".examples.jsonl"), examples)), teacher_dir=str(model),
+                   student_dir=str(model), top_k=TOP_K, out_uri=str(out), device="cpu")
+    return out
+
+
+@pytest.mark.parametrize("kit", sorted(REFUSING))
+def test_a_system_turn_is_refused_at_its_line_when_scoring_and_admitting(models, kit, tmp_path):
+    """Kiln: ``tokenize off-policy OPD example i`` fails with the template's error; the corpus is refused."""
+    from kiln_core.admission import admit_corpus
+    from kiln_core.scoring.examples import ScoringError
+
+    with pytest.raises(ScoringError) as caught:
+        score(models[kit], [PLAIN_EXAMPLE, SYSTEM_EXAMPLE], tmp_path / "refused.jsonl")
+    assert (caught.value.code, caught.value.line) == ("tokenization_failed", 2)
+    assert REFUSING[kit] in caught.value.message and "\n" not in caught.value.describe()
+
+    manifest, row = score(models[kit], [PLAIN_EXAMPLE], tmp_path / "scored.jsonl").read_text().splitlines()
+    with_system = json.loads(row)
+    with_system["messages"] = [SYSTEM, *with_system["messages"]]
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", [manifest, row, with_system])
+    with pytest.raises(AdmissionError) as caught:
+        admit_corpus(str(corpus), str(models[kit]), top_k=TOP_K)
+    assert (caught.value.code, caught.value.line) == ("invalid_record", 3)
+    assert REFUSING[kit] in caught.value.message
+
+
+@pytest.fixture(scope="module")
+def registry(models, tmp_path_factory) -> str:
+    from kiln_core.teachers.local_registry import register_local_teacher
+
+    root = tmp_path_factory.mktemp("template-teachers")
+    for kit in REFUSING:
+        register_local_teacher(root, f"{kit}-teacher", models[kit], max_top_k=32, device_kind="cpu")
+    return str(root)
+
+
+# The dummy assistant turn has content: Mistral's template writes no assistant header, so an empty turn adds no
+# token and Kiln (and kiln-flows) drop the prompt as one with no action (docs/chat-templates.md).
+USER_ONLY_PROMPT = {"messages": [*CONVERSATIONS["single"][:-1], {"role": "assistant", "content": "Four."}]}
+
+
+def on_policy_request(kit: str, prompt: dict):
+    """An on-policy request whose second prompt is ``prompt`` (the first renders under every template)."""
+    from kiln_core.contracts.opd_config import parse_opd_request
+
+    return parse_opd_request({"teacher": f"{kit}-teacher", "prompts": [USER_ONLY_PROMPT, prompt],
+                              "config": {"max_tokens": 8, "top_k": TOP_K}})
+
+
+@pytest.mark.parametrize("kit", sorted(REFUSING))
+def test_on_policy_prompts_and_the_asymmetric_teachers_system_turn_are_refused_before_any_model_loads(
+        models, registry, kit):
+    """A prompt with a system turn: Kiln's submit preflight (``OPD prompt i failed chat-template rendering``). A
+    prompt without one but with ``teacher_extra_messages``: the teacher's prompt opens with a system turn holding
+    them (Kiln's ``render asymmetric teacher chat template``), refused naming that field, at submit and when the
+    prompts are prepared."""
+    from kiln_core.on_policy.prepare import prepare_prompts
+    from kiln_core.on_policy.submit import bind_teacher, plan_on_policy
+
+    teacher = bind_teacher(registry, f"{kit}-teacher")
+    with_system = {"messages": [SYSTEM, *USER_ONLY_PROMPT["messages"]]}
+    with pytest.raises(Rejection) as caught:
+        plan_on_policy(on_policy_request(kit, with_system), teacher=teacher, student_dir=str(models[kit]))
+    assert (caught.value.code, caught.value.field) == ("prompt_render_failed", "prompts[1]")
+    assert REFUSING[kit] in caught.value.message
+
+    extra = {**USER_ONLY_PROMPT, "teacher_extra_messages": [{"role": "user", "content": "Answer in one word."}]}
+    request = on_policy_request(kit, extra)
+    for refuse in (lambda: plan_on_policy(request, teacher=teacher, student_dir=str(models[kit])),
+                   lambda: prepare_prompts(request.prompts, load_student_tokenizer(models[kit]))):
+        with pytest.raises(Rejection) as caught:
+            refuse()
+        assert (caught.value.code, caught.value.field) == ("teacher_prompt_render_failed",
+                                                           "prompts[1].teacher_extra_messages")
+        assert REFUSING[kit] in caught.value.message
+
+
+def distill_self_request(*prompts: list[dict]):
+    from kiln_core.contracts.distill_self import check_distill_self_request
+
+    return check_distill_self_request({"name": "terse", "mode": "conciseness",
+                                       "prompts": [{"messages": chat} for chat in prompts],
+                                       "config": {"top_k": TOP_K, "lora_rank": 4, "lora_alpha": 8}})
+
+
+@pytest.mark.parametrize("kit", sorted(REFUSING))
+def test_distill_self_is_refused_where_the_template_has_no_system_role(models, kit):
+    """Kiln gives the teacher its privileged context as a system message before the prompt's own messages; a
+    template without a system role refuses the teacher's side (Kiln: ``self-distill prompt i teacher tokenization
+    failed``) before any model loads."""
+    from kiln_core.recipes.distill_self import tokenize_prompts
+
+    with pytest.raises(Rejection) as caught:
+        tokenize_prompts(distill_self_request(CONVERSATIONS["single"]), load_student_tokenizer(models[kit]))
+    assert (caught.value.code, caught.value.field) == ("prompt_tokenization_failed", "prompts[0]")
+    assert "teacher tokenization failed" in caught.value.message and REFUSING[kit] in caught.value.message
+    assert "privileged system message" in caught.value.message
+
+
+def test_gemma3_folds_the_privileged_message_into_the_first_user_turn_but_refuses_a_second_system_turn(models):
+    """Gemma 3 writes a leading system message into the first user turn: the teacher's sequence carries the
+    privileged text there and the action tokens align with the student's. A prompt with its own system message
+    gives the teacher two system turns in a row, which the template's alternation rule refuses, as in Kiln."""
+    from kiln_core.recipes.distill_self import tokenize_prompts
+
+    student = load_student_tokenizer(models["gemma3"])
+    (pair,) = tokenize_prompts(distill_self_request(CONVERSATIONS["single"]), student)
+    teacher_text = student.tokenizer.decode(pair.teacher_ids)
+    assert teacher_text.startswith("<start_of_turn>user\nPrivileged context (visible only to the teacher)")
+    assert pair.student_ids[pair.student_targets].tolist() == pair.teacher_ids[pair.teacher_targets].tolist()
+    with pytest.raises(Rejection) as caught:
+        tokenize_prompts(distill_self_request(CONVERSATIONS["single"], CONVERSATIONS["system"]), student)
+    assert (caught.value.code, caught.value.field) == ("prompt_tokenization_failed", "prompts[1]")
+    assert "Conversation roles must alternate" in caught.value.message
+
+
+def test_eval_generate_names_the_line_a_models_template_refuses(models, tmp_path, capsys):
+    """``eval --generate`` renders each held-out prompt with every model's template: a teacher whose template
+    refuses a prompt the student accepts (Gemma 2 beside a Gemma 3 student, a system turn) is a rejection naming
+    the corpus line, not an unexpected error."""
+    from flows.cli import main
+
+    corpus = score(models["gemma3"], [PLAIN_EXAMPLE, SYSTEM_EXAMPLE], tmp_path / "heldout.jsonl")
+    code = main(["eval", "--student", str(models["gemma3"]), "--corpus", str(corpus), "--teacher",
+                 str(models["gemma2"]), "--generate", "2", "--max-new-tokens", "2", "--top-k", str(TOP_K),
+                 "--device", "cpu", "--json"])
+    error = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 2
+    assert (error["code"], error["file"], error["line"]) == ("prompt_render_failed", str(corpus), 3)
+    assert "System role not supported" in error["message"] and str(models["gemma2"]) in error["message"]

@@ -20,12 +20,28 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from kiln_core.errors import Rejection
+
 # Kiln's ``eos_token_ids``: special added tokens with exactly these texts stop a rollout.
 KILN_EOS_TEXTS = ("<|endoftext|>", "<|im_end|>", "<|end|>", "</s>")
 
 
 class RenderError(ValueError):
     """A chat template that failed to render, or text that failed to encode."""
+
+
+def teacher_prompt_refused(index: int, error: RenderError) -> Rejection:
+    """Kiln's refusal of prompt ``index``'s asymmetric teacher prompt (``opd.rs`` · ``render_teacher_prompt_tokens``).
+
+    The extra messages reach the teacher as a system turn (``teacher_messages``), so a template without a system
+    role (Gemma 1/2, Mistral) refuses every prompt that carries ``teacher_extra_messages``.
+
+    Example:
+        >>> teacher_prompt_refused(0, RenderError("System role not supported")).field
+        'prompts[0].teacher_extra_messages'
+    """
+    return Rejection("teacher_prompt_render_failed", f"opd_train: render asymmetric teacher chat template for prompt "
+                     f"{index}: {error}", field=f"prompts[{index}].teacher_extra_messages")
 
 
 def template_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
