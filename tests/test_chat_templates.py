@@ -275,3 +275,80 @@ def test_eval_generate_names_the_line_a_models_template_refuses(models, tmp_path
     assert code == 2
     assert (error["code"], error["file"], error["line"]) == ("prompt_render_failed", str(corpus), 3)
     assert "System role not supported" in error["message"] and str(models["gemma2"]) in error["message"]
+
+
+def test_qwen3_rollouts_start_after_the_header_or_after_an_empty_think_block(models):
+    """Kiln's default (``legacy_action_boundary``) samples after the training render's assistant header; its
+    ``chat_template`` rendering passes ``enable_thinking=false``, which Qwen3's template answers with a closed
+    empty think block the student then answers after."""
+    from kiln_core.contracts.opd_config import parse_opd_request
+    from kiln_core.on_policy.prepare import prepare_prompts
+
+    student = load_student_tokenizer(models["qwen3"])
+    prompts = parse_opd_request({"teacher": "t", "prompts": [USER_ONLY_PROMPT]}).prompts
+    prefixes = {rendering: student.tokenizer.decode(prepare_prompts(prompts, student, rendering=rendering)
+                                                    .prompts[0].rollout_prefix)
+                for rendering in ("legacy_action_boundary", "chat_template")}
+    assert prefixes["legacy_action_boundary"].endswith("<|im_start|>assistant\n")
+    assert prefixes["chat_template"] == prefixes["legacy_action_boundary"] + "<think>\n\n</think>\n\n"
+
+
+# --- what Kiln accepts trains -----------------------------------------------------------------------------
+
+
+def examples_for(kit: str) -> list[dict]:
+    """Examples every template renders (and, with a system role, one with a system message)."""
+    turns = CONVERSATIONS["multi_turn"]
+    examples = [PLAIN_EXAMPLE, {"messages": turns[:-1], "teacher_response": turns[-1]["content"]},
+                {"messages": CONVERSATIONS["thinking"][:-1], "teacher_response": CONVERSATIONS["thinking"][-1]["content"]}]
+    return examples + ([SYSTEM_EXAMPLE] if KITS[kit].system_role else [])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kit", sorted(KITS))
+def test_under_each_template_a_self_scored_corpus_trains_on_policy_runs_and_distill_self_scores(
+        models, kit, tmp_path):
+    """The student scores its own examples (as Kiln admits them), agrees with itself (reverse KL 0, top-1 100 %),
+    takes off-policy steps from a loss of 0, samples and trains on-policy, and ``distill self``'s corpus (where
+    the template has a system role) is one Kiln admits."""
+    from kiln_core.admission import admit_corpus
+    from kiln_core.contracts.opd_config import OpdConfig, parse_opd_request
+    from kiln_core.contracts.stage_refs import TrainPlan
+    from kiln_core.evaluation import evaluate_tables, load_eval_model
+    from kiln_core.identity.local_teacher import local_teacher_identity
+    from kiln_core.on_policy.teacher import LiveLocalTeacher, TeacherSource
+    from kiln_core.recipes.distill_self import prepare_distill_self
+    from kiln_core.training.on_policy_trainer import train_on_policy
+    from kiln_core.training.trainer import train_opd
+
+    model = models[kit]
+    corpus = score(model, examples_for(kit), tmp_path / "self-scored.jsonl")
+    tables = admit_corpus(str(corpus), str(model), top_k=TOP_K).tables
+    metrics = evaluate_tables(load_eval_model(str(model), device="cpu"), tables)
+    assert metrics.reverse_kl < 1e-6 and metrics.top1_agreement == 1.0
+
+    settings = dict(top_k=TOP_K, lora_rank=4, lora_alpha=8.0, seed=5, learning_rate=2e-2, checkpoint_interval=None,
+                    optimizer={"kind": "adam_w"})
+    config = OpdConfig.model_validate(dict(training_mode="off_policy", **settings))
+    plan = TrainPlan.for_config(config, str(tmp_path / "off-policy"), "templates", device="cpu")
+    result = train_opd(plan, tables, dataset_sha256="sha256:" + "ab" * 32, dataset_path=str(corpus),
+                       student_dir=str(model), teacher_alias="self")
+    assert result.status == "success" and len(result.loss_history) == tables.num_examples
+    assert abs(result.loss_history[0]) < 1e-5  # an untrained student on its own scores
+
+    identity = local_teacher_identity(str(model), max_top_k=32, device_kind="cpu")
+    teacher = TeacherSource.loaded(LiveLocalTeacher.load(str(model), identity=identity, top_k=TOP_K,
+                                                         teacher_id="self", device="cpu"), "self")
+    request = parse_opd_request({"teacher": "self", "prompts": [USER_ONLY_PROMPT],
+                                 "config": {"samples_per_prompt": 2, "max_tokens": 4, **settings}})
+    plan = TrainPlan.for_config(request.config, str(tmp_path / "on-policy"), "templates", top_k=TOP_K,
+                                samples_per_prompt=2, device="cpu")
+    assert train_on_policy(plan, request.prompts, student_dir=str(model), teacher=teacher).status == "success"
+
+    if KITS[kit].system_role:
+        # Gemma 3 refuses a prompt's own system turn after the privileged one (tested above).
+        chats = [CONVERSATIONS["single"], CONVERSATIONS["multi_turn"]]
+        chats += [CONVERSATIONS["system"]] if kit != "gemma3" else []
+        spec = prepare_distill_self(distill_self_request(*chats), student_dir=str(model),
+                                    out_root=str(tmp_path / "self"), device="cpu")
+        assert admit_corpus(spec.corpus, str(model), top_k=TOP_K).tables.num_examples == len(chats)
