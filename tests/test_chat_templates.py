@@ -293,6 +293,30 @@ def test_qwen3_rollouts_start_after_the_header_or_after_an_empty_think_block(mod
     assert prefixes["chat_template"] == prefixes["legacy_action_boundary"] + "<think>\n\n</think>\n\n"
 
 
+
+@pytest.mark.parametrize("kit", ["gemma3", "llama3"])
+def test_post_eval_prompts_are_rendered_as_kilns_eval_generator_renders_them(models, kit):
+    """Kiln's eval generator renders a suite's prompt with the server's chat template (no BOS) and encodes it
+    without special tokens; a ``chat_template_kwargs`` naming a variable Kiln sets is refused in Kiln's words."""
+    import torch
+
+    from kiln_core.contracts.post_eval.suite import EvalChatMessage, EvalGenerationParams
+    from kiln_core.on_policy.render import RenderError
+    from kiln_core.post_eval.runner import Arm, render_prompt
+
+    student = load_student_tokenizer(models[kit])
+    arm = Arm(model=None, tokenizer=student.tokenizer, device=torch.device("cpu"), eos_ids=frozenset(),
+              max_positions=None)
+    question = [EvalChatMessage(role="user", content="What is two plus two?")]
+    expected = kiln_render(KITS[kit].template, [SYSTEM, {"role": "user", "content": "What is two plus two?"}],
+                           add_generation_prompt=True)
+    ids = render_prompt(arm, question, SYSTEM["content"], None, EvalGenerationParams())
+    assert ids == Tokenizer.from_file(str(models[kit] / "tokenizer.json")).encode(
+        expected, add_special_tokens=False).ids
+    assert student.tokenizer.bos_token_id not in ids
+    with pytest.raises(RenderError, match="cannot override reserved template variable `bos_token`"):
+        render_prompt(arm, question, None, None, EvalGenerationParams(chat_template_kwargs={"bos_token": "<bos>"}))
+
 # --- what Kiln accepts trains -----------------------------------------------------------------------------
 
 

@@ -22,6 +22,9 @@ import numpy as np
 
 from kiln_core.errors import Rejection
 
+# Template variables Kiln sets itself; a suite's chat_template_kwargs may not name them (tokenizer.rs).
+RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "tool_choice", "add_generation_prompt", "bos_token", "eos_token")
+
 # Kiln's ``eos_token_ids``: special added tokens with exactly these texts stop a rollout.
 KILN_EOS_TEXTS = ("<|endoftext|>", "<|im_end|>", "<|end|>", "</s>")
 
@@ -77,16 +80,20 @@ def _parse_arguments(holder: dict[str, Any]) -> None:
 
 
 def render_for_generation(chat_template: str, messages: Sequence[dict[str, Any]], *,
-                          enable_thinking: bool | None = None) -> str:
+                          enable_thinking: bool | None = None, tools: Sequence[Any] | None = None,
+                          template_kwargs: dict[str, Any] | None = None) -> str:
     """Render ``messages`` ending with the assistant cue, as Kiln's tokenizer does.
 
     Args:
         chat_template: The Jinja template text.
         messages: Kiln-shaped messages (``role``, text ``content``, optional tool fields).
         enable_thinking: When not None, passed to the template (Kiln passes ``false`` for rollouts).
+        tools: Tool definitions handed to the template as ``tools`` (none, or an empty list: null, as Kiln does).
+        template_kwargs: More template variables (a post-eval suite's ``chat_template_kwargs``); they may not
+            name one Kiln sets itself (``RESERVED_TEMPLATE_VARIABLES``).
 
     Raises:
-        RenderError: the template raised.
+        RenderError: the template raised, or ``template_kwargs`` names a reserved variable.
 
     Example:
         >>> render_for_generation("{% for m in messages %}{{ m.content }}{% endfor %}"
@@ -95,13 +102,18 @@ def render_for_generation(chat_template: str, messages: Sequence[dict[str, Any]]
     """
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    kwargs: dict[str, Any] = {"bos_token": "", "eos_token": ""}
+    kwargs = dict(template_kwargs or {})
+    for key in RESERVED_TEMPLATE_VARIABLES:
+        if key in kwargs:  # Kiln's words (tokenizer.rs · render_jinja_template_with)
+            raise RenderError(f"chat_template_kwargs cannot override reserved template variable `{key}`")
+    kwargs.update(bos_token="", eos_token="")
     if enable_thinking is not None:
         kwargs["enable_thinking"] = enable_thinking
     try:
         texts, _ = render_jinja_template(
             conversations=[template_messages(messages)],
             chat_template=chat_template,
+            tools=list(tools) if tools else None,
             add_generation_prompt=True,
             **kwargs,
         )
