@@ -6,8 +6,13 @@ Kiln renders a conversation in two ways, and the mask builders above this module
   used for trajectories: every message is ``{role, content}`` only, ``add_generation_prompt`` is
   true, ``bos_token`` and ``eos_token`` are empty strings, ``tools`` and ``tool_choice`` are null.
 * **The training render** (``apply_chat_template_for_training_with_spans``, used by
-  crates/kiln-train/src/trainer/sft_data.rs), used without a trajectory: ``add_generation_prompt``
-  false, and the assistant spans the template marks with ``{% generation %}`` blocks.
+  crates/kiln-train/src/trainer/sft_data.rs), used without a trajectory: the same context with
+  ``add_generation_prompt`` false, and the assistant spans the template marks with ``{% generation %}``
+  blocks.
+
+Neither render hands the template the tokenizer's BOS or EOS, and nothing encodes with special tokens: a
+template that writes ``{{ bos_token }}`` (Gemma, Llama 3, Mistral) or ``eos_token`` (Mistral) renders as
+Kiln trains it, without them (docs/chat-templates.md).
 
 Kiln encodes with the Rust ``tokenizers`` crate, whose offsets are *byte* offsets; the Python binding
 reports *character* offsets. ``encode_texts`` converts them back to bytes exactly, including tokens
@@ -186,7 +191,8 @@ def render_training(
             chat_template=student.chat_template,
             return_assistant_tokens_mask=wanted,
             add_generation_prompt=False,
-            **student.tokenizer.special_tokens_map,
+            bos_token="",
+            eos_token="",
         )
     except Exception as error:  # a user template can raise anything
         raise TokenizationError(f"chat template failed to render: {error}") from None

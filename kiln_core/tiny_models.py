@@ -8,11 +8,16 @@ tokenizer trained with ``tokenizers``, and a seeded Qwen3-shaped causal LM.
 The chat template is ChatML with ``{% generation %}`` blocks around each assistant turn's content,
 ``<|im_end|>`` and the newline after it, so the transformers assistant mask and Kiln's ChatML fallback
 mark the same tokens. ``generation_blocks=False`` writes the same template without those blocks.
+
+A family's own template (Gemma's, Llama 3's, Qwen3's thinking template) writes tokens ChatML does not have:
+``ChatTokens`` adds them to the vocabulary after the BPE entries, as that family's tokenizer has them, and
+``build_tiny_model(..., chat_template=..., chat_tokens=...)`` builds a model that speaks it.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -49,19 +54,45 @@ error: file not found. warning: deprecated API. ok. yes. no. 0 1 2 3 4 5 6 7 8 9
 """
 
 
-def build_tiny_tokenizer(out_dir: str | Path, *, vocab_size: int = 384, generation_blocks: bool = True) -> Path:
+@dataclass(frozen=True)
+class ChatTokens:
+    """The tokens a family's chat template writes, added to the tiny vocabulary the way its tokenizer has them.
+
+    Attributes:
+        special: Special added tokens, appended after the BPE vocabulary in this order (never split by BPE,
+            dropped when decoding with ``skip_special_tokens``): Gemma's ``<start_of_turn>``, Llama 3's
+            ``<|eot_id|>``.
+        added: Ordinary added tokens appended after them (never split, kept when decoding): Qwen3's ``<think>``.
+        bos_token: The tokenizer's BOS, one of ``special``. Encoding *with* special tokens prepends it, as
+            Gemma's and Llama 3's tokenizers do; None: no BOS (ChatML's tiny tokenizer).
+        eos_token: The tokenizer's EOS.
+    """
+
+    special: tuple[str, ...] = ()
+    added: tuple[str, ...] = ()
+    bos_token: str | None = None
+    eos_token: str = "<|im_end|>"
+
+
+def build_tiny_tokenizer(out_dir: str | Path, *, vocab_size: int = 384, generation_blocks: bool = True,
+                         chat_tokens: ChatTokens | None = None) -> Path:
     """Train a byte-level BPE tokenizer on a fixed text and save it as a fast HF tokenizer.
 
     Args:
         out_dir: Directory to write ``tokenizer.json`` and ``tokenizer_config.json`` into.
         vocab_size: Target BPE vocabulary size, special tokens included.
         generation_blocks: Whether the chat template carries ``{% generation %}`` blocks.
+        chat_tokens: Tokens a family's template needs, appended after the trained vocabulary (so the
+            ids of every trained token stay what they are without them); None writes exactly the ChatML
+            tokenizer.
 
     Returns:
         The output directory.
 
     Example:
         >>> build_tiny_tokenizer("/tmp/tok")  # doctest: +SKIP
+        >>> build_tiny_tokenizer("/tmp/gemma-tok", chat_tokens=ChatTokens(
+        ...     special=("<bos>", "<start_of_turn>", "<end_of_turn>"), bos_token="<bos>"))  # doctest: +SKIP
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -79,16 +110,35 @@ def build_tiny_tokenizer(out_dir: str | Path, *, vocab_size: int = 384, generati
     )
     lines = [line for line in _TRAINING_TEXT.splitlines() if line.strip()]
     tokenizer.train_from_iterator(lines * 4, trainer=trainer)
+    chat_tokens = chat_tokens or ChatTokens()
+    _add_chat_tokens(tokenizer, chat_tokens)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
-        eos_token="<|im_end|>",
+        eos_token=chat_tokens.eos_token,
         pad_token="<|endoftext|>",
-        bos_token=None,
+        bos_token=chat_tokens.bos_token,
         unk_token=None,
     )
     fast.chat_template = CHATML_TEMPLATE_WITH_GENERATION if generation_blocks else CHATML_TEMPLATE_PLAIN
     fast.save_pretrained(str(out))
     return out
+
+
+def _add_chat_tokens(tokenizer, chat_tokens: ChatTokens) -> None:
+    """Append a family's tokens to a trained tokenizer; a BOS is prepended when encoding with special tokens."""
+    from tokenizers import AddedToken, processors
+
+    known = set(SPECIAL_TOKENS)
+    special = [AddedToken(text, special=True, normalized=False) for text in chat_tokens.special if text not in known]
+    tokenizer.add_special_tokens(special)
+    tokenizer.add_tokens([AddedToken(text, special=False, normalized=False) for text in chat_tokens.added])
+    if chat_tokens.bos_token is not None:
+        bos_id = tokenizer.token_to_id(chat_tokens.bos_token)
+        if bos_id is None:
+            raise ValueError(f"bos_token {chat_tokens.bos_token!r} is not one of the special tokens")
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{chat_tokens.bos_token} $A", pair=f"{chat_tokens.bos_token} $A {chat_tokens.bos_token} $B",
+            special_tokens=[(chat_tokens.bos_token, bos_id)])
 
 
 # The architectures a tiny model can take: transformers' config class, causal-LM class and what the family needs
@@ -128,6 +178,7 @@ def build_tiny_model(
     architecture: str = "qwen3",
     tie_word_embeddings: bool | None = None,
     chat_template: str | None = None,
+    chat_tokens: ChatTokens | None = None,
     init_std: float = 0.2,
 ) -> Path:
     """Build a causal LM with seeded random weights (Qwen3-shaped unless ``architecture`` says otherwise), plus its
@@ -150,6 +201,7 @@ def build_tiny_model(
         architecture: A key of ``TINY_ARCHITECTURES`` (``qwen3``, ``gemma2``, ``phi3``, ...).
         tie_word_embeddings: Share the LM head with the embeddings; the family's default when None (Qwen3: untied).
         chat_template: Replaces the tokenizer's ChatML template (a family's own, e.g. Gemma's).
+        chat_tokens: The tokens that template writes, added to the tokenizer (``build_tiny_tokenizer``).
         init_std: Standard deviation of every matrix's normal init (0.2 makes tiny teachers and students disagree
             visibly; a deep model at real width wants transformers' own 0.02).
 
@@ -167,7 +219,8 @@ def build_tiny_model(
         raise ValueError(f"unknown tiny architecture {architecture!r}; one of {sorted(TINY_ARCHITECTURES)}")
     config_name, model_name, extra = TINY_ARCHITECTURES[architecture]
     out = Path(out_dir)
-    build_tiny_tokenizer(out, vocab_size=tokenizer_vocab_size, generation_blocks=generation_blocks)
+    build_tiny_tokenizer(out, vocab_size=tokenizer_vocab_size, generation_blocks=generation_blocks,
+                         chat_tokens=chat_tokens)
     if chat_template is not None:
         _replace_chat_template(out, chat_template)
     family = {key: (hidden_size // num_heads if value == "auto" else value) for key, value in extra.items()}

@@ -336,6 +336,11 @@ def render_support_table(rows: list[dict[str, str]]) -> str:
         "model names them (`kiln_core.training.lora_targets`); an `mlp.experts.*` entry is a mixture of experts'",
         "3-D expert tensor, adapted through PEFT's `target_parameters`.",
         "",
+        "The model's chat template decides which tokens it trains on. The matrix's tiny models speak ChatML; the",
+        "templates the families ship (Gemma 1/2 without a system role, Gemma 3, Qwen3's thinking template, Llama 3's",
+        "and Mistral's BOS and EOS) and what kiln-flows does with each, as Kiln does, are in",
+        "[chat-templates.md](chat-templates.md).",
+        "",
         "| " + " | ".join(header) + " |",
         "| " + " | ".join("---" for _ in header) + " |",
     ]

@@ -100,16 +100,22 @@ def _side_by_side(args: argparse.Namespace, adapted) -> tuple[list[dict], dict[s
     from kiln_core.admission.records import parse_corpus
     from kiln_core.admission.source import read_corpus
     from kiln_core.evaluation import generate_answers, load_eval_model
+    from kiln_core.evaluation.models import EvalInputError, PromptRefused
     from kiln_core.evaluation.own_answers import own_answer_metrics
 
-    prompts = [list(c.messages) for c in parse_corpus(read_corpus(args.corpus).data).conversations][: args.generate]
+    parsed = parse_corpus(read_corpus(args.corpus).data)
+    prompts = [list(c.messages) for c in parsed.conversations][: args.generate]
     teacher = load_eval_model(args.teacher, device=args.device)
     columns = {"teacher": teacher}
     if args.adapter:
         columns["base_student"] = load_eval_model(args.student, device=args.device)
     columns["student" if not args.adapter else "distilled_student"] = adapted
-    answers = {name: generate_answers(model, prompts, max_new_tokens=args.max_new_tokens)
-               for name, model in columns.items()}
+    try:
+        answers = {name: generate_answers(model, prompts, max_new_tokens=args.max_new_tokens)
+                   for name, model in columns.items()}
+    except PromptRefused as refused:  # the corpus line is the place a user can find
+        raise EvalInputError(refused.code, refused.message, file=args.corpus,
+                             line=int(parsed.example_lines[refused.index])) from None
     own = {name: own_answer_metrics(model, teacher, prompts, max_new_tokens=args.max_new_tokens, top_k=args.top_k)
            for name, model in columns.items() if name != "teacher"}
     rows = [{"prompt": prompt[-1].get("content", ""), **{name: answers[name][i] for name in answers}}

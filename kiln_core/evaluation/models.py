@@ -4,6 +4,11 @@
 ``logit_head``, ``device``): the same decoder output and the same model's-own logits as the trainer's
 ``Student``, proven against ``model(...).logits`` at load (``kiln_core.logit_head.check_own_logits``). An adapter that does not fit the student (other shapes, other target modules)
 is a rejection, not a crash.
+
+Answers are generated after the prompt as Kiln renders it for generation (``kiln_core.on_policy.render``: no
+BOS or EOS from the tokenizer, nothing encoded with special tokens), the form a student is trained and sampled
+on; a prompt the model's chat template refuses (a system turn under Gemma 1/2) is a ``prompt_render_failed``
+rejection naming it.
 """
 
 from __future__ import annotations
@@ -17,12 +22,25 @@ import torch
 from kiln_core.errors import Rejection
 from kiln_core.logit_head import LogitHead, check_own_logits, decoder_of, logit_head_of
 
-__all__ = ["EvalModel", "EvalInputError", "load_eval_model", "generate_answers", "generate_answer_ids"]
+__all__ = ["EvalModel", "EvalInputError", "PromptRefused", "load_eval_model", "generate_answers",
+           "generate_answer_ids"]
 
 
 class EvalInputError(Rejection):
     """An evaluation input that cannot be used (exit 2): ``invalid_student``, ``adapter_mismatch``,
-    ``vocabulary_mismatch``, ``eval_train_overlap``, ``invalid_option``."""
+    ``vocabulary_mismatch``, ``eval_train_overlap``, ``invalid_option``, ``prompt_render_failed``."""
+
+
+class PromptRefused(EvalInputError):
+    """A prompt the model's chat template refuses to render (``prompt_render_failed``, field ``prompts[index]``).
+
+    Attributes:
+        index: The prompt's position in the list given, for a caller that knows where it came from.
+    """
+
+    def __init__(self, index: int, message: str) -> None:
+        super().__init__("prompt_render_failed", message, field=f"prompts[{index}]")
+        self.index = index
 
 
 @dataclass
@@ -32,6 +50,8 @@ class EvalModel:
     model: Any
     device: torch.device
     tokenizer: Any
+    source: str = ""
+    """Where the model was loaded from (named in refusals)."""
 
     @property
     def _base(self) -> Any:
@@ -80,7 +100,7 @@ def load_eval_model(student_dir: str | os.PathLike[str], adapter_dir: str | os.P
                                  f"{str(error).splitlines()[0]}", file=str(adapter_dir)) from None
     model.to(dev)
     model.eval()
-    evaluated = EvalModel(model=model, device=dev, tokenizer=tokenizer)
+    evaluated = EvalModel(model=model, device=dev, tokenizer=tokenizer, source=str(student_dir))
     check_own_logits(model, evaluated.logit_head, evaluated.hidden_states)
     return evaluated
 
@@ -104,18 +124,20 @@ def generate_answer_ids(model: EvalModel, prompts: Sequence[list[dict[str, Any]]
     """Greedy answers as token ids: ``(prompt ids, answer ids)`` per prompt, the answer cut after its first
     end-of-sequence token (kept: ending there was the model's choice) and never longer than ``max_new_tokens``.
 
+    Raises:
+        PromptRefused: the model's chat template refuses a prompt (before anything is generated).
+
     Example:
         >>> [(prompt, answer)] = generate_answer_ids(model, [[{"role": "user", "content": "Hi"}]])  # doctest: +SKIP
     """
     tokenizer = model.tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos_id = tokenizer.eos_token_id
+    prompt_ids = [_prompt_ids(model, messages, index) for index, messages in enumerate(prompts)]
     answers: list[tuple[list[int], list[int]]] = []
     with torch.no_grad():
         for start in range(0, len(prompts), batch_size):
-            texts = [tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
-                     for messages in prompts[start : start + batch_size]]
-            encoded = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+            encoded = prompt_ids[start : start + batch_size]
             width = max(len(ids) for ids in encoded)
             ids = torch.full((len(encoded), width), pad_id, dtype=torch.long)
             mask = torch.zeros((len(encoded), width), dtype=torch.long)
@@ -130,3 +152,16 @@ def generate_answer_ids(model: EvalModel, prompts: Sequence[list[dict[str, Any]]
                     answer = answer[: answer.index(eos_id) + 1]
                 answers.append((list(seq), answer))
     return answers
+
+
+def _prompt_ids(model: EvalModel, messages: list[dict[str, Any]], index: int) -> list[int]:
+    """Prompt ``index`` rendered with the generation cue as Kiln renders it, encoded without special tokens."""
+    from kiln_core.on_policy.render import RenderError, encode_text, render_for_generation
+
+    template = model.tokenizer.chat_template
+    if not isinstance(template, str) or not template:
+        raise PromptRefused(index, f"{model.source} has no chat template to render prompt {index} with")
+    try:
+        return encode_text(model.tokenizer, render_for_generation(template, messages)).tolist()
+    except RenderError as error:
+        raise PromptRefused(index, f"the chat template of {model.source} refuses prompt {index}: {error}") from None

@@ -47,6 +47,7 @@ from kiln_core.on_policy.render import (
     encode_text,
     render_for_generation,
     teacher_messages,
+    teacher_prompt_refused,
     without_trailing_assistant,
 )
 from kiln_core.tokenization import Conversation, Segment, StudentTokenizer, TokenizationError, encode_conversations
@@ -250,8 +251,7 @@ def _teacher_prefixes(student: StudentTokenizer, values: list[dict[str, Any]]) -
         try:
             prefixes.append(_render_tokens(student, teacher_messages(value["messages"], extra)))
         except RenderError as error:
-            raise Rejection("teacher_prompt_render_failed", "opd_train: render asymmetric teacher chat template "
-                            f"for prompt {index}: {error}", field=f"prompts[{index}].teacher_extra_messages") from None
+            raise teacher_prompt_refused(index, error) from None
     return prefixes
 
 

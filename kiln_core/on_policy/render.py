@@ -20,12 +20,31 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from kiln_core.errors import Rejection
+
+# Template variables Kiln sets itself; a suite's chat_template_kwargs may not name them (tokenizer.rs).
+RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "tool_choice", "add_generation_prompt", "bos_token", "eos_token")
+
 # Kiln's ``eos_token_ids``: special added tokens with exactly these texts stop a rollout.
 KILN_EOS_TEXTS = ("<|endoftext|>", "<|im_end|>", "<|end|>", "</s>")
 
 
 class RenderError(ValueError):
     """A chat template that failed to render, or text that failed to encode."""
+
+
+def teacher_prompt_refused(index: int, error: RenderError) -> Rejection:
+    """Kiln's refusal of prompt ``index``'s asymmetric teacher prompt (``opd.rs`` · ``render_teacher_prompt_tokens``).
+
+    The extra messages reach the teacher as a system turn (``teacher_messages``), so a template without a system
+    role (Gemma 1/2, Mistral) refuses every prompt that carries ``teacher_extra_messages``.
+
+    Example:
+        >>> teacher_prompt_refused(0, RenderError("System role not supported")).field
+        'prompts[0].teacher_extra_messages'
+    """
+    return Rejection("teacher_prompt_render_failed", f"opd_train: render asymmetric teacher chat template for prompt "
+                     f"{index}: {error}", field=f"prompts[{index}].teacher_extra_messages")
 
 
 def template_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -61,16 +80,20 @@ def _parse_arguments(holder: dict[str, Any]) -> None:
 
 
 def render_for_generation(chat_template: str, messages: Sequence[dict[str, Any]], *,
-                          enable_thinking: bool | None = None) -> str:
+                          enable_thinking: bool | None = None, tools: Sequence[Any] | None = None,
+                          template_kwargs: dict[str, Any] | None = None) -> str:
     """Render ``messages`` ending with the assistant cue, as Kiln's tokenizer does.
 
     Args:
         chat_template: The Jinja template text.
         messages: Kiln-shaped messages (``role``, text ``content``, optional tool fields).
         enable_thinking: When not None, passed to the template (Kiln passes ``false`` for rollouts).
+        tools: Tool definitions handed to the template as ``tools`` (none, or an empty list: null, as Kiln does).
+        template_kwargs: More template variables (a post-eval suite's ``chat_template_kwargs``); they may not
+            name one Kiln sets itself (``RESERVED_TEMPLATE_VARIABLES``).
 
     Raises:
-        RenderError: the template raised.
+        RenderError: the template raised, or ``template_kwargs`` names a reserved variable.
 
     Example:
         >>> render_for_generation("{% for m in messages %}{{ m.content }}{% endfor %}"
@@ -79,13 +102,18 @@ def render_for_generation(chat_template: str, messages: Sequence[dict[str, Any]]
     """
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    kwargs: dict[str, Any] = {"bos_token": "", "eos_token": ""}
+    kwargs = dict(template_kwargs or {})
+    for key in RESERVED_TEMPLATE_VARIABLES:
+        if key in kwargs:  # Kiln's words (tokenizer.rs · render_jinja_template_with)
+            raise RenderError(f"chat_template_kwargs cannot override reserved template variable `{key}`")
+    kwargs.update(bos_token="", eos_token="")
     if enable_thinking is not None:
         kwargs["enable_thinking"] = enable_thinking
     try:
         texts, _ = render_jinja_template(
             conversations=[template_messages(messages)],
             chat_template=chat_template,
+            tools=list(tools) if tools else None,
             add_generation_prompt=True,
             **kwargs,
         )

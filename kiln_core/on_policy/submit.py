@@ -36,7 +36,8 @@ from kiln_core.contracts.opd_submit import validate_config_rules
 from kiln_core.serde_json import serde_json_text
 from kiln_core.contracts.opd_prompt import OpdPrompt, kiln_prompt_value, prompts_content_sha256
 from kiln_core.errors import Rejection
-from kiln_core.on_policy.render import RenderError, encode_text, render_for_generation, teacher_messages
+from kiln_core.on_policy.render import (RenderError, encode_text, render_for_generation, teacher_messages,
+                                        teacher_prompt_refused)
 
 __all__ = ["OnPolicyPlan", "StudentFacts", "TeacherBinding", "bind_teacher", "check_prompts_fit", "check_request",
            "check_teacher", "teacher_top_k_cap", "plan_on_policy", "student_facts"]
@@ -206,7 +207,8 @@ def check_prompts_fit(prompts: Sequence[OpdPrompt], config: OpdConfig, chat_temp
     """Step 3: every prompt renders and encodes, and prompt + ``max_tokens`` fits; returns the longest.
 
     Raises:
-        Rejection: ``prompt_render_failed``, ``prompt_tokenization_failed``, ``training_will_not_fit``.
+        Rejection: ``prompt_render_failed``, ``prompt_tokenization_failed``, ``teacher_prompt_render_failed``
+            (the asymmetric teacher's prompt, checked here when the teacher's length is), ``training_will_not_fit``.
     """
     longest = 0
     for index, prompt in enumerate(prompts):
@@ -218,7 +220,10 @@ def check_prompts_fit(prompts: Sequence[OpdPrompt], config: OpdConfig, chat_temp
             teacher_tokens = tokens
             if value.get("teacher_extra_messages"):
                 merged = teacher_messages(value["messages"], value["teacher_extra_messages"])
-                teacher_tokens = _rendered_length(chat_template, tokenizer, merged, index)
+                try:
+                    teacher_tokens = int(encode_text(tokenizer, render_for_generation(chat_template, merged)).shape[0])
+                except RenderError as error:  # the prompt itself rendered: the teacher's system turn is refused
+                    raise teacher_prompt_refused(index, error) from None
             _check_fits(index, teacher_tokens, config.max_tokens, teacher_max_model_len, "the teacher's max_model_len")
     return longest
 

@@ -94,13 +94,22 @@ def load_arm(student_dir: str, adapter_dir: str | None = None, *, device: str | 
 
 def render_prompt(arm: Arm, messages: list[Any], system_prompt: str | None, tools: list[Any] | None,
                   params: EvalGenerationParams) -> list[int]:
-    """The example's chat, system prompt prepended unless it starts with one, rendered and encoded."""
+    """The example's chat, system prompt prepended unless it starts with one, rendered and encoded as Kiln's eval
+    generator does (``crates/kiln-server/src/eval/generator.rs`` · ``prepare``: the server's chat-template render,
+    so no BOS or EOS from the tokenizer, nothing encoded with special tokens; docs/chat-templates.md).
+
+    Raises:
+        RenderError: the template refuses the chat (the caller makes it the example's ``error`` outcome).
+        ValueError: the prompt fills the model's context.
+    """
+    from kiln_core.on_policy.render import encode_text, render_for_generation
+
     chat = [message.wire() for message in messages]
     if system_prompt is not None and (not chat or chat[0]["role"] != "system"):
         chat.insert(0, {"role": "system", "content": system_prompt})
-    text = arm.tokenizer.apply_chat_template(chat, tools=tools or None, add_generation_prompt=True, tokenize=False,
-                                             **(params.chat_template_kwargs or {}))
-    ids = arm.tokenizer(text, add_special_tokens=False)["input_ids"]
+    text = render_for_generation(arm.tokenizer.chat_template, chat, tools=tools,
+                                 template_kwargs=params.chat_template_kwargs)
+    ids = encode_text(arm.tokenizer, text).tolist()
     if arm.max_positions is not None and len(ids) >= arm.max_positions:
         raise ValueError(f"prompt has {len(ids)} tokens; the model's context is {arm.max_positions}")
     return ids

@@ -60,6 +60,8 @@ GROUND_TRUTH_TEXT = PRIVILEGED_PREFIX + ": the correct answer is: {answer}"
 CONCISENESS_TEXT = (PRIVILEGED_PREFIX + ": respond with maximal concision; trim every unnecessary word; never explain "
                     "reasoning unless explicitly asked.")
 DOCUMENT_TEXT = PRIVILEGED_PREFIX + " \u2014 use the following retrieved document to answer:\n\n{document}"
+SYSTEM_TURN_REFUSED = ("; the teacher's messages open with the privileged system message (as in Kiln), which the "
+                       "student's chat template refuses (docs/chat-templates.md)")
 
 
 @dataclass(frozen=True)
@@ -136,7 +138,9 @@ def tokenize_prompts(request: DistillSelfRequest, student) -> list[SelfDistillPa
             try:
                 (one,) = encode_conversations(student, [Conversation(messages[:-1], messages[-1]["content"])])
             except TokenizationError as error:
-                raise _tokenization_failed(index, side, str(error)) from None
+                # The student's side rendered, so the template refuses what the teacher's side adds.
+                hint = SYSTEM_TURN_REFUSED if side == "teacher" else ""
+                raise _tokenization_failed(index, side, f"{error}{hint}") from None
             if one.problem is not None:
                 raise _tokenization_failed(index, side, one.problem.message)
             encoded[side] = one
