@@ -86,7 +86,7 @@ class DistillMergeRequest(BaseModel):
     config: OpdConfig = Field(default_factory=lambda: OpdConfig(training_mode="off_policy"))
     """Kiln's OpdConfig; ``training_mode`` defaults to off_policy (the only mode merge runs)."""
     post_eval: PostEvalConfig | None = None
-    """Kiln's post-training eval gate (post-eval §A.1)."""
+    """Kiln's post-training eval gate (``crates/kiln-eval/src/suite.rs`` · ``PostEvalConfig``)."""
     weighted_sampling: bool = False
     """kiln-flows extension: draw ``rollout_budget`` rows from the sources in proportion to their weights instead
     of Kiln's sampling contract. Default false (Kiln's contract)."""

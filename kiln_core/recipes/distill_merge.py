@@ -1,6 +1,7 @@
 """``distill merge``: several LoRAs, each the teacher of the prompts it was trained on, distilled into one student.
 
-Kiln's ``POST /v1/adapters/distill_merge`` (kiln-recipes.md §4), as one off-policy corpus and the one engine
+Kiln's ``POST /v1/adapters/distill_merge`` (``crates/kiln-server/src/api/training.rs`` ·
+``validate_distill_merge_at_submit``; ``training_queue.rs`` · ``derive_source_prompts``), as one off-policy corpus and the one engine
 path. ``prepare_distill_merge`` does, in order, what Kiln's admission and runner do:
 
 1. **Sources.** Each ``sources[i].adapter`` is a published adapter: ``<out_root>/runs/<adapter>/latest.json``
@@ -63,7 +64,7 @@ __all__ = [
     "read_replay_prompts",
 ]
 
-MAX_PROMPTS = 100_000  # Kiln's admission limits (§2.1)
+MAX_PROMPTS = 100_000  # Kiln's admission limits (api/training.rs · prepare_training_entry_admission)
 MAX_PROMPT_BYTES = 64 * 1024 * 1024
 SHARE_TOLERANCE = 1e-12
 WORK_DIR = ("recipes", "distill_merge")

@@ -1,4 +1,4 @@
-"""Writing and reading ``train_receipt.json`` (the ``TrainReceipt`` model, reference §7.1).
+"""Writing and reading ``train_receipt.json`` (the ``TrainReceipt`` model; Kiln's ``crates/kiln-train/src/train_receipt.rs``).
 
 The receipt is written at the end of every run that got past input validation: ``status: success``
 with the adapter's digest, or ``status: failed`` with a ``failure_reason`` from Kiln's enum (a

@@ -4,8 +4,8 @@ Choices, and why:
 
 * **LoRA targets every linear projection of attention and MLP** (``q_proj``, ``k_proj``, ``v_proj``,
   ``o_proj``, ``gate_proj``, ``up_proj``, ``down_proj``). Kiln picks its set inside
-  ``TrainableLoraParams`` and the public sources do not say which (reference §3.2, "UNCONFIRMED"); the
-  all-linear set is the common choice for distillation students and the superset of the alternatives.
+  ``TrainableLoraParams`` and the public sources do not say which (``crates/kiln-train/src/opd.rs``;
+  unconfirmed); the all-linear set is the common choice for distillation students and the superset of the alternatives.
   Embeddings and the LM head stay frozen, so the loss never allocates a ``[V, H]`` gradient.
 * **Seeded init independent of the device and of global RNG state**: ``lora_A`` gets PEFT's own
   Kaiming-uniform init drawn from a CPU ``torch.Generator`` seeded with the run's seed, in sorted
