@@ -151,7 +151,7 @@ def recipe_value(path: str) -> Any:
     """
     import yaml
 
-    from kiln_core.contracts.pipeline import check_yaml_depth
+    from kiln_core.contracts.spec_file import check_yaml_depth
     from kiln_core.storage import resolve
 
     try:

@@ -235,7 +235,7 @@ def run_pipeline(spec: PipelineSpec, stages_: Stages | None = None, *, resume: s
         RunInProgress: another live run holds the run key (``run_in_progress``, exit 3).
 
     Example:
-        >>> from kiln_core.contracts.pipeline import load_spec
+        >>> from kiln_core.contracts.spec_file import load_spec
         >>> result = run_pipeline(load_spec("pipeline.yaml"))  # doctest: +SKIP
         >>> result.status, result.latest  # doctest: +SKIP
         ('success', '/abs/kiln-data/runs/demo/latest.json')
