@@ -48,6 +48,7 @@ from kiln_core.contracts.spec_blocks import DistributedOptions, RunOptions, Teac
 from kiln_core.contracts.unknown_keys import UnknownKey, find_unknown_keys
 from kiln_core.contracts.post_eval.config import PostEvalConfig
 from kiln_core.errors import Rejection
+from kiln_core.storage import is_local_uri
 
 
 class SpecError(Rejection, ValueError):
@@ -311,7 +312,7 @@ class PipelineSpec(BaseModel):
             raise ValueError("`distributed.nproc`: on-policy training runs in one process (one candidate per step)")
         self._check_gates()  # `eval` and `quality_gate` measure against a held-out corpus, as off-policy
         if self.vllm is not None and self.vllm.rollouts_url and self.vllm.sync_dir is None \
-                and _local_path(self.storage_root) is None:
+                and not is_local_uri(self.storage_root):
             raise ValueError("`vllm.sync_dir`: required when storage_root is not local (the vLLM server reads "
                              "the LoRA from a local directory)")
         try:
