@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import json
 import sys
 from dataclasses import dataclass
@@ -92,22 +93,43 @@ def modules(root: Path = ROOT) -> dict[str, Path]:
     return found
 
 
-def import_statements(tree: ast.Module) -> list[tuple[ast.Import | ast.ImportFrom, bool, bool]]:
-    """``(statement, at module level, inside a function)`` for every import statement of a parsed file.
+@functools.lru_cache(maxsize=None)
+def parse(path: Path) -> ast.Module:
+    """A source file's syntax tree, parsed once per run of the tool (the checks read each file several times)."""
+    return ast.parse(path.read_text(encoding="utf-8"))
 
-    "At module level" is a statement of the module's body (it runs on import); "inside a function"
-    is one that runs only when its function is called.
-    """
-    found: list[tuple[ast.Import | ast.ImportFrom, bool, bool]] = []
+
+Statement = tuple[ast.Import | ast.ImportFrom, bool, bool]  # (statement, at module level, inside a function)
+Call = tuple[ast.Call, bool]  # (a string import's call, inside a function)
+
+
+@functools.lru_cache(maxsize=None)
+def scan(path: Path) -> tuple[list[Statement], list[Call]]:
+    """One walk over a file's syntax tree: its import statements (``import_statements``) and its string
+    imports' calls (``_is_string_importer``)."""
+    tree = parse(path)
+    statements: list[Statement] = []
+    calls: list[Call] = []
 
     def visit(node: ast.AST, in_function: bool) -> None:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, (ast.Import, ast.ImportFrom)):
-                found.append((child, node is tree, in_function))
+                statements.append((child, node is tree, in_function))
+            elif isinstance(child, ast.Call) and child.args and _is_string_importer(child.func):
+                calls.append((child, in_function))
             visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
 
     visit(tree, False)
-    return found
+    return statements, calls
+
+
+def import_statements(path: Path) -> list[Statement]:
+    """``(statement, at module level, inside a function)`` for every import statement of a file.
+
+    "At module level" is a statement of the module's body (it runs on import); "inside a function"
+    is one that runs only when its function is called.
+    """
+    return scan(path)[0]
 
 
 def _absolute(node: ast.ImportFrom, package: str) -> str:
@@ -122,17 +144,16 @@ def _absolute(node: ast.ImportFrom, package: str) -> str:
 def imports(path: Path, name: str, known: dict[str, Path]) -> list[tuple[str, bool, bool]]:
     """``(imported module, at module level, inside a function)`` for every import of one file, the string
     imports that can be followed included (``string_imports``)."""
-    tree = ast.parse(path.read_text(encoding="utf-8"))
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: list[tuple[str, bool, bool]] = []
-    for node, top, lazy in import_statements(tree):
+    for node, top, lazy in import_statements(path):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         else:
             base = _absolute(node, package)
             targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names]
         found.extend((target, top, lazy) for target in targets)
-    found.extend((call.target, call.top, call.lazy) for call in string_imports(tree, name, path, known)
+    found.extend((call.target, call.top, call.lazy) for call in string_imports(name, path, known)
                  if call.target is not None)
     return found
 
@@ -164,36 +185,44 @@ def _module_constants(tree: ast.Module) -> dict[str, str]:
     return constants
 
 
-def string_imports(tree: ast.Module, name: str, path: Path, known: dict[str, Path]) -> list[StringImport]:
-    """Every string import of one parsed file, resolved where its argument is a string literal or a name
-    bound to one at module level, here or in the module it was imported from."""
+def _is_string_importer(func: ast.expr) -> bool:
+    """Whether a call's function is one of ``STRING_IMPORTERS`` (checked without unparsing every call)."""
+    if isinstance(func, ast.Attribute):
+        return func.attr == "import_module" and isinstance(func.value, ast.Name) and func.value.id == "importlib"
+    return isinstance(func, ast.Name) and func.id in ("import_module", "__import__")
+
+
+def _file_constants(path: Path) -> dict[str, str]:
+    """``_module_constants`` of a file."""
+    return _module_constants(parse(path))
+
+
+def string_imports(name: str, path: Path, known: dict[str, Path]) -> list[StringImport]:
+    """Every string import of one file, resolved where its argument is a string literal or a name bound to
+    one at module level, here or in the module it was imported from."""
+    calls = scan(path)[1]
+    if not calls:
+        return []
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    tree = parse(path)
     constants = _module_constants(tree)
     for node in tree.body:  # `from pkg.launcher import WORKER_MODULE`: the constant of that module
         if isinstance(node, ast.ImportFrom) and (source := _absolute(node, package)) in known:
-            theirs = _module_constants(ast.parse(known[source].read_text(encoding="utf-8")))
+            theirs = _file_constants(known[source])
             constants.update({alias.asname or alias.name: theirs[alias.name] for alias in node.names
                               if alias.name in theirs})
     found: list[StringImport] = []
-
-    def visit(node: ast.AST, in_function: bool) -> None:
-        for child in ast.iter_child_nodes(node):
-            if (isinstance(child, ast.Call) and child.args
-                    and ast.unparse(child.func) in STRING_IMPORTERS):
-                argument = child.args[0]
-                if isinstance(argument, ast.Constant) and isinstance(argument.value, str):
-                    target = argument.value
-                elif isinstance(argument, ast.Name):
-                    target = constants.get(argument.id)
-                else:
-                    target = None
-                if target is not None and target.startswith("."):
-                    target = None  # relative to a package given at run time
-                found.append(StringImport(name, child.lineno, ast.unparse(argument), target, not in_function,
-                                          in_function))
-            visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
-
-    visit(tree, False)
+    for call, in_function in calls:
+        argument = call.args[0]
+        if isinstance(argument, ast.Constant) and isinstance(argument.value, str):
+            target = argument.value
+        elif isinstance(argument, ast.Name):
+            target = constants.get(argument.id)
+        else:
+            target = None
+        if target is not None and target.startswith("."):
+            target = None  # relative to a package given at run time
+        found.append(StringImport(name, call.lineno, ast.unparse(argument), target, not in_function, in_function))
     return found
 
 
@@ -201,7 +230,7 @@ def all_string_imports(root: Path = ROOT) -> list[StringImport]:
     """The string imports of every module of the four packages, in module order."""
     known = modules(root)
     return [call for name, path in known.items()
-            for call in string_imports(ast.parse(path.read_text(encoding="utf-8")), name, path, known)]
+            for call in string_imports(name, path, known)]
 
 
 Edge = tuple[str, str, bool]  # (importing module, imported module, inside a function)
@@ -331,7 +360,7 @@ def in_function_imports(root: Path = ROOT) -> dict:
     statements = internal = 0
     files = set()
     for path in sorted((root / "kiln_core").rglob("*.py")):
-        for node, _, lazy in import_statements(ast.parse(path.read_text(encoding="utf-8"))):
+        for node, _, lazy in import_statements(path):
             if lazy:
                 statements += 1
                 files.add(path)
