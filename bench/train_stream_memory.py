@@ -120,7 +120,7 @@ def train_child(args: argparse.Namespace) -> None:
     """
     import torch
 
-    from kiln_core.contracts.pipeline import load_spec
+    from kiln_core.contracts.spec_file import load_spec
     from kiln_core.engine.pipeline import LocalStages, run_pipeline
 
     if args.threads:

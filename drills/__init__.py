@@ -235,6 +235,20 @@ def prepare_training_inputs(directory: Path, *, examples: int = 5, intervals: tu
     return TrainingInputs(directory=directory, student=student, corpus=corpus, requests=requests)
 
 
+def train(request: Path | str, *, adapter: str, student: Path | str, out: Path | str, resume: str | None = None,
+          on_progress: Callable[[int, int, float], None] | None = None):
+    """Train a request file through the one door ``kiln-flows train`` uses (``spec_from_request``, then
+    ``run_pipeline``), in this process, signals left alone. ``resume``: a checkpoint basename, ``"latest"``
+    (what every pipeline attempt does) or None. Returns the ``PipelineResult``."""
+    from kiln_core.engine import run_pipeline, spec_from_request
+
+    named = None if resume == "latest" else resume
+    run = spec_from_request(str(request), adapter=adapter, student_dir=str(student), out_root=str(out),
+                            resume_checkpoint=named)
+    return run_pipeline(run.spec, run.stages(on_progress=on_progress, handle_signals=False),
+                        resume="latest" if resume == "latest" else run.resume)
+
+
 def where(error: BaseException) -> str:
     """``file:line in function`` of the innermost kiln-flows frame of ``error`` (the drills' own frames
     skipped), for failure details that point at the code."""

@@ -106,8 +106,7 @@ def _snapshot(root: Path) -> dict[str, bytes | str]:
 
 def run(*, workdir: Path, trials: int = 8, seed: int = 0, cli: bool = True, **_: Any) -> dict[str, Any]:
     """Run ``trials`` damage trials; see the module docstring."""
-    from drills import run_directory
-    from kiln_core.engine.request import train_request
+    from drills import run_directory, train
     from kiln_core.training.checkpoint import CheckpointError, latest_checkpoint, previous_checkpoint
 
     report = DrillReport("corrupt-checkpoint", seed=seed)
@@ -116,7 +115,7 @@ def run(*, workdir: Path, trials: int = 8, seed: int = 0, cli: bool = True, **_:
     base = fresh_dir(workdir, "base")
     trials_dir = fresh_dir(workdir, "trials")
     with one_torch_thread():
-        reference = train_request(request, adapter="reference", student_dir=str(inputs.student), out_root=str(base))
+        reference = train(request, adapter="reference", student=inputs.student, out=base)
         reference_bytes = adapter_bytes(run_directory(str(base), "reference"))
 
         def crash(step: int, total: int, loss: float) -> None:
@@ -124,7 +123,7 @@ def run(*, workdir: Path, trials: int = 8, seed: int = 0, cli: bool = True, **_:
                 raise _Crash(f"simulated crash after step {step}")
 
         try:
-            train_request(request, adapter=ADAPTER, student_dir=str(inputs.student), out_root=str(base), on_progress=crash)
+            train(request, adapter=ADAPTER, student=inputs.student, out=base, on_progress=crash)
             raise RuntimeError("the base run did not crash")
         except _Crash:
             pass
@@ -152,8 +151,7 @@ def run(*, workdir: Path, trials: int = 8, seed: int = 0, cli: bool = True, **_:
                 problems.append(f"latest_checkpoint picked {automatic} instead of the damaged {latest_name} (silent fallback)")
             try:
                 with one_torch_thread():
-                    train_request(request, adapter=ADAPTER, student_dir=str(inputs.student), out_root=str(out),
-                                  resume_checkpoint=automatic)
+                    train(request, adapter=ADAPTER, student=inputs.student, out=out, resume=automatic)
                 problems.append(f"resuming from {automatic} was not refused")
             except CheckpointError as error:
                 if error.code != code:
@@ -190,14 +188,12 @@ def run(*, workdir: Path, trials: int = 8, seed: int = 0, cli: bool = True, **_:
 
 
 def _resume(request: str, student: Path, out: Path, basename: str | None, reference_bytes: bytes) -> dict[str, str]:
-    from drills import run_directory
-    from kiln_core.engine.request import train_request
+    from drills import run_directory, train
     from kiln_core.errors import Rejection
 
     try:
         with one_torch_thread():
-            result = train_request(request, adapter=ADAPTER, student_dir=str(student), out_root=str(out),
-                                   resume_checkpoint=basename)
+            result = train(request, adapter=ADAPTER, student=student, out=out, resume=basename)
     except Rejection as error:
         return {"verdict": f"refused:{error.code}", "message": f"refused [{error.code}]: {error}"}
     if result.status != "success":

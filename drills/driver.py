@@ -1,7 +1,7 @@
 """The training driver the SIGKILL and S3 outage drills kill: a subprocess that reports each event.
 
 ``python -m drills.driver --request ... --adapter ... --student ... --out ...`` runs one training
-request (``kiln_core.engine.request.train_request``, the glue behind ``kiln-flows train``) and writes
+request (``drills.train``: ``spec_from_request`` then ``run_pipeline``, as ``kiln-flows train``) and writes
 ``EVENT <kind> <arg>`` on stdout at every step and every publication write (``write``, ``commit``,
 ``committed``, ``put``, ``put-done``); with ``--handshake all`` it then waits for ``go`` on stdin, so a
 drill can SIGKILL it exactly at that point. ``Driver`` is the drill's side of that conversation.
@@ -150,7 +150,7 @@ def driver_main(argv: list[str]) -> int:
     torch.set_num_threads(1)
     from kiln_core import storage
     from kiln_core.training import receipt as receipt_module
-    from kiln_core.engine.request import train_request
+    from drills import train
 
     def event(kind: str, arg: Any, wait: bool | None = None) -> None:
         sys.stdout.write(f"EVENT {kind} {arg}\n")
@@ -184,8 +184,8 @@ def driver_main(argv: list[str]) -> int:
         event("step", step, wait=args.handshake == "all" or (args.handshake == "laststep" and step == total))
 
     event("start", os.getpid())
-    result = train_request(args.request, adapter=args.adapter, student_dir=args.student, out_root=args.out,
-                           resume_checkpoint=args.resume, on_progress=progress)
+    result = train(args.request, adapter=args.adapter, student=args.student, out=args.out, resume=args.resume,
+                   on_progress=progress)
     sys.stdout.write("RESULT " + json.dumps({"status": result.status, "steps": result.steps,
                                              "latest_checkpoint": result.latest_checkpoint}) + "\n")
     sys.stdout.flush()

@@ -183,9 +183,8 @@ def _classify(kind: str, arg: str) -> str | None:
 
 def run(*, workdir: Path, trials: int = 8, seed: int = 0, **_: Any) -> dict[str, Any]:
     """Run ``trials`` outage trials; see the module docstring."""
-    from drills import run_directory
+    from drills import run_directory, train
     from kiln_core.canonical import sha256_hex
-    from kiln_core.engine.request import train_request
     from kiln_core.storage import resolve
     from kiln_core.tokenization import load_student_tokenizer
     from kiln_core.training.receipt import read_receipt
@@ -195,8 +194,7 @@ def run(*, workdir: Path, trials: int = 8, seed: int = 0, **_: Any) -> dict[str,
     local = fresh_dir(workdir, "local")
     logs = fresh_dir(workdir, "logs")
     with one_torch_thread():
-        reference = train_request(str(inputs.request(1)), adapter="reference", student_dir=str(inputs.student),
-                                  out_root=str(local))
+        reference = train(inputs.request(1), adapter="reference", student=inputs.student, out=local)
     reference_bytes = adapter_bytes(run_directory(str(local), "reference"))
     total = reference.total_steps
     dataset_hex = sha256_hex(inputs.corpus.read_bytes())
@@ -295,8 +293,7 @@ def _retry_like_the_pipeline(inputs, adapter: str, root: str) -> dict[str, Any]:
     """What every pipeline attempt does (``kiln_core.engine``, ``resume="latest"``): a finished run
     (adapter + successful receipt) is done; otherwise admit again (reusing a committed
     materialization) and resume from the newest checkpoint."""
-    from drills import run_directory
-    from kiln_core.engine.request import train_request
+    from drills import run_directory, train
     from kiln_core.errors import Rejection
     from kiln_core.storage import resolve
     from kiln_core.training.checkpoint import latest_checkpoint
@@ -304,8 +301,7 @@ def _retry_like_the_pipeline(inputs, adapter: str, root: str) -> dict[str, Any]:
     latest = latest_checkpoint(resolve(run_directory(root, adapter)), adapter)
     try:
         with one_torch_thread():
-            result = train_request(str(inputs.request(1)), adapter=adapter, student_dir=str(inputs.student),
-                                   out_root=root, resume_latest=True)
+            result = train(inputs.request(1), adapter=adapter, student=inputs.student, out=root, resume="latest")
     except Rejection as error:
         return {"status": "rejected", "message": f"[{error.code}] {error}", "resumed_from": latest}
     resumed_from = "finished before the outage" if result.reused else latest

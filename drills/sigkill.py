@@ -2,7 +2,7 @@
 
 One uninterrupted reference run per checkpoint interval is trained in this process. Each trial then
 starts a training subprocess over the same request (``drills.driver``, which runs
-``kiln_core.engine.request.train_request``, the glue behind ``kiln-flows train``, or the real
+``drills.train``, the one door ``kiln-flows train`` uses, or the real
 ``kiln-flows train`` CLI), SIGKILLs it at a point
 drawn from a seeded RNG, resumes from ``latest_checkpoint`` (a fresh start when none was committed)
 and compares the final ``adapter_model.safetensors`` bytes and the loss history with the reference.
@@ -77,15 +77,13 @@ def adapter_bytes(run_uri: str) -> bytes:
 def resume_like_the_pipeline(request: Path, adapter: str, student: Path, out: str):
     """What every pipeline attempt does (``kiln_core.engine``): resume from the newest committed
     checkpoint, if any. Returns that checkpoint's name and the result."""
-    from drills import run_directory
-    from kiln_core.engine.request import train_request
+    from drills import run_directory, train
     from kiln_core.storage import resolve
     from kiln_core.training.checkpoint import latest_checkpoint
 
     latest = latest_checkpoint(resolve(run_directory(out, adapter)), adapter)
     with one_torch_thread():
-        return latest, train_request(str(request), adapter=adapter, student_dir=str(student), out_root=out,
-                                     resume_latest=True)
+        return latest, train(request, adapter=adapter, student=student, out=out, resume="latest")
 
 
 # ------------------------------------------------------------------------------------------ drill
@@ -93,8 +91,7 @@ def resume_like_the_pipeline(request: Path, adapter: str, student: Path, out: st
 
 def run(*, workdir: Path, trials: int = 20, seed: int = 0, **_: Any) -> dict[str, Any]:
     """Run ``trials`` kill-and-resume trials; see the module docstring."""
-    from drills import run_directory
-    from kiln_core.engine.request import train_request
+    from drills import run_directory, train
 
     report = DrillReport("sigkill", seed=seed)
     inputs = prepare_training_inputs(workdir / "fixture")
@@ -103,8 +100,8 @@ def run(*, workdir: Path, trials: int = 20, seed: int = 0, **_: Any) -> dict[str
     references: dict[int, tuple[bytes, list[float]]] = {}
     with one_torch_thread():
         for interval in inputs.requests:
-            result = train_request(str(inputs.request(interval)), adapter=f"reference-{interval}",
-                                   student_dir=str(inputs.student), out_root=str(out))
+            result = train(inputs.request(interval), adapter=f"reference-{interval}", student=inputs.student,
+                           out=out)
             assert result.status == "success", result
             references[interval] = (adapter_bytes(run_directory(str(out), f"reference-{interval}")), result.loss_history)
             total = result.total_steps

@@ -6,6 +6,7 @@ from typing import Any
 
 from prefect import flow
 
+from tasks.cache import run_cached
 from tasks.score import score_task
 
 
@@ -138,5 +139,7 @@ def score_corpus(
     if ray is not None:
         return _score_on_ray(ray, examples, out_uri, student, student_dir, teacher_dir, teacher_alias, storage_root,
                              top_k, shard_size)
-    scored = score_task(examples, out_uri, teacher_dir, teacher_alias, storage_root, student_dir, top_k, shard_size)
+    arguments = dict(examples_uri=examples, out_uri=out_uri, teacher_dir=teacher_dir, teacher_alias=teacher_alias,
+                     registry_root=storage_root, student_dir=student_dir, top_k=top_k, shard_size=shard_size)
+    scored, _ = run_cached(score_task, arguments, storage_root=storage_root, recompute={"replace": True})
     return scored.model_dump()

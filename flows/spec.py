@@ -11,9 +11,9 @@ from kiln_core.contracts.pipeline import (
     SpecError,
     TeacherSource,
     TrainingData,
-    load_spec,
     parse_spec,
 )
+from kiln_core.contracts.spec_file import load_spec
 
 __all__ = ["DistributedOptions", "PipelineSpec", "RunOptions", "SpecError", "TeacherSource", "TrainingData",
            "load_spec", "parse_spec"]

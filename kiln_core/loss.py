@@ -204,7 +204,7 @@ def topk_tail_reverse_kl(
     softmax (``log q_v = s_v − LSE_full``), ``p_v = exp(ℓ_v)`` the raw teacher probabilities (not
     renormalized), ``p⊥ = 1 − Σ_S p`` and ``q⊥ = 1 − Σ_S q = 1 − exp(lse_S(s) − LSE_full)``, both
     computed with log1mexp and floored at ``tail_floor`` (so ``log 0`` never reaches the gradient).
-    Not Kiln's objective: Kiln discards the tail (docs/kiln-compatibility.md).
+    Not Kiln's objective: Kiln discards the tail (``crates/kiln-opd-loss-kernel/src/lib.rs``).
 
     Args:
         hidden, head, teacher_ids, teacher_logprobs: as in `topk_reverse_kl`.
@@ -239,8 +239,8 @@ def compose_step_loss(
     """The step loss ``kl_mean + λ·env_ce``, and whether the ECHO term counted.
 
     Kiln adds the ECHO term only when λ ≠ 0 and the sequence has observation tokens (|O| > 0;
-    reference §4). When it does not fire, the KL tensor is returned as is, so an off ECHO config
-    changes neither the value nor the graph. A fired term whose O' was emptied by the warning
+    ``crates/kiln-opd-loss-kernel/src/lib.rs``). When it does not fire, the KL tensor is returned as is,
+    so an off ECHO config changes neither the value nor the graph. A fired term whose O' was emptied by the warning
     filter adds ``λ·0`` (``echo_env_cross_entropy`` returns a connected zero).
 
     Args:

@@ -2,16 +2,18 @@
 
 The admission task is cached by ``DigestCachePolicy`` over the dataset digest, the student's
 tokenizer identity, the effective top-K and the pinned teacher revision, with persisted JSON results
-and separate key storage, so re-running on unchanged bytes skips admission. Underneath, kiln_core's
-materialization is content-addressed too: even without Prefect's cache record an admitted corpus is
-found and reused, never re-parsed. A rejected corpus is never retried.
+and separate key storage under the storage root, so re-running on unchanged bytes skips admission. The
+cache is a hint (``tasks.cache.run_cached``): a cached ``CorpusRef`` is reused only while its
+materialization verifies; a missing one is admitted again, a damaged one set aside and admitted again
+(``replace_damaged``). Underneath, kiln_core's materialization is content-addressed too: even without
+Prefect's cache record an admitted corpus is found and reused, never re-parsed. A rejected corpus is never
+retried.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 from prefect import task
+from prefect.cache_policies import NO_CACHE
 
 from kiln_core.contracts.stage_refs import CorpusRef, InputsRef, ManifestRef
 from tasks.cache import DigestCachePolicy
@@ -25,9 +27,10 @@ ADMIT_CACHE = DigestCachePolicy(
 )
 
 
-@task(name="fingerprint", task_run_name=run_name("fingerprint", "corpus_uri"))
+@task(name="fingerprint", task_run_name=run_name("fingerprint", "corpus_uri"), cache_policy=NO_CACHE)
 def fingerprint_inputs(corpus_uri: str, student_dir: str, top_k: int, storage_options: dict | None = None) -> InputsRef:
-    """Digest the run's inputs (always runs: it is what decides whether anything else must)."""
+    """Digest the run's inputs (always runs, never from a cache, not even on a flow retry with results
+    persisted: it is what decides whether anything else must)."""
     from kiln_core.engine.stages import fingerprint
 
     return fingerprint(corpus_uri, student_dir, top_k, storage_options)
@@ -45,10 +48,13 @@ def admit_task(
     manifest: ManifestRef,
     kiln_strict: bool = False,
     storage_options: dict | None = None,
+    replace_damaged: bool = False,
 ) -> CorpusRef:
     """Admit the corpus under every Kiln rule and materialize it under its SHA-256.
 
     The digest arguments are what the cache key is made of; ``inputs`` carries them too.
+    ``replace_damaged``: a committed materialization of these bytes that no longer verifies is set aside
+    and written again (``run_cached`` asks for it when a cached result's materialization is damaged).
 
     Example:
         ```python
@@ -59,24 +65,5 @@ def admit_task(
     """
     from kiln_core.engine.stages import admit
 
-    return admit(inputs, manifest, storage_root, kiln_strict=kiln_strict, storage_options=storage_options)
-
-
-def cache_options(storage_root: str, refresh: bool) -> dict[str, Any]:
-    """Task options that keep the admit task's cache records and their results together under a local
-    storage root.
-
-    A cache record names its result by absolute path. Kept under the storage root, both outlive a change
-    of ``PREFECT_HOME`` (another user, a fresh container, a test harness): with the result left in
-    Prefect's home, a new home would find the record yet refuse its result as "outside of the base path".
-    """
-    from pathlib import Path
-
-    from kiln_core.storage import resolve
-
-    options: dict[str, Any] = {"refresh_cache": refresh}
-    location = resolve(storage_root)
-    if location.is_local:
-        options["cache_policy"] = ADMIT_CACHE.configure(key_storage=f"{location.path}/prefect/cache-keys")
-        options["result_storage"] = Path(location.path) / "prefect" / "results"  # a local file system there
-    return options
+    return admit(inputs, manifest, storage_root, kiln_strict=kiln_strict, storage_options=storage_options,
+                 replace_damaged=replace_damaged)

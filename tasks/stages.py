@@ -46,12 +46,15 @@ class PrefectStages:
 
     def score(self, spec: PipelineSpec, manifest: ManifestRef, student_dir: str) -> str:
         from kiln_core.engine.stages import score_arguments
+        from tasks.cache import run_cached
         from tasks.score import score_task
 
         _log().info("score: scoring %s with teacher %s", spec.examples, manifest.teacher)
-        scored = score_task(**score_arguments(spec, manifest, student_dir))
-        _log().info("score: %d examples %s at %s", scored.examples,
-                    "reused (already scored)" if scored.reused else "scored", scored.uri)
+        scored, state = run_cached(score_task, score_arguments(spec, manifest, student_dir),
+                                   storage_root=spec.storage_root, recompute={"replace": True})
+        how = ("reused (Prefect cache, verified)" if state.name == "Cached"
+               else "reused (already scored)" if scored.reused else "scored")
+        _log().info("score: %d examples %s at %s", scored.examples, how, scored.uri)
         return scored.uri
 
     def fingerprint(self, corpus_uri: str, student_dir: str, top_k: int) -> InputsRef:
@@ -63,17 +66,18 @@ class PrefectStages:
 
     def admit(self, inputs: InputsRef, manifest: ManifestRef, spec: PipelineSpec) -> CorpusRef:
         from kiln_core.admission.shard_sources import is_shard_set
-        from tasks.admit import admit_task, cache_options
+        from tasks.admit import admit_task
+        from tasks.cache import run_cached
 
         if is_shard_set(inputs.corpus_uri):
             return self._admit_set(inputs, manifest, spec)
         _log().info("admit: checking %s against every Kiln admission rule", inputs.dataset_sha256)
-        admit = admit_task.with_options(**cache_options(spec.storage_root, spec.options.refresh))
-        state = admit(inputs, inputs.dataset_sha256, inputs.student_digest, inputs.effective_top_k,
-                      manifest.identity_revision, spec.storage_root, manifest, spec.options.kiln_strict,
-                      return_state=True)
-        corpus = state.result()  # re-raises the stage's rejection or failure
-        how = ("reused (Prefect cache)" if state.name == "Cached"
+        arguments = dict(inputs=inputs, dataset_sha256=inputs.dataset_sha256, student_digest=inputs.student_digest,
+                         effective_top_k=inputs.effective_top_k, pinned_revision=manifest.identity_revision,
+                         storage_root=spec.storage_root, manifest=manifest, kiln_strict=spec.options.kiln_strict)
+        corpus, state = run_cached(admit_task, arguments, storage_root=spec.storage_root,
+                                   refresh=spec.options.refresh, recompute={"replace_damaged": True})
+        how = ("reused (Prefect cache, verified)" if state.name == "Cached"
                else "reused (already materialized)" if corpus.reused else "written")
         _log().info("admit: %d examples, %d action tokens admitted; materialization %s", corpus.examples,
                     corpus.action_tokens, how)

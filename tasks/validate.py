@@ -14,7 +14,8 @@ from typing import Any
 
 from prefect import task
 
-from kiln_core.contracts.pipeline import PipelineSpec, SpecError, check_local_inputs, parse_spec
+from kiln_core.contracts.pipeline import PipelineSpec, SpecError, parse_spec
+from kiln_core.contracts.spec_file import check_local_inputs
 
 
 # The run form shows the training data under `source` (Training data → Corpus); a spec that came from

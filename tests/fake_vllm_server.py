@@ -10,7 +10,7 @@ identity in FILE's manifest line. Each prompt position holds the top-K candidate
 (descending, ties → lower id first) plus the observed token as an extra K+1-th entry, with its true
 rank, when it is outside the top K; position 0 is ``null``.
 
-The request body must be exactly Kiln's (reference/kiln-opd-spec.md §8.4), else HTTP 400. Scenarios
+The request body must be exactly Kiln's (Kiln's ``crates/kiln-train/src/remote_teacher.rs``), else HTTP 400. Scenarios
 pick a contract violation so a client's checks can be tested:
 
 * ``ok``: a correct response;

@@ -12,7 +12,7 @@ Sources (github.com/ericflo/kiln): ``crates/kiln-train/src/checkpoint.rs`` (bf4a
 (``BaseWeightShardManifest``), ``crates/kiln-core/src/execution_provenance.rs``
 (``ExecutionProvenanceV1``), ``crates/kiln-train/src/logit_source.rs`` (``LogitSourceCaps``).
 ``LengthInflationGuardrail`` (``diagnostics.rs``) has no public serde form; its struct field names are
-used (reference/kiln-checkpoint-format.md §3.5).
+used.
 """
 
 from __future__ import annotations

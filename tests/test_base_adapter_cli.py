@@ -133,7 +133,7 @@ def test_an_interrupted_warm_start_resumes_to_the_same_adapter(tiny_student, roo
     """SIGTERM at step 3, then a pipeline-style retry (``resume: latest``): the checkpoint's LoRA is
     restored and the base adapter is not applied again, so the bytes match an uninterrupted run."""
     import kiln_core.training.trainer as trainer
-    from kiln_core.engine.request import train_request
+    from kiln_core.engine import run_pipeline, spec_from_request
 
     request = off_policy_request(root, "resume.json", base_adapter="base")
     code, reference = train(capsys, "--request", request, "--adapter", "warm-reference", "--student",
@@ -145,8 +145,8 @@ def test_an_interrupted_warm_start_resumes_to_the_same_adapter(tiny_student, roo
                                 str(tiny_student), "--out", str(root), "--json")
     assert code == 3 and cancelled["status"] == "cancelled"
 
-    resumed = train_request(request, adapter="warm-resumed", student_dir=str(tiny_student), out_root=str(root),
-                            resume_latest=True)
+    run = spec_from_request(request, adapter="warm-resumed", student_dir=str(tiny_student), out_root=str(root))
+    resumed = run_pipeline(run.spec, run.stages(handle_signals=False), resume="latest")
     assert resumed.status == "success" and resumed.run == cancelled["run"]
     receipt = json.loads(Path(resumed.receipt).read_text())
     assert receipt["data"]["resumed_from_checkpoint"] == "warm-resumed-checkpoint-step-00000003.kiln-checkpoint"

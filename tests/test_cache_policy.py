@@ -1,4 +1,6 @@
-"""``tasks.cache.DigestCachePolicy`` and ``tasks.artifacts.artifact_key``: plain functions, no server."""
+"""``tasks.cache`` (``DigestCachePolicy``, where records live, what makes a cached result stale) and
+``tasks.artifacts.artifact_key``: plain functions, no server. The flows that reuse or recompute a cached
+result are in ``test_pipeline_flow.py`` and ``test_demo.py``."""
 
 from __future__ import annotations
 
@@ -6,8 +8,10 @@ import json
 import os
 import pickle
 import re
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -215,3 +219,70 @@ def test_artifact_key_is_accepted_by_prefect():
         assert ArtifactCreate(key=key, type="table", data=[]).key == key
     with pytest.raises(ValueError):
         ArtifactCreate(key="tiny_demo.v1", type="table", data=[])
+
+
+# ---------------------------------------------------------------------------------------------
+# Caches are hints: records under the storage root, results checked against storage before reuse
+
+
+def test_cache_records_and_results_live_under_a_local_storage_root_and_nowhere_for_others(tmp_path):
+    from prefect.cache_policies import NO_CACHE
+
+    from tasks.cache import cache_options
+
+    options = cache_options(ADMIT_CACHE, str(tmp_path / "root"), refresh=True)
+    assert str(options["cache_policy"].key_storage) == str(tmp_path / "root" / "prefect" / "cache-keys")
+    assert options["result_storage"] == tmp_path / "root" / "prefect" / "results"
+    assert options["refresh_cache"] is True
+    assert key_of(options["cache_policy"], admit_inputs()) == key_of(ADMIT_CACHE, admit_inputs())
+    # Prefect keeps results elsewhere only through a saved block: an object store root gets no cache at all
+    assert cache_options(ADMIT_CACHE, "memory://kiln-root") == {"cache_policy": NO_CACHE, "persist_result": False}
+
+
+def test_a_scored_corpus_is_stale_when_missing_or_changed(tmp_path):
+    import hashlib
+
+    from kiln_core.contracts.stage_refs import ScoredRef
+    from kiln_core.engine.stages import stale_reason
+
+    scored = tmp_path / "scored.jsonl"
+    scored.write_bytes(b'{"manifest": 1}\n{"row": 1}\n')
+    ref = ScoredRef(uri=str(scored), sha256="sha256:" + hashlib.sha256(scored.read_bytes()).hexdigest(), examples=1,
+                    reused=False)
+    assert stale_reason(ref) is None
+    scored.write_bytes(scored.read_bytes() + b'{"row": 2}\n')
+    assert f"{scored} holds sha256:" in stale_reason(ref) and f"the result records {ref.sha256}" in stale_reason(ref)
+    scored.unlink()
+    assert stale_reason(ref) == f"{scored} does not exist"
+
+
+def test_a_damaged_materialization_is_stale_and_admitted_again_only_when_asked(tiny_student, tmp_path):
+    from kiln_core.contracts.pipeline import TeacherSource
+    from kiln_core.engine.stages import (MaterializationMismatch, admit, fingerprint, resolve_manifest, stale_reason,
+                                         verify)
+    from kiln_core.synthetic import synthesize_corpus
+
+    corpus = synthesize_corpus(tiny_student, tmp_path / "corpus.jsonl", n_examples=2, top_k=16, seed=4)
+    (tmp_path / "manifest.jsonl").write_text(Path(corpus).read_text().splitlines()[0] + "\n")
+    manifest = resolve_manifest(TeacherSource(kind="manifest_file", path=str(tmp_path / "manifest.jsonl")), str(tmp_path))
+    inputs = fingerprint(str(corpus), str(tiny_student), 16)
+    root = tmp_path / "root"
+    ref = admit(inputs, manifest, str(root))
+    assert stale_reason(ref) is None
+
+    targets = Path(ref.uri) / "targets.parquet"
+    targets.write_bytes(targets.read_bytes()[:-1] + b"\0")  # one byte of storage damage
+    assert "does not match admission.json" in stale_reason(ref)
+    reused = admit(inputs, manifest, str(root))  # admission alone reuses what is committed, damaged or not
+    assert reused.reused and reused.uri == ref.uri
+    with pytest.raises(MaterializationMismatch):
+        verify(reused)
+
+    again = admit(inputs, manifest, str(root), replace_damaged=True)
+    assert not again.reused and again.uri == ref.uri and stale_reason(again) is None
+    set_aside = [path.name for path in (root / "corpora").iterdir() if ".damaged-" in path.name]
+    assert len(set_aside) == 1 and set_aside[0].startswith("." + Path(ref.uri).name)  # kept for a look, hidden
+
+    assert admit(inputs, manifest, str(root), replace_damaged=True).reused  # an intact one is left alone
+    shutil.rmtree(ref.uri)
+    assert "not a committed corpus materialization" in stale_reason(ref)

@@ -1,5 +1,6 @@
 """Checkpoints without a model: Kiln's layout, atomic immutable publish, loader refusals, and the resume
-checks in Kiln's order, each with its own code (reference/kiln-checkpoint-format.md §1, §5)."""
+checks in Kiln's order, each with its own code (``checkpoint.rs``, ``opd.rs`` ·
+``OpdCheckpointDescriptor::validate_resume``)."""
 
 from __future__ import annotations
 

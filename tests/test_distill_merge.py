@@ -155,7 +155,7 @@ def test_a_bad_request_exits_2_naming_the_field_before_torch_or_prefect_load(tmp
 
 @pytest.mark.fast
 def test_the_sampling_contract_is_kilns_prompt_epochs_and_row_shares():
-    from kiln_core.recipes.distill_merge import MergeRejection, check_sampling_contract
+    from kiln_core.recipes.merge_admission import MergeRejection, check_sampling_contract
 
     fits = check({"name": "m", "sources": [{"adapter": "a", "weight": 3}, {"adapter": "b", "weight": 1}],
                   "rollout_budget": 8, "config": {"epochs": 2}})
@@ -174,7 +174,7 @@ def test_the_sampling_contract_is_kilns_prompt_epochs_and_row_shares():
 
 @pytest.mark.fast
 def test_weighted_draws_follow_the_weights_take_rows_in_file_order_and_repeat_with_the_seed():
-    from kiln_core.recipes.distill_merge import draw_weighted_rows
+    from kiln_core.recipes.merge_admission import draw_weighted_rows
 
     draws = draw_weighted_rows([3.0, 1.0], [5, 2], 4000, seed=11)
     assert draws == draw_weighted_rows([3.0, 1.0], [5, 2], 4000, seed=11)
@@ -188,7 +188,7 @@ def test_weighted_draws_follow_the_weights_take_rows_in_file_order_and_repeat_wi
 
 @pytest.mark.fast
 def test_the_ownership_key_is_sha256_of_the_u64_count_and_u32_tokens():
-    from kiln_core.recipes.distill_merge import prompt_sequence_sha256
+    from kiln_core.recipes.merge_admission import prompt_sequence_sha256
 
     tokens = [1, 300, 70000]
     expected = hashlib.sha256((3).to_bytes(8, "big") + b"".join(t.to_bytes(4, "big") for t in tokens)).digest()
@@ -257,7 +257,7 @@ def test_a_missing_large_undecodable_or_broken_replay_log_is_refused(tmp_path):
 
 @pytest.mark.fast
 def test_a_prompt_must_end_with_the_assistant_answer_it_trains():
-    from kiln_core.recipes.distill_merge import MergeRejection, prompt_example
+    from kiln_core.recipes.merge_admission import MergeRejection, prompt_example
 
     assert prompt_example([USER, ANSWER], source="a", index=0) == {"messages": [USER], "teacher_response": "hello"}
     for messages, why in (([USER, ANSWER, USER], "its last message is not an assistant answer"),
@@ -271,7 +271,7 @@ def test_a_prompt_must_end_with_the_assistant_answer_it_trains():
 
 @pytest.mark.fast
 def test_a_source_that_is_not_published_is_not_found_before_any_model_loads(tmp_path):
-    from kiln_core.recipes.distill_merge import MergeRejection
+    from kiln_core.recipes.merge_admission import MergeRejection
     from tasks.distill_merge import prepare_distill_merge_task
 
     with pytest.raises(MergeRejection) as raised:
@@ -291,7 +291,7 @@ def test_the_flow_run_is_named_after_the_merge():
 @pytest.mark.fast
 def test_the_error_page_lists_every_merge_code():
     from kiln_core.contracts.distill_merge import MERGE_REQUEST_CODES
-    from kiln_core.recipes.distill_merge import MERGE_CODES
+    from kiln_core.recipes.merge_admission import MERGE_CODES
 
     page = (REPO / "docs" / "errors.md").read_text(encoding="utf-8")
     assert [code for code in (*MERGE_REQUEST_CODES, *MERGE_CODES) if f"`{code}`" not in page] == []
@@ -499,7 +499,7 @@ def test_a_budget_or_weights_off_the_replay_rows_break_the_contract_unless_weigh
 
 @pytest.mark.usefixtures("one_torch_thread")
 def test_weighted_sampling_draws_the_budget_by_weight_in_a_seeded_order(sources, tmp_path):
-    from kiln_core.recipes.distill_merge import draw_weighted_rows
+    from kiln_core.recipes.merge_admission import draw_weighted_rows
 
     root = fresh_root(sources, tmp_path)
     weighted = dict(rollout_budget=10, weighted_sampling=True,
@@ -537,7 +537,7 @@ def test_a_missing_or_broken_replay_log_and_a_missing_source_are_refused(sources
 @pytest.mark.usefixtures("one_torch_thread")
 def test_a_source_rewritten_after_admission_is_refused_before_it_scores(sources, tmp_path, monkeypatch):
     import kiln_core.scoring
-    from kiln_core.recipes.distill_merge import MergeRejection
+    from kiln_core.recipes.merge_admission import MergeRejection
 
     root = fresh_root(sources, tmp_path)
     weights = source_dir(root, "src-b") / "adapter_model.safetensors"

@@ -289,3 +289,49 @@ def test_cli_nproc_2_end_to_end(tiny_student, tmp_path, capsys):
     assert code == 2 and rejected["code"] == "resume_world_size" and "world size 1" in rejected["message"]
     code, rejected = cli("--adapter", "mem", "--nproc", "2", "--out", "memory://per-process")
     assert code == 2 and rejected["code"] == "unshared_storage"
+
+
+def test_a_multi_node_job_written_by_the_cli_trains_the_nproc_adapter_under_torchrun(tiny_student, tmp_path, capsys):
+    """``kiln-flows train --write-job`` (the one door, stopped after planning) then torchrun by hand with the
+    worker and that job: the adapter ``--nproc 2`` trains, byte for byte; rank 0 records the request keys
+    ``--kiln-lenient`` ignored. ``--write-job`` is refused with ``--ray`` and below two ranks."""
+    from flows.cli import main
+    from kiln_core.synthetic import synthesize_corpus
+    from kiln_core.training.distributed.launcher import torchrun_command
+
+    synthesize_corpus(tiny_student, tmp_path / "corpus.jsonl", n_examples=4, top_k=16, seed=0)
+    (tmp_path / "teacher-manifest.jsonl").write_text((tmp_path / "corpus.jsonl").read_text().splitlines()[0] + "\n")
+    config = {"training_mode": "off_policy", "top_k": 16, "lora_rank": 4, "lora_alpha": 8.0, "seed": 3,
+              "learning_rate": 0.02, "checkpoint_interval": 1, "epochs": 1}
+    for name, extra in (("request.json", {}), ("lenient.json", {"learnign_rate": 1.0})):
+        (tmp_path / name).write_text(json.dumps({"dataset_path": "corpus.jsonl", "teacher": "teacher-manifest.jsonl",
+                                                 "config": {**config, **extra}}))
+    out = tmp_path / "out"
+
+    def cli(request: str, *argv: str) -> tuple[int, dict]:
+        code = main(["train", "--request", str(tmp_path / request), "--student", str(tiny_student), "--out", str(out),
+                     "--json", *argv])
+        return code, json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+    code, reference = cli("request.json", "--adapter", "dist", "--nproc", "2")
+    assert code == 0, reference
+    job_file = tmp_path / "jobs" / "multi.json"
+    code, written = cli("lenient.json", "--adapter", "multi", "--nproc", "2", "--kiln-lenient", "--write-job", str(job_file))
+    assert code == 0, written
+    assert (written["job"], written["world_size"]) == (str(job_file), 2)
+    assert written["command"][-4:] == ["-m", "kiln_core.training.distributed.worker", "--job", str(job_file)]
+    assert not Path(written["run"]).exists()  # planned, nothing trained yet
+
+    result_file = tmp_path / "result.json"
+    done = subprocess.run(torchrun_command(2, ["--job", str(job_file), "--result", str(result_file)]),
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=LAUNCH_TIMEOUT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(result_file.read_text())["result"]["status"] == "success"
+    run_dir = Path(written["run"])
+    assert adapter_bytes(run_dir) == adapter_bytes(Path(reference["run"]))
+    assert receipt(run_dir)["ignored_request_keys"] == ["config.learnign_rate"]
+
+    for argv, field in ((["--nproc", "1"], "nproc"), (["--nproc", "2", "--ray", "local"], "ray")):
+        code, rejected = cli("request.json", "--adapter", "refused", "--write-job", str(job_file), *argv)
+        assert (code, rejected["code"], rejected["field"]) == (2, "unsupported", field)

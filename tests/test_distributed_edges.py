@@ -1,10 +1,12 @@
 """The edges of a ``torchrun`` run that need no second process: what a rank says when it cannot start, how
 a rejection crosses from rank 0 back to the launching process with its code, how progress lines are
-relayed, and how a multi-node ``--request`` is refused before any launch.
+relayed, what a rank does with a job it cannot read or one planned for another world size, and how a
+multi-node job (``kiln-flows train --write-job``) is refused before any launch.
 
 What a user depends on: a rejected run launched with ``--nproc 2`` reads exactly as a one-process
 rejection (same error class, code, line or file, exit 2); a rank started with the wrong arguments
-exits 2 with one line; progress never reports a half-written line. The runs themselves are in
+exits 2 with one line; progress never reports a half-written line; a rank never trains a job planned
+for another number of ranks. The runs themselves are in
 ``test_distributed.py``.
 """
 
@@ -16,18 +18,31 @@ import sys
 import pytest
 
 from kiln_core.contracts.opd_config import ConfigError
-from kiln_core.engine import worker
-from kiln_core.engine.run_request import PreparedRequest, prepare_train_request
+from kiln_core.engine import spec_from_request
 from kiln_core.errors import AdmissionError, Rejection
 from kiln_core.training.checkpoint import CheckpointError, ResumeError
-from kiln_core.training.distributed import launcher
+from kiln_core.training.distributed import launcher, worker
 from kiln_core.training.distributed.world import World
 
 
-@pytest.mark.parametrize("argv", [[], ["--job", "job.json", "--request", "request.json"]])
-def test_a_rank_needs_exactly_one_of_job_or_request(argv, capsys):
-    assert worker.main(argv) == 2
-    assert "give exactly one of --job or --request" in capsys.readouterr().err
+def test_a_rank_needs_a_job_and_takes_no_request(capsys):
+    with pytest.raises(SystemExit) as exited:
+        worker.main([])
+    assert exited.value.code == 2 and "--job" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:  # a request is the engine's to read: one door trains it
+        worker.main(["--job", "job.json", "--request", "request.json"])
+    assert exited.value.code == 2 and "unrecognized arguments: --request" in capsys.readouterr().err
+
+
+def test_a_job_that_cannot_be_read_is_a_rejection_on_rank_0(tmp_path, capsys):
+    result = tmp_path / "result.json"
+    assert worker.main(["--job", str(tmp_path / "missing.json"), "--result", str(result)]) == 2
+    (tmp_path / "not-a-job.json").write_text('{"plan": {}}')
+    outcome = json.loads(result.read_text())
+    assert (outcome["kind"], outcome["payload"]["code"], outcome["payload"]["field"]) == ("rejected", "invalid_job", "job")
+    assert worker.main(["--job", str(tmp_path / "not-a-job.json"), "--result", str(result)]) == 2
+    assert "is not a kiln-flows distributed job" in json.loads(result.read_text())["payload"]["message"]
+    assert "rank 0: ConfigError" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("error", [
@@ -80,7 +95,7 @@ def test_the_launch_command_runs_this_python_under_torchrun():
         launcher.launch(None, 1)
 
 
-def test_a_multi_node_request_is_checked_before_any_launch(tmp_path, tiny_student):
+def test_a_multi_node_request_is_checked_before_any_job_is_made(tmp_path, tiny_student):
     from kiln_core.synthetic import synthesize_corpus
 
     synthesize_corpus(tiny_student, tmp_path / "corpus.jsonl", n_examples=2, top_k=16, seed=8)
@@ -89,11 +104,29 @@ def test_a_multi_node_request_is_checked_before_any_launch(tmp_path, tiny_studen
     request.write_text(json.dumps({"dataset_path": "corpus.jsonl", "teacher": "manifest.jsonl",
                                    "config": {"training_mode": "off_policy", "top_k": 16, "learnign_rate": 1e-3}}))
     with pytest.raises(Rejection) as caught:
-        prepare_train_request(str(request), adapter="demo", student_dir=str(tiny_student), out_root=str(tmp_path))
+        spec_from_request(str(request), adapter="demo", student_dir=str(tiny_student), out_root=str(tmp_path), nproc=2)
     assert caught.value.code == "invalid_request" and "learnign_rate" in str(caught.value)
 
-    warnings: list[str] = []
-    prepared = prepare_train_request(str(request), adapter="demo", student_dir=str(tiny_student),
-                                     out_root=str(tmp_path), kiln_lenient=True, on_warning=warnings.append)
-    assert prepared == PreparedRequest(str(request), "demo", str(tiny_student), str(tmp_path), None, True)
-    assert len(warnings) == 1 and "learnign_rate" in warnings[0]
+    run = spec_from_request(str(request), adapter="demo", student_dir=str(tiny_student), out_root=str(tmp_path),
+                            nproc=2, kiln_lenient=True)
+    assert len(run.warnings) == 1 and "learnign_rate" in run.warnings[0]
+    job = run.job(device="cpu")  # admitted and planned for two ranks; rank 0 records the ignored key
+    assert (job.plan.nproc, job.ignored_request_keys) == (2, ("config.learnign_rate",))
+    assert launcher.DistributedJob.model_validate_json(job.model_dump_json()) == job
+
+
+def test_a_rank_refuses_a_job_planned_for_another_world_size(tmp_path, tiny_student):
+    from kiln_core.synthetic import synthesize_corpus
+
+    synthesize_corpus(tiny_student, tmp_path / "corpus.jsonl", n_examples=2, top_k=16, seed=8)
+    (tmp_path / "manifest.jsonl").write_text((tmp_path / "corpus.jsonl").read_text().splitlines()[0] + "\n")
+    request = tmp_path / "request.json"
+    request.write_text(json.dumps({"dataset_path": "corpus.jsonl", "teacher": "manifest.jsonl",
+                                   "config": {"training_mode": "off_policy", "top_k": 16}}))
+    job = spec_from_request(str(request), adapter="demo", student_dir=str(tiny_student), out_root=str(tmp_path),
+                            nproc=4).job(device="cpu")
+    with pytest.raises(ConfigError) as caught:
+        worker.check_world(job, World(rank=0, size=2))
+    assert (caught.value.code, caught.value.field) == ("unsupported", "nproc")
+    assert "planned for 4 ranks but torchrun started 2" in caught.value.message
+    worker.check_world(job, World(rank=3, size=4))

@@ -293,7 +293,7 @@ def test_the_real_demo_refuses_a_bad_keep_layers_spec_before_answering(prefect_h
 
 def test_the_real_demo_spec_gates_on_the_heldout_corpus(tmp_path):
     from flows.demo_real import ADAPTER, real_spec
-    from kiln_core.contracts.pipeline import check_local_inputs
+    from kiln_core.contracts.spec_file import check_local_inputs
 
     for name in ("teacher", "student"):
         (tmp_path / name).mkdir()

@@ -185,18 +185,20 @@ def test_the_training_stage_refuses_an_fsdp_plan_on_cpu_before_any_launch(prepar
     assert not run_dir.exists()
 
 
-def test_a_multi_node_rank_given_a_request_refuses_fsdp_on_cpu(request_dir, tiny_student, tmp_path):
-    # the torchrun worker's --request mode (torchrun by hand on every node, --strategy fsdp): the job is
-    # refused as the CLI's is
+def test_a_multi_node_job_refuses_fsdp_on_cpu(request_dir, tiny_student, tmp_path):
+    # the job for torchrun by hand on every node (kiln-flows train --write-job --strategy fsdp) is refused as
+    # the CLI's launch is
     from kiln_core.contracts.opd_config import ConfigError
-    from kiln_core.engine.run_request import prepare_train_request
+    from kiln_core.engine import spec_from_request
 
-    prepared = prepare_train_request(str(request_dir / "request.json"), adapter=ADAPTER, student_dir=str(tiny_student),
-                                     out_root=str(tmp_path))
+    def job(**strategy):
+        return spec_from_request(str(request_dir / "request.json"), adapter=ADAPTER, student_dir=str(tiny_student),
+                                 out_root=str(tmp_path), nproc=2, **strategy).job(device="cpu")
+
     with pytest.raises(ConfigError) as caught:
-        prepared.job(world_size=2, device="cpu", strategy="fsdp")
+        job(strategy="fsdp")
     assert (caught.value.code, caught.value.field) == ("unsupported_strategy", "distributed.strategy")
-    assert prepared.job(world_size=2, device="cpu").plan.strategy == "ddp"
+    assert job().plan.strategy == "ddp"
 
 
 def test_check_strategy_accepts_fsdp_on_gpus_with_two_ranks_and_refuses_the_rest():

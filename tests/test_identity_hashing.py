@@ -1,4 +1,4 @@
-"""The §1.6 identity digests: golden vectors, shard selection, refusals, and a tiny teacher's identity."""
+"""The teacher identity digests (Kiln's ``scripts/vllm_teacher.py``): golden vectors, shard selection, refusals, and a tiny teacher's identity."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """The import graph (``tools/import_graph.py``): kiln_core's package layers, no circles, layers point one way.
 
 The tool is checked on small synthetic trees first (it finds a planted module circle, a lazy one, a
-package cycle, an upward arrow, an unplaced package and a second orchestrator, and its command line
-fails on them), then run on this checkout.
+package cycle, an upward arrow, an unplaced package, a second orchestrator and an upward import hidden in
+a string, and its command line fails on them), then run on this checkout.
 """
 
 from __future__ import annotations
@@ -90,6 +90,43 @@ def test_the_command_line_fails_on_a_planted_upward_arrow(tmp_path):
     assert "unplaced packages: 1 (add them to KILN_CORE_LAYERS): newthing" in done.stdout, done.stdout
 
 
+# A training module reaches the engine through string imports only: a literal inside a function, and a
+# constant imported from a sibling module at module level; a name chosen at run time cannot be followed.
+# The engine's worker imports the training module back.
+HIDDEN = {
+    "kiln_core/__init__.py": "", "kiln_core/errors.py": "",
+    "kiln_core/engine/__init__.py": "", "kiln_core/engine/worker.py": "from kiln_core.training import ray\n",
+    "kiln_core/training/__init__.py": "",
+    "kiln_core/training/names.py": 'WORKER = "kiln_core.engine.worker"\n',
+    "kiln_core/training/ray.py": (
+        "import importlib\nfrom kiln_core.training.names import WORKER\n"
+        "RUN = importlib.import_module(WORKER)\n"
+        "def run(name):\n    importlib.import_module('kiln_core.engine')\n    return importlib.import_module(name)\n"),
+    "tasks/__init__.py": "", "flows/__init__.py": "", "drills/__init__.py": "",
+}
+
+
+def test_string_imports_are_followed_counted_and_checked_like_any_import(tmp_path):
+    _write(tmp_path, HIDDEN)
+    report = import_graph.report(tmp_path)
+    assert report["string_imports"] == {
+        "followed": [{"from": "kiln_core.training.ray", "to": "kiln_core.engine.worker", "line": 3, "in_function": False},
+                     {"from": "kiln_core.training.ray", "to": "kiln_core.engine", "line": 5, "in_function": True}],
+        "not_followed": [{"from": "kiln_core.training.ray", "line": 6, "argument": "name"}],
+    }
+    arrows = {(arrow["from"], arrow["to"]): arrow["imports"] for arrow in report["packages"]["upward_arrows"]}
+    assert arrows == {("training", "engine"): [
+        {"from": "kiln_core.training.ray", "to": "kiln_core.engine", "in_function": True},
+        {"from": "kiln_core.training.ray", "to": "kiln_core.engine.worker", "in_function": False}]}
+    # the engine's worker imports that module back: a circle closed at import time by a string
+    assert report["circles"] == [{"modules": ["kiln_core.engine.worker", "kiln_core.training.ray"], "import_time": True}]
+    done = subprocess.run([sys.executable, str(REPO / "tools" / "import_graph.py"), "--root", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stdout
+    assert "2 followed" in done.stdout and "kiln_core.training.ray:3 -> kiln_core.engine.worker" in done.stdout
+    assert "kiln_core.training.ray:6 -> import_module(name) (not followed)" in done.stdout, done.stdout
+
+
 def test_the_layer_table_places_each_package_once_with_a_reason():
     placed = [package for _, packages, _ in import_graph.KILN_CORE_LAYERS for package in packages]
     assert len(placed) == len(set(placed))
@@ -113,8 +150,8 @@ def test_no_upward_imports_and_no_prefect_in_the_engine(repo_report):
 
 
 def test_no_import_circles(repo_report):
-    # Not even a lazy one (an import inside a function): the torchrun worker reaches the engine through
-    # the request preparation, the engine reaches the launcher, and the launcher never the worker.
+    # Not even a lazy one (an import inside a function) or one through a string import: the engine reaches
+    # the launchers, the Ray worker imports the torchrun worker, and neither worker ever reaches the engine.
     circles = [c["modules"] for c in repo_report["circles"]]
     assert circles == [], circles
 
@@ -127,3 +164,14 @@ def test_the_command_line_report():
     assert "circles: 0" in done.stdout and "upward imports: 0" in done.stdout, done.stdout
     assert "kiln_core importing prefect: 0" in done.stdout, done.stdout
     assert "in-function imports in kiln_core:" in done.stdout, done.stdout
+    assert "string imports (importlib.import_module, import_module, __import__):" in done.stdout, done.stdout
+
+
+def test_every_string_import_of_the_checkout_is_counted_and_none_reaches_up(repo_report):
+    # The one the Ray worker had (kiln_core.engine.worker through importlib) is gone: it calls the torchrun
+    # worker of its own package. What remains picks a module from a table at run time (lazy exports, the CLI's
+    # commands, the drills, a recipe's step kinds): listed, not followed.
+    strings = repo_report["string_imports"]
+    assert strings["followed"] == []
+    assert {call["from"] for call in strings["not_followed"]} == {
+        "kiln_core", "kiln_core.recipes.recipe_plan", "flows", "flows.cli", "flows.commands.distill", "drills"}

@@ -1,4 +1,4 @@
-"""A checkpoint the trainer writes is one Kiln can load (reference/kiln-checkpoint-format.md).
+"""A checkpoint the trainer writes is one Kiln can load (``crates/kiln-train/src/checkpoint.rs``).
 
 The manifest and loop state are parsed by ``tests/kiln_structs.py`` — Kiln's structs transcribed as
 strict models, independent of ``kiln_core`` — and every value Kiln recomputes on resume (data digest,
@@ -112,7 +112,7 @@ def test_extension_file_is_declared_and_never_referenced(run):
 
 def test_effective_config_is_encoded_as_kilns_value(run):
     config = manifest_of(run["dir"])["effective_config"]
-    # f32 fields go through serde_json::Value widened to f64 (reference §2.5): 0.95 is 0.949999988079071.
+    # f32 fields go through serde_json::Value widened to f64 (Kiln's checkpoint.rs): 0.95 is 0.949999988079071.
     assert config["optimizer"] == {"kind": "muon", "momentum": 0.949999988079071, "nesterov": True, "ns_iters": 5,
                                    "weight_decay": 0.0}
     assert config["lora_alpha"] == 8.0 and config["learning_rate"] == 2e-2 and config["seed"] == 11

@@ -1,4 +1,4 @@
-"""The mask builders (kiln_core.tokenization, DESIGN.md decision 3, kiln-opd-spec.md §5) on the tiny student.
+"""The mask builders (kiln_core.tokenization, docs/architecture.md decision 3) on the tiny student.
 
 What a user depends on: which tokens become reverse-KL action targets and ECHO env targets, for
 plain conversations (``{% generation %}`` blocks or the ChatML fallback) and for trajectories

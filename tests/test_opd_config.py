@@ -1,4 +1,4 @@
-"""OpdConfig / OpdRequest: every default, every rejection message, and the resolution rules (spec §3)."""
+"""OpdConfig / OpdRequest: every default, every rejection message, and the resolution rules (Kiln's ``opd.rs``)."""
 
 from __future__ import annotations
 

@@ -13,6 +13,7 @@ import copy
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -262,11 +263,12 @@ def test_unchanged_corpus_is_never_admitted_twice(world, reference, monkeypatch)
 
     monkeypatch.setattr(kiln_core.admission, "admit_corpus", spy)
 
-    # same spec again: admission and materialization come from the cache
+    # same spec again: admission comes from the cache (its materialization verified); the materialize stage
+    # is the byte check itself, so it always runs
     state, summary = run_pipeline(reference.spec)
     runs = task_runs(state.state_details.flow_run_id, ("admit", "materialize", "train", "publish"))
     assert runs["admit"].state.name == "Cached", runs["admit"].state
-    assert runs["materialize"].state.name == "Cached", runs["materialize"].state
+    assert runs["materialize"].state.name == "Completed", runs["materialize"].state
     assert calls == []
     assert summary["adapter"] == reference.summary["adapter"]
     assert summary["receipt"] == reference.summary["receipt"]
@@ -283,6 +285,80 @@ def test_unchanged_corpus_is_never_admitted_twice(world, reference, monkeypatch)
     assert Path(calls[0].materialized) == corpora / materialized[0]
     assert listing(corpora) == materialized
     assert summary["dataset_sha256"] == reference.summary["dataset_sha256"]
+
+
+# ---------------------------------------------------------------------------------------------
+# 2b. a cache is a hint: a cached result whose artifact is gone or changed is computed again
+
+
+def admit_runs(flow_run_id) -> list:
+    """The flow run's admit task runs, in the order they ran (two when a cached result was stale)."""
+    runs = task_runs(flow_run_id, ("admit", "materialize", "train"))["admit"]
+    return sorted(runs, key=lambda run: run.start_time or run.expected_start_time) if isinstance(runs, list) else [runs]
+
+
+def test_a_deleted_or_damaged_materialization_is_admitted_again_not_reused_from_the_cache(world, prefect_harness,
+                                                                                          tmp_path):
+    root = tmp_path / "root"
+    spec = spec_dict(world, root, adapter="hint")
+    _, first = run_pipeline(spec)
+    (materialization,) = [path for path in (root / "corpora").iterdir()]
+    assert (root / "prefect" / "cache-keys").is_dir()  # the admit record lives beside what it describes
+
+    # deleted (and the runs with it, so training needs the corpus): the cached ref names nothing
+    shutil.rmtree(materialization)
+    shutil.rmtree(root / "runs")
+    state, again = run_pipeline(spec)
+    assert [run.state.name for run in admit_runs(state.state_details.flow_run_id)] == ["Cached", "Completed"]
+    assert again["status"] == "success" and adapter_bytes(again) == adapter_bytes(first)
+    assert (materialization / "admission.json").is_file()
+
+    # damaged: one byte of a table; set aside, admitted again, trained on the intact tables
+    targets = materialization / "targets.parquet"
+    targets.write_bytes(targets.read_bytes()[:-1] + b"\0")
+    shutil.rmtree(root / "runs")
+    state, repaired = run_pipeline(spec)
+    assert [run.state.name for run in admit_runs(state.state_details.flow_run_id)] == ["Cached", "Completed"]
+    assert repaired["status"] == "success" and adapter_bytes(repaired) == adapter_bytes(first)
+    assert [path.name for path in (root / "corpora").iterdir() if ".damaged-" in path.name]
+
+    # intact: reused from the cache, once
+    state, _ = run_pipeline(spec)
+    assert [run.state.name for run in admit_runs(state.state_details.flow_run_id)] == ["Cached"]
+
+
+def test_a_deleted_or_changed_scored_corpus_is_scored_again_not_reused_from_the_cache(world, prefect_harness, tmp_path):
+    import random
+
+    from kiln_core.synthetic import synthetic_example
+
+    rng = random.Random(5)
+    examples = tmp_path / "examples.jsonl"
+    examples.write_text("".join(json.dumps(synthetic_example(rng, words=6, index=i)) + "\n" for i in range(EXAMPLES)))
+    root = tmp_path / "root"
+    spec = spec_dict(world, root, adapter="scored-hint", examples=str(examples))
+    spec["config"]["epochs"] = 1
+    _, first = run_pipeline(spec)
+    (scored,) = list((root / "scored").glob("*.jsonl"))
+    original = scored.read_bytes()
+
+    def score_states(flow_run_id) -> list[str]:
+        runs = task_runs(flow_run_id, ("score", "admit", "train"))["score"]
+        runs = sorted(runs, key=lambda run: run.start_time or run.expected_start_time) if isinstance(runs, list) else [runs]
+        return [run.state.name for run in runs]
+
+    # deleted: the bug this guards against — the record pointed at a file that was gone (file_not_found, exit 3)
+    scored.unlink()
+    state, again = run_pipeline(spec)
+    assert score_states(state.state_details.flow_run_id) == ["Cached", "Completed"]
+    assert again["status"] == "success" and scored.read_bytes() == original
+
+    # changed: a line appended to the scored corpus is not the recorded digest; the teacher scores it again
+    scored.write_bytes(original + b'{"messages": []}\n')
+    state, changed = run_pipeline(spec)
+    assert score_states(state.state_details.flow_run_id) == ["Cached", "Completed"]
+    assert changed["status"] == "success" and scored.read_bytes() == original
+    assert changed["dataset_sha256"] == first["dataset_sha256"]
 
 
 # ---------------------------------------------------------------------------------------------

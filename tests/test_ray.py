@@ -131,14 +131,13 @@ def test_a_killed_worker_is_restarted_by_ray_and_the_run_ends_with_the_uninterru
     import signal
 
     from kiln_core.contracts.spec_blocks import RayOptions
-    from kiln_core.engine.run_request import prepare_train_request
+    from kiln_core.engine import spec_from_request
     from kiln_core.storage import resolve
     from kiln_core.training.checkpoint import latest_checkpoint
     from kiln_core.training.distributed.ray_launcher import launch_on_ray
 
-    prepared = prepare_train_request(str(request_dir / "request.json"), adapter="demo", student_dir=str(tiny_student),
-                                     out_root=str(tmp_path))
-    job = prepared.job(world_size=2, device="cpu")
+    job = spec_from_request(str(request_dir / "request.json"), adapter="demo", student_dir=str(tiny_student),
+                            out_root=str(tmp_path), nproc=2).job(device="cpu")
     killed: list[int] = []
 
     def kill_a_worker_once(step: int, total: int, loss: float) -> None:
@@ -175,7 +174,7 @@ def test_more_workers_than_the_cluster_has_cpus_is_refused_before_training(ray_i
 def test_a_cancelled_ray_run_stops_every_worker_at_a_step_boundary_after_a_checkpoint(ray_instance, request_dir,
                                                                                       tiny_student, tmp_path):
     from kiln_core.contracts.spec_blocks import RayOptions
-    from kiln_core.engine.run_request import prepare_train_request
+    from kiln_core.engine import spec_from_request
     from kiln_core.training.checkpoint import latest_checkpoint
     from kiln_core.training.distributed.ray_launcher import launch_on_ray
 
@@ -183,8 +182,8 @@ def test_a_cancelled_ray_run_stops_every_worker_at_a_step_boundary_after_a_check
     request["config"]["epochs"] = 4 * EPOCHS  # 400 steps: far more than pass before the cancel reaches rank 0
     (tmp_path / "request.json").write_text(json.dumps({**request, "dataset_path": str(request_dir / "corpus.jsonl"),
                                                        "teacher": str(request_dir / "teacher-manifest.jsonl")}))
-    job = prepare_train_request(str(tmp_path / "request.json"), adapter="demo", student_dir=str(tiny_student),
-                                out_root=str(tmp_path / "out")).job(world_size=2, device="cpu")
+    job = spec_from_request(str(tmp_path / "request.json"), adapter="demo", student_dir=str(tiny_student),
+                            out_root=str(tmp_path / "out"), nproc=2).job(device="cpu")
     seen: list[int] = []
     result = launch_on_ray(job, RayOptions(), on_progress=lambda step, total, loss: seen.append(step),
                            should_cancel=lambda: bool(seen))  # Prefect's "the flow run is cancelling", here
@@ -204,7 +203,7 @@ def test_a_ray_driver_stopped_by_a_signal_still_stops_its_ranks_after_a_checkpoi
     """A worker cancelling a Ray run: the driver's termination signal reaches the ranks as a cancel, so
     rank 0 publishes a checkpoint and a ``cancelled`` receipt before the driver's exception goes on."""
     from kiln_core.contracts.spec_blocks import RayOptions
-    from kiln_core.engine.run_request import prepare_train_request
+    from kiln_core.engine import spec_from_request
     from kiln_core.storage import resolve
     from kiln_core.training.checkpoint import latest_checkpoint
     from kiln_core.training.distributed.ray_launcher import launch_on_ray
@@ -213,8 +212,8 @@ def test_a_ray_driver_stopped_by_a_signal_still_stops_its_ranks_after_a_checkpoi
     request["config"]["epochs"] = 4 * EPOCHS
     (tmp_path / "request.json").write_text(json.dumps({**request, "dataset_path": str(request_dir / "corpus.jsonl"),
                                                        "teacher": str(request_dir / "teacher-manifest.jsonl")}))
-    job = prepare_train_request(str(tmp_path / "request.json"), adapter="demo", student_dir=str(tiny_student),
-                                out_root=str(tmp_path / "out")).job(world_size=2, device="cpu")
+    job = spec_from_request(str(tmp_path / "request.json"), adapter="demo", student_dir=str(tiny_student),
+                            out_root=str(tmp_path / "out"), nproc=2).job(device="cpu")
 
     def progress(step, total, loss):
         raise TerminationSignal("SIGTERM")

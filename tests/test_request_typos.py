@@ -66,15 +66,16 @@ def test_kiln_lenient_trains_as_kiln_would_and_names_each_ignored_key(typo_reque
     assert latest["receipt_sha256"] == "sha256:" + hashlib.sha256(receipt_bytes).hexdigest()
 
 
-def test_the_torchrun_workers_request_mode_has_the_same_rule(typo_request, tiny_student, tmp_path):
-    """``kiln_core.engine.worker --request`` (multi-node) validates the request the same way."""
+def test_a_multi_node_job_is_made_by_the_same_door_with_the_same_rule(typo_request, tiny_student, tmp_path):
+    """``kiln-flows train --write-job`` (torchrun on several nodes) reads the request the same way, and the job
+    carries the ignored key to rank 0, which records it in the receipt."""
     from kiln_core.contracts.opd_config import ConfigError
-    from kiln_core.engine.run_request import prepare_train_request
+    from kiln_core.engine import spec_from_request
 
-    common = {"adapter": "typo", "student_dir": str(tiny_student), "out_root": str(tmp_path / "out")}
+    common = {"adapter": "typo", "student_dir": str(tiny_student), "out_root": str(tmp_path / "out"), "nproc": 2}
     with pytest.raises(ConfigError) as caught:
-        prepare_train_request(str(typo_request), **common)
+        spec_from_request(str(typo_request), **common)
     assert (caught.value.code, caught.value.field) == ("invalid_request", "config.learnign_rate")
-    warnings: list[str] = []
-    prepared = prepare_train_request(str(typo_request), kiln_lenient=True, on_warning=warnings.append, **common)
-    assert prepared.kiln_lenient and any("`config.learnign_rate`" in warning for warning in warnings)
+    run = spec_from_request(str(typo_request), kiln_lenient=True, **common)
+    assert any("`config.learnign_rate`" in warning for warning in run.warnings)
+    assert run.job(device="cpu").ignored_request_keys == ("config.learnign_rate",)

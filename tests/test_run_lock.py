@@ -340,7 +340,7 @@ def test_pipeline_flow_run_exits_3_run_in_progress_while_the_run_key_is_held(tin
     import yaml
 
     from kiln_core.contracts.identity import build_manifest_line
-    from kiln_core.contracts.pipeline import load_spec
+    from kiln_core.contracts.spec_file import load_spec
     from kiln_core.engine import prepare
     from kiln_core.identity.local_teacher import local_teacher_identity
     from kiln_core.synthetic import synthesize_corpus

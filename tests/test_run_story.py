@@ -235,7 +235,8 @@ def test_validate_spec_rejects_in_one_line_naming_the_field(local_inputs, change
 
 
 def test_remote_inputs_are_left_to_the_stages(local_inputs):
-    from kiln_core.contracts.pipeline import check_local_inputs, parse_spec
+    from kiln_core.contracts.pipeline import parse_spec
+    from kiln_core.contracts.spec_file import check_local_inputs
 
     check_local_inputs(parse_spec({**local_inputs, "student": "s3://bucket/student", "corpus": "memory://c.jsonl"}))
 

@@ -106,12 +106,16 @@ def test_there_is_no_import_circle_in_training():
     assert find_cycle(import_graph()) is None
 
 
-def test_the_launcher_never_imports_the_worker():
-    # The torchrun worker is an engine entry point (it may prepare a request: admission, plan); the
-    # launcher only names it.
+def test_the_launcher_never_imports_the_worker_and_the_worker_never_reaches_the_engine():
+    # The launcher only names the torchrun worker (it runs in each rank). The worker takes a job and never a
+    # request: the engine's one door (spec_from_request, then prepare) makes every job, so nothing in training
+    # reaches up into the engine, not even through a string import (the Ray worker used to).
     graph = layers.graph(ROOT)[0]
-    assert "kiln_core.engine.worker" not in reachable(graph, "kiln_core.training.distributed.launcher")
-    assert "kiln_core.engine.run_request" in graph["kiln_core.engine.worker"]
+    worker = "kiln_core.training.distributed.worker"
+    assert worker not in reachable(graph, "kiln_core.training.distributed.launcher")
+    assert worker in graph["kiln_core.training.distributed.ray_worker"]
+    for entry in (worker, "kiln_core.training.distributed.ray_worker"):
+        assert not {name for name in reachable(graph, entry) if name.startswith("kiln_core.engine")}, entry
 
 
 def test_the_loop_does_not_import_the_launcher():

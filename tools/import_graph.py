@@ -3,7 +3,11 @@
 Every ``import``/``from … import`` statement in ``kiln_core``, ``tasks``, ``flows`` and ``drills`` —
 at module level or inside a function, since a deferred import still ties two modules at run time —
 is an edge from its module to the module it names (``from pkg import sub`` names the submodule when
-there is one). Checked, and printed:
+there is one). So is every string import, ``importlib.import_module(NAME)`` or ``__import__(NAME)``, whose
+``NAME`` is a string literal or a name bound to one at module level (in the same file, or imported from
+another module of the four packages): an import hidden in a string ties two modules just the same. A
+string import whose name is chosen at run time (a table lookup, an argument) cannot be followed; each
+is listed, with its line, so a reader can check it. Checked, and printed:
 
 * the packages of ``kiln_core`` against ``KILN_CORE_LAYERS`` below (a package is ``kiln_core.<first
   name>``; a top-level module such as ``kiln_core/chat_template.py`` is a package of its own, and
@@ -26,8 +30,10 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,40 +93,144 @@ def modules(root: Path = ROOT) -> dict[str, Path]:
     return found
 
 
-def import_statements(tree: ast.Module) -> list[tuple[ast.Import | ast.ImportFrom, bool, bool]]:
-    """``(statement, at module level, inside a function)`` for every import statement of a parsed file.
+@functools.lru_cache(maxsize=None)
+def parse(path: Path) -> ast.Module:
+    """A source file's syntax tree, parsed once per run of the tool (the checks read each file several times)."""
+    return ast.parse(path.read_text(encoding="utf-8"))
 
-    "At module level" is a statement of the module's body (it runs on import); "inside a function"
-    is one that runs only when its function is called.
-    """
-    found: list[tuple[ast.Import | ast.ImportFrom, bool, bool]] = []
+
+Statement = tuple[ast.Import | ast.ImportFrom, bool, bool]  # (statement, at module level, inside a function)
+Call = tuple[ast.Call, bool]  # (a string import's call, inside a function)
+
+
+@functools.lru_cache(maxsize=None)
+def scan(path: Path) -> tuple[list[Statement], list[Call]]:
+    """One walk over a file's syntax tree: its import statements (``import_statements``) and its string
+    imports' calls (``_is_string_importer``)."""
+    tree = parse(path)
+    statements: list[Statement] = []
+    calls: list[Call] = []
 
     def visit(node: ast.AST, in_function: bool) -> None:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, (ast.Import, ast.ImportFrom)):
-                found.append((child, node is tree, in_function))
+                statements.append((child, node is tree, in_function))
+            elif isinstance(child, ast.Call) and child.args and _is_string_importer(child.func):
+                calls.append((child, in_function))
             visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
 
     visit(tree, False)
-    return found
+    return statements, calls
+
+
+def import_statements(path: Path) -> list[Statement]:
+    """``(statement, at module level, inside a function)`` for every import statement of a file.
+
+    "At module level" is a statement of the module's body (it runs on import); "inside a function"
+    is one that runs only when its function is called.
+    """
+    return scan(path)[0]
+
+
+def _absolute(node: ast.ImportFrom, package: str) -> str:
+    """The module a ``from … import`` statement names, with a relative one anchored at ``package``."""
+    base = node.module or ""
+    if node.level:
+        anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+        base = ".".join(anchor + ([base] if base else []))
+    return base
 
 
 def imports(path: Path, name: str, known: dict[str, Path]) -> list[tuple[str, bool, bool]]:
-    """``(imported module, at module level, inside a function)`` for every import of one file."""
-    tree = ast.parse(path.read_text(encoding="utf-8"))
+    """``(imported module, at module level, inside a function)`` for every import of one file, the string
+    imports that can be followed included (``string_imports``)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: list[tuple[str, bool, bool]] = []
-    for node, top, lazy in import_statements(tree):
+    for node, top, lazy in import_statements(path):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         else:
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join(anchor + ([base] if base else []))
+            base = _absolute(node, package)
             targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names]
         found.extend((target, top, lazy) for target in targets)
+    found.extend((call.target, call.top, call.lazy) for call in string_imports(name, path, known)
+                 if call.target is not None)
     return found
+
+
+@dataclass(frozen=True)
+class StringImport:
+    """One ``importlib.import_module(…)``/``__import__(…)`` call: the module it names, or None when the
+    name is chosen at run time (``argument`` is the call's first argument as written)."""
+
+    module: str
+    line: int
+    argument: str
+    target: str | None
+    top: bool
+    lazy: bool
+
+
+STRING_IMPORTERS = ("importlib.import_module", "import_module", "__import__")
+
+
+def _module_constants(tree: ast.Module) -> dict[str, str]:
+    """Names bound to a string literal by a module-level assignment (``WORKER_MODULE = "pkg.mod"``)."""
+    constants = {}
+    for node in tree.body:
+        value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        if isinstance(value, ast.Constant) and isinstance(value.value, str):
+            constants.update({target.id: value.value for target in targets if isinstance(target, ast.Name)})
+    return constants
+
+
+def _is_string_importer(func: ast.expr) -> bool:
+    """Whether a call's function is one of ``STRING_IMPORTERS`` (checked without unparsing every call)."""
+    if isinstance(func, ast.Attribute):
+        return func.attr == "import_module" and isinstance(func.value, ast.Name) and func.value.id == "importlib"
+    return isinstance(func, ast.Name) and func.id in ("import_module", "__import__")
+
+
+def _file_constants(path: Path) -> dict[str, str]:
+    """``_module_constants`` of a file."""
+    return _module_constants(parse(path))
+
+
+def string_imports(name: str, path: Path, known: dict[str, Path]) -> list[StringImport]:
+    """Every string import of one file, resolved where its argument is a string literal or a name bound to
+    one at module level, here or in the module it was imported from."""
+    calls = scan(path)[1]
+    if not calls:
+        return []
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    tree = parse(path)
+    constants = _module_constants(tree)
+    for node in tree.body:  # `from pkg.launcher import WORKER_MODULE`: the constant of that module
+        if isinstance(node, ast.ImportFrom) and (source := _absolute(node, package)) in known:
+            theirs = _file_constants(known[source])
+            constants.update({alias.asname or alias.name: theirs[alias.name] for alias in node.names
+                              if alias.name in theirs})
+    found: list[StringImport] = []
+    for call, in_function in calls:
+        argument = call.args[0]
+        if isinstance(argument, ast.Constant) and isinstance(argument.value, str):
+            target = argument.value
+        elif isinstance(argument, ast.Name):
+            target = constants.get(argument.id)
+        else:
+            target = None
+        if target is not None and target.startswith("."):
+            target = None  # relative to a package given at run time
+        found.append(StringImport(name, call.lineno, ast.unparse(argument), target, not in_function, in_function))
+    return found
+
+
+def all_string_imports(root: Path = ROOT) -> list[StringImport]:
+    """The string imports of every module of the four packages, in module order."""
+    known = modules(root)
+    return [call for name, path in known.items()
+            for call in string_imports(name, path, known)]
 
 
 Edge = tuple[str, str, bool]  # (importing module, imported module, inside a function)
@@ -250,7 +360,7 @@ def in_function_imports(root: Path = ROOT) -> dict:
     statements = internal = 0
     files = set()
     for path in sorted((root / "kiln_core").rglob("*.py")):
-        for node, _, lazy in import_statements(ast.parse(path.read_text(encoding="utf-8"))):
+        for node, _, lazy in import_statements(path):
             if lazy:
                 statements += 1
                 files.add(path)
@@ -264,9 +374,16 @@ def report(root: Path = ROOT, layers=KILN_CORE_LAYERS) -> dict:
     sizes = sorted(((len(path.read_text(encoding="utf-8").splitlines()), name) for name, path in modules(root).items()),
                    reverse=True)
     eager_circles = circles(eager)
+    calls = all_string_imports(root)
     return {
         "modules": len(every),
         "edges": sum(len(targets) for targets in every.values()),
+        "string_imports": {
+            "followed": [{"from": call.module, "to": call.target, "line": call.line, "in_function": call.lazy}
+                         for call in calls if call.target is not None],
+            "not_followed": [{"from": call.module, "line": call.line, "argument": call.argument}
+                             for call in calls if call.target is None],
+        },
         "longest_modules": [{"module": name, "lines": lines} for lines, name in sizes[:5]],
         "in_function_imports": in_function_imports(root),
         "packages": package_layers(list(every), edges, layers),
@@ -291,6 +408,13 @@ def print_report(result: dict) -> None:
     print("longest modules: " + ", ".join(f"{m['module']} {m['lines']}" for m in result["longest_modules"]))
     print(f"in-function imports in kiln_core: {lazy['statements']} in {lazy['files']} files "
           f"({lazy['naming_kiln_core']} of kiln_core modules), all counted below")
+    strings = result["string_imports"]
+    print(f"string imports ({', '.join(STRING_IMPORTERS)}): {len(strings['followed'])} followed, counted below; "
+          f"{len(strings['not_followed'])} name a module chosen at run time and cannot be followed")
+    for call in strings["followed"]:
+        print(f"  {call['from']}:{call['line']} -> {call['to']}")
+    for call in strings["not_followed"]:
+        print(f"  {call['from']}:{call['line']} -> import_module({call['argument']}) (not followed)")
     print("kiln_core layers, lowest first:")
     for position, layer in enumerate(packages["layers"]):
         print(f"  {position:2d} {layer['layer']}: {', '.join(layer['packages'])} — {layer['why']}")

@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Validate the spec, run the flow, and map its end state to an exit code."""
-    from kiln_core.contracts.pipeline import load_spec
+    from kiln_core.contracts.spec_file import load_spec
     from kiln_core.errors import EXIT_FAILED, EXIT_HELD_BACK, EXIT_OK
 
     spec = load_spec(args.pipeline)  # a rejection (exit 2) goes to the CLI's guard, before Prefect loads

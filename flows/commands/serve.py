@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kiln_core.contracts.pipeline import load_spec
+    from kiln_core.contracts.spec_file import load_spec
 
     if args.limit < 1:
         print("error: --limit must be at least 1", file=sys.stderr)

@@ -50,7 +50,9 @@ Several processes on this machine (data parallel on ``torch.distributed``)::
     $ kiln-flows train --request opd-request.json --adapter demo --student ./student --nproc 4 --json
 
 validates and admits here, then launches ``python -m torch.distributed.run --standalone
---nproc-per-node 4 -m kiln_core.engine.worker`` (gloo on CPU, nccl on CUDA: one GPU per rank).
+--nproc-per-node 4 -m kiln_core.training.distributed.worker`` (gloo on CPU, nccl on CUDA: one GPU per rank).
+Several machines: ``--nproc 16 --write-job s3://bucket/kiln/jobs/opd-1.json`` validates, admits and plans
+the run for 16 ranks, writes their job there and prints the ``torchrun`` command every node runs.
 Each optimizer step takes ``4 × sequences_per_step`` candidates; rank 0 publishes checkpoints, the
 adapter and the receipt. A checkpoint resumes only with the ``--nproc`` that wrote it. With
 ``--strategy fsdp`` (GPUs only) the student's base weights are sharded across the ranks instead of
@@ -92,6 +94,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "optimizer step takes N × sequences_per_step candidates")
     parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
                         help="torch.distributed backend with --nproc > 1 (default: gloo on cpu, nccl on cuda)")
+    parser.add_argument("--write-job", metavar="URI",
+                        help="several machines: validate, admit and plan the run for --nproc ranks in all, write "
+                        "their job to URI (storage every node reads) and print the torchrun command each node "
+                        "runs; trains nothing here")
     parser.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp",
                         help="with --nproc > 1 or --ray: ddp (every rank holds the whole student) or fsdp (the "
                         "student's base weights sharded across the ranks' GPUs; same adapter; needs GPUs)")
@@ -182,6 +188,8 @@ def run(args: argparse.Namespace) -> int:
 
     from kiln_core.engine import ResumeRequired, run_pipeline, spec_from_request
 
+    if args.write_job is not None:
+        check_write_job(args)
     prepared = spec_from_request(args.request, adapter=args.adapter, student_dir=args.student, out_root=args.out,
                                  resume_checkpoint=args.resume_checkpoint, nproc=args.nproc, backend=args.backend,
                                  eval_watch=watch_from_arguments(args), vllm=vllm_from_arguments(args),
@@ -189,6 +197,8 @@ def run(args: argparse.Namespace) -> int:
                                  ray=ray_from_arguments(args), strategy=args.strategy)
     for warning in prepared.warnings:
         print(f"warning: {warning}", file=sys.stderr)
+    if args.write_job is not None:
+        return write_job(prepared, args)
     bar = _ProgressBar(enabled=not (args.quiet or args.json), config=prepared.spec.config)
     try:
         on_train_start = None if args.quiet else (
@@ -206,6 +216,46 @@ def run(args: argparse.Namespace) -> int:
     if result.status != "success" and result.latest_checkpoint and not args.json:
         print(f"  resume with: {resume_command(args, result.latest_checkpoint)}", file=sys.stderr)
     return exit_code(result)
+
+
+def check_write_job(args: argparse.Namespace) -> None:
+    """``--write-job`` is torchrun's: refused with ``--ray`` and below two ranks, before the request is read.
+
+    Raises:
+        ConfigError: ``unsupported`` on ``ray`` or ``nproc``.
+    """
+    from kiln_core.contracts.opd_config import ConfigError
+
+    if args.ray is not None:
+        raise ConfigError("--write-job is for torchrun on several machines; Ray starts its own workers: remove one",
+                          "ray", code="unsupported")
+    if args.nproc < 2:
+        raise ConfigError(f"--write-job needs --nproc N of at least 2, the ranks of all nodes together; got "
+                          f"{args.nproc}", "nproc", code="unsupported")
+
+
+def write_job(prepared, args: argparse.Namespace) -> int:
+    """``--write-job URI``: the job every rank of a multi-node run executes, written where every node reads it,
+    and the ``torchrun`` command each node runs (``kiln_core.training.distributed.worker``)."""
+    import json
+    import shlex
+
+    from kiln_core.storage import resolve, write_bytes_atomic
+    from kiln_core.training.distributed.launcher import WORKER_MODULE
+
+    job = prepared.job(device=args.device, precision=args.dtype, gradient_checkpointing=args.gradient_checkpointing)
+    location = resolve(args.write_job)
+    write_bytes_atomic(location, job.model_dump_json().encode("utf-8"))
+    command = ["torchrun", "--nnodes", "NODES", "--nproc-per-node", "RANKS_PER_NODE", "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", "HEAD:29500", "--rdzv-id", job.plan.run_key, "-m", WORKER_MODULE,
+               "--job", location.uri]
+    if args.json:
+        print(json.dumps({"job": location.uri, "world_size": job.plan.nproc, "run": job.plan.run_uri,
+                          "command": command}))
+    else:
+        print(f"job for {job.plan.nproc} ranks written to {location.uri} (run {job.plan.run_uri})\n"
+              f"on every node, with NODES × RANKS_PER_NODE = {job.plan.nproc}:\n  {shlex.join(command)}")
+    return 0
 
 
 def print_result(result, label: str, *, as_json: bool) -> None:

@@ -249,9 +249,9 @@ class LoraGradNorms(_Kiln):
 
 
 class Guardrail(_Kiln):
-    """``LengthInflationGuardrail`` in its initial state. kiln-flows does not run Kiln's §3.9 guardrail
+    """``LengthInflationGuardrail`` in its initial state. kiln-flows does not run Kiln's length-inflation guardrail
     (it only logs in Kiln); field names are the struct's, the serde form of Kiln's version that
-    derives it is not public (reference §3.5)."""
+    derives it is not public (``diagnostics.rs``)."""
 
     consecutive_high_rep: int = 0
     consecutive_high_trunc: int = 0

@@ -86,7 +86,7 @@ class DistillMergeRequest(BaseModel):
     config: OpdConfig = Field(default_factory=lambda: OpdConfig(training_mode="off_policy"))
     """Kiln's OpdConfig; ``training_mode`` defaults to off_policy (the only mode merge runs)."""
     post_eval: PostEvalConfig | None = None
-    """Kiln's post-training eval gate (post-eval §A.1)."""
+    """Kiln's post-training eval gate (``crates/kiln-eval/src/suite.rs`` · ``PostEvalConfig``)."""
     weighted_sampling: bool = False
     """kiln-flows extension: draw ``rollout_budget`` rows from the sources in proportion to their weights instead
     of Kiln's sampling contract. Default false (Kiln's contract)."""
@@ -199,11 +199,11 @@ def _check(value: Any) -> DistillMergeRequest:
     for index, source in enumerate(request.sources):
         check_name(source.adapter, field=f"sources[{index}].adapter")
         if source.adapter in seen:
-            raise _invalid(f"{SURFACE}: duplicate source adapter {_quoted(source.adapter)}",
+            raise _invalid(f"{SURFACE}: duplicate source adapter {rust_quoted(source.adapter)}",
                            f"sources[{index}].adapter", "merge_duplicate_source")
         seen.add(source.adapter)
         if not math.isfinite(source.weight) or source.weight <= 0.0:
-            raise _invalid(f"{SURFACE}: source adapter {_quoted(source.adapter)} weight must be finite and greater "
+            raise _invalid(f"{SURFACE}: source adapter {rust_quoted(source.adapter)} weight must be finite and greater "
                            "than zero", f"sources[{index}].weight", "merge_source_weight")
     return request
 
@@ -216,6 +216,6 @@ def _valid_source(source: Any) -> bool:
     return True
 
 
-def _quoted(text: str) -> str:
+def rust_quoted(text: str) -> str:
     """Rust's ``{:?}`` of a string as Kiln's messages print it: double quotes, ``\\`` and ``"`` escaped."""
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'

@@ -2,7 +2,7 @@
 
 Field names, defaults and messages follow Kiln's ``crates/kiln-train/src/opd.rs`` (``DistillPumpRequest``,
 ``DistillPumpMode``) and ``crates/kiln-server/src/api/training.rs`` (``validate_distill_pump_at_submit``,
-``submit_distill_pump``, ``validate_opd_prompts_at_submit``); kiln-recipes.md §6.1 lists them.
+``submit_distill_pump``, ``validate_opd_prompts_at_submit``).
 
 ``mode`` is serde's untagged enum: ``{"domain": "math"}``, ``{"examples": [OpdPrompt, ...]}`` or
 ``{"wide": bool}`` (``{"wide": false}`` still selects wide: the bool is never read). Kiln's serde ignores

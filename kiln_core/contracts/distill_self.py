@@ -7,7 +7,7 @@ document); its top-K at the assistant tokens becomes the student's target on the
 Fields, defaults and messages follow Kiln (``crates/kiln-train/src/opd.rs`` · ``DistillSelfRequest``,
 ``SelfDistillMode``, ``deserialize_off_policy_opd_config``; ``crates/kiln-server/src/api/training.rs`` ·
 ``validate_distill_self_at_submit``, ``validate_opd_prompts_at_submit``,
-``validate_self_distill_context_at_submit``; kiln-recipes.md §3.1). ``check_distill_self_request`` applies
+``validate_self_distill_context_at_submit``). ``check_distill_self_request`` applies
 them in Kiln's order, reading no file and loading no model; every refusal is one ``Rejection`` naming
 the field by its dotted path (``prompts[2].messages``, ``ground_truth[1]``, ``config.training_mode``).
 
@@ -55,7 +55,8 @@ MODE_VARIANTS = {
 }
 """Kiln's Rust variant names: the ``<Mode>`` of the teacher id ``self-<name>:<Mode>``."""
 
-# Kiln's admission limits (kiln-recipes.md §2.1), the same for every prompt-carrying route.
+# Kiln's admission limits (api/training.rs · prepare_training_entry_admission), the same for every
+# prompt-carrying route.
 MAX_PROMPTS = 100_000
 MAX_PROMPT_BYTES = 64 * 1024 * 1024
 

@@ -65,7 +65,7 @@ class TeacherAdapter(_StrictContract):
     name: IdentityText
     """Adapter name; same text rules as ``served_model_id``."""
     weights_sha256: RawSha256
-    """Domain-separated digest of the adapter weights file (§1.6)."""
+    """Domain-separated digest of the adapter weights file (``scripts/vllm_teacher.py``)."""
     config_sha256: RawSha256
     """SHA-256 of the raw ``adapter_config.json`` bytes."""
 

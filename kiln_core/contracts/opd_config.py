@@ -71,7 +71,7 @@ __all__ = [
     "SAMPLING_FIELDS",
 ]
 
-SUPPORTED_TOP_K = (32, 16)  # Kiln's KT kernels, largest first (§2.6)
+SUPPORTED_TOP_K = (32, 16)  # Kiln's KT kernels, largest first (opd.rs · resolve_opd_top_k)
 DEFAULT_SAMPLES_PER_PROMPT = 4
 U64_MAX = 2**64 - 1
 # Kiln fields that Kiln never reads from a request (serde ``skip_deserializing``): ignored, never refused.
@@ -125,7 +125,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 class OpdConfig(BaseModel):
-    """Kiln's ``OpdConfig`` (§3.2), every field with Kiln's default, plus ``sequences_per_step``.
+    """Kiln's ``OpdConfig`` (``crates/kiln-train/src/opd.rs``), every field with Kiln's default, plus
+    ``sequences_per_step``.
 
     Example:
         >>> OpdConfig.model_validate({"training_mode": "off_policy"}).top_k
@@ -234,7 +235,7 @@ class OpdConfig(BaseModel):
 
 
 class OpdRequest(BaseModel):
-    """Kiln's ``OpdRequest`` body (§3.1). The model ignores unknown fields, as Kiln does;
+    """Kiln's ``OpdRequest`` body (``crates/kiln-train/src/opd.rs``). The model ignores unknown fields, as Kiln does;
     ``parse_opd_request`` refuses them unless asked to be lenient."""
 
     model_config = ConfigDict(strict=True, extra="ignore", frozen=True)

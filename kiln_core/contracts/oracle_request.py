@@ -56,7 +56,8 @@ class WeightFile(_Closed):
 
 
 class ModelIdentity(_Closed):
-    """Content identity of the model directory (§0.4); requests carry it without ``path``."""
+    """Content identity of the model directory (Kiln's ``scripts/qualification/model_fingerprint.py``);
+    requests carry it without ``path``."""
 
     id: NonEmpty
     content_sha256: Sha256

@@ -1,8 +1,8 @@
 """A Kiln recipe file: ``{name, description?, steps[]}``, each step tagged by ``kind``, and its two step shapes
 that kiln-flows owns (``opd`` and ``post_eval``).
 
-Source: Kiln's ``crates/kiln-server/src/api/recipes.rs`` (``Recipe``, ``RecipeStep``, ``PromptsSource``;
-kiln-recipes.md §7). The step kinds:
+Source: Kiln's ``crates/kiln-server/src/api/recipes.rs`` (``Recipe``, ``RecipeStep``, ``PromptsSource``).
+The step kinds:
 
 * ``opd {name, teacher, prompts_from: {dataset} | {prompts}, config}``. For kiln-flows ``dataset`` is a
   teacher-scored Kiln corpus (a path relative to the recipe file, trained off-policy) and inline ``prompts``
@@ -151,7 +151,7 @@ def recipe_value(path: str) -> Any:
     """
     import yaml
 
-    from kiln_core.contracts.pipeline import check_yaml_depth
+    from kiln_core.contracts.spec_file import check_yaml_depth
     from kiln_core.storage import resolve
 
     try:

@@ -6,7 +6,7 @@ from. ``RecipeRecord`` carries that story into the run's ``train_receipt.json`` 
 Kiln's legacy per-adapter receipt (``AdapterReceipt``, ``<adapter>/receipt.json``), whose fields follow
 Kiln's ``crates/kiln-train/src/receipt.rs`` (``AdapterReceipt``, ``TeacherDescriptor``,
 ``PromptSourceDescriptor``, ``DiagnosticSummary``) and ``training_queue.rs`` (``registered_teacher_descriptor``:
-the per-recipe descriptor values, kiln-recipes.md §2.5).
+the per-recipe descriptor values).
 
 Example:
     >>> record = RecipeRecord(kind="distill_self", mode="conciseness", name="terse",
@@ -32,7 +32,7 @@ LEGACY_RECEIPT_FILE = "receipt.json"
 class TeacherDescriptor(BaseModel):
     """Kiln's ``TeacherDescriptor``: who taught the adapter.
 
-    Per recipe (kiln-recipes.md §2.5): self ``self-<name>:<Mode>`` for alias and model id, no hash and no
+    Per recipe (``training_queue.rs`` · ``registered_teacher_descriptor``): self ``self-<name>:<Mode>`` for alias and model id, no hash and no
     identity; merge ``merge-multi:<name>``, likewise; pump and opd the registered alias, the identity's
     ``served_model_id``, ``sha256:<content revision>`` and the full identity.
     """

@@ -36,7 +36,7 @@ from kiln_core.engine.replay_log import write_replay_log
 from kiln_core.engine.gate import check_gate_inputs, has_gate, run_gate, training_data
 from kiln_core.engine.run_lock import RunLock
 from kiln_core.engine.runs import plan_run
-from kiln_core.engine.training import train, training_settings
+from kiln_core.engine.training import distributed_job, train, training_settings
 
 
 class Stages(Protocol):
@@ -169,6 +169,30 @@ def prepare(spec: PipelineSpec, stages_: Stages | None = None, *, resume: str | 
                        gate_corpus=gate_corpus)
 
 
+def prepare_job(spec: PipelineSpec, stages_: Stages | None = None, *, resume: str | None = "latest",
+                device: str | None = None, precision: str | None = None, gradient_checkpointing: bool = False):
+    """Every stage before training (``prepare``), then the ``DistributedJob`` the ranks of the spec's world
+    execute, for ranks started elsewhere (torchrun on every node of a multi-node run) instead of by
+    ``run_pipeline``'s train stage.
+
+    Raises:
+        Rejection: what ``prepare`` and ``distributed_job`` refuse; ``unsupported`` for on-policy prompts,
+            which train in one process.
+    """
+    from kiln_core.contracts.opd_config import ConfigError
+    from kiln_core.engine.runs import newest_checkpoint
+
+    ready = prepare(spec, stages_, resume=resume, device=device, precision=precision,
+                    gradient_checkpointing=gradient_checkpointing)
+    if ready.corpus.kind == "prompts":
+        raise ConfigError("on-policy training runs in one process: there is no job for other ranks", "prompts",
+                          code="unsupported")
+    plan = ready.plan
+    if plan.resume == "latest":  # the ranks take a checkpoint basename or None
+        plan = plan.model_copy(update={"resume": newest_checkpoint(plan.run_uri, plan.adapter)})
+    return distributed_job(plan, ready.corpus, ready.manifest, ready.student_dir)
+
+
 def admit_held_out(spec: PipelineSpec, corpus: CorpusRef, manifest: ManifestRef, student_dir: str) -> HeldOutRef | None:
     """The held-out watch's corpus (``spec.eval``), admitted once for the run: refused here, not after the
     model loads, and materialized under the storage root for training to load (``TrainPlan.held_out``);
@@ -213,7 +237,7 @@ def run_pipeline(spec: PipelineSpec, stages_: Stages | None = None, *, resume: s
         RunInProgress: another live run holds the run key (``run_in_progress``, exit 3).
 
     Example:
-        >>> from kiln_core.contracts.pipeline import load_spec
+        >>> from kiln_core.contracts.spec_file import load_spec
         >>> result = run_pipeline(load_spec("pipeline.yaml"))  # doctest: +SKIP
         >>> result.status, result.latest  # doctest: +SKIP
         ('success', '/abs/kiln-data/runs/demo/latest.json')

@@ -1,7 +1,7 @@
 """``<run>/adapter/replay.jsonl``: the prompts an adapter trained on, beside it, in the form Kiln's merge reads.
 
 Kiln's ``distill_merge`` learns a source LoRA's prompts from ``replay.jsonl`` in that adapter's directory
-(kiln-recipes.md §4.2 step 1: each line's ``request_body`` or the whole line, then its arrays ``examples`` and
+(``training_queue.rs`` · ``derive_source_prompts``: each line's ``request_body`` or the whole line, then its arrays ``examples`` and
 ``prompts``, each element's ``messages``). ``run_pipeline`` writes one for every run that trained successfully,
 right after training and before the gate, so every published adapter can be a merge source
 (``kiln_core.teachers.replay.read_replay_prompts`` reads it back).

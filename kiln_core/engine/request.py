@@ -17,8 +17,10 @@
    registered local alias (the engine's prompt stage applies the rest of Kiln's on-policy checks
    before any model loads: teacher vocabulary, prompt + ``max_tokens`` within the context, top-K).
 
-The spec then runs through ``run_pipeline`` like any other: admitted, planned (run directory
-``<root>/runs/<adapter>/<run key>/``), trained in this process or under ``torchrun``, published.
+This is the one door that trains a request: ``spec_from_request``, then ``run_pipeline`` like any other
+spec — admitted, planned (run directory ``<root>/runs/<adapter>/<run key>/``), trained in this process,
+under ``torchrun`` or on Ray, published. ``kiln-flows train`` and the drills call exactly that; a
+multi-node run stops after planning (``RequestRun.job``) and hands the job to torchrun on every node.
 """
 
 from __future__ import annotations
@@ -32,11 +34,10 @@ from kiln_core.contracts.opd_submit import validate_request_for_offline_training
 from kiln_core.contracts.pipeline import DistributedOptions, PipelineSpec, TeacherSource, parse_spec
 from kiln_core.contracts.post_eval.config import PostEvalConfig, parse_post_eval_config, validate_post_eval_config
 from kiln_core.contracts.unknown_keys import UnknownKey
-from kiln_core.engine.pipeline import LocalStages
+from kiln_core.engine.pipeline import LocalStages, prepare_job
 from kiln_core.post_eval.registry import SuiteRegistry
-# anchored_path and teacher_source are re-exported: recipes (below the engine) build specs with them too.
-from kiln_core.storage import anchored_path, resolve  # noqa: F401
-from kiln_core.teachers.local_registry import teacher_source  # noqa: F401
+from kiln_core.storage import anchored_path
+from kiln_core.teachers.local_registry import teacher_source
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,13 @@ class RequestRun:
         if not self.ignored_keys:
             return LocalStages(**options)
         return _RecordingStages(self.ignored_keys, **options)
+
+    def job(self, *, device: str | None = None, precision: str | None = None, gradient_checkpointing: bool = False):
+        """The ``DistributedJob`` the ranks of a multi-node run execute (``kiln-flows train --write-job``):
+        admitted and planned for the spec's world size (``nproc``); rank 0 records the ignored keys."""
+        job = prepare_job(self.spec, resume=self.resume, device=device, precision=precision,
+                          gradient_checkpointing=gradient_checkpointing)
+        return job.model_copy(update={"ignored_request_keys": self.ignored_keys})
 
 
 @dataclass(frozen=True)
@@ -114,19 +122,10 @@ class _RecordingStages(LocalStages):
     def train(self, plan, corpus, manifest, student_dir):
         trained = super().train(plan, corpus, manifest, student_dir)
         if not trained.reused:
+            from kiln_core.training.receipt import record_ignored_keys
+
             record_ignored_keys(trained.run_uri, self.ignored_keys)
         return trained
-
-
-def record_ignored_keys(run_uri: str, ignored_keys: tuple[str, ...]) -> None:
-    """Add ``ignored_request_keys`` to the run's ``train_receipt.json`` (none written: nothing to add)."""
-    from kiln_core.training.receipt import read_receipt, receipt_status, write_receipt
-
-    run = resolve(run_uri)
-    if receipt_status(run) is None:
-        return
-    receipt = read_receipt(run)
-    write_receipt(run, receipt.model_copy(update={"ignored_request_keys": list(ignored_keys)}))
 
 
 def spec_from_request(request_path: str, *, adapter: str, student_dir: str, out_root: str = "./kiln-data",
@@ -233,34 +232,3 @@ def _on_policy_spec(request: OpdRequest, teacher: TeacherSource, post_eval: Post
         "storage_root": out_root, "adapter": adapter, "config": request.config, "post_eval": post_eval,
         "eval": watch, "vllm": vllm,
     }, file=request_path)
-
-
-def train_request(request_path: str, *, adapter: str, student_dir: str, out_root: str = "./kiln-data",
-                  resume_checkpoint: str | None = None, resume_latest: bool = False, on_progress=None,
-                  should_cancel=None, on_step_committed=None, handle_signals: bool = False, on_warning=None, nproc: int = 1,
-                  backend: str = "auto", device: str | None = None, precision: str | None = None,
-                  gradient_checkpointing: bool = False, kiln_lenient: bool = False):
-    """``kiln-flows train`` as a function: validate the request, then ``run_pipeline`` its spec.
-
-    Args:
-        resume_checkpoint: Resume from this basename (``--resume-checkpoint``).
-        resume_latest: Resume from the newest committed checkpoint, as every pipeline attempt does.
-        on_progress, should_cancel, on_step_committed, handle_signals: Passed to the training stage
-            (``LocalStages``).
-        kiln_lenient: Ignore unknown request keys as Kiln does (each one a warning and in the receipt).
-
-    Returns:
-        ``PipelineResult``.
-    """
-    from kiln_core.engine.pipeline import run_pipeline
-
-    run = spec_from_request(request_path, adapter=adapter, student_dir=student_dir, out_root=out_root,
-                            resume_checkpoint=resume_checkpoint, nproc=nproc, backend=backend,
-                            kiln_lenient=kiln_lenient)
-    for warning in run.warnings:
-        if on_warning:
-            on_warning(warning)
-    stages = run.stages(on_progress=on_progress, should_cancel=should_cancel, on_step_committed=on_step_committed,
-                        handle_signals=handle_signals)
-    return run_pipeline(run.spec, stages, resume="latest" if resume_latest else run.resume, device=device,
-                        precision=precision, gradient_checkpointing=gradient_checkpointing)

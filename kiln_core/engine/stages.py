@@ -97,9 +97,12 @@ def fingerprint(corpus_uri: str, student_dir: str, top_k: int, storage_options: 
 
 
 def admit(inputs: InputsRef, manifest: ManifestRef, storage_root: str, *, kiln_strict: bool = False,
-          storage_options: dict | None = None, workers: int = 1) -> CorpusRef:
+          storage_options: dict | None = None, workers: int = 1, replace_damaged: bool = False) -> CorpusRef:
     """Admit the corpus against the pinned manifest and materialize it under ``storage_root`` (a set of
     shards: ``admit_set``, ``workers`` shards at once).
+
+    ``replace_damaged``: a committed materialization of these bytes whose files no longer match its record
+    is set aside (``set_aside_damaged``) and written again, instead of being reused as it is.
 
     Raises:
         AdmissionError: the corpus breaks a rule; an ``identity_mismatch`` against a local-registry
@@ -111,6 +114,8 @@ def admit(inputs: InputsRef, manifest: ManifestRef, storage_root: str, *, kiln_s
     if is_shard_set(inputs.corpus_uri, storage_options):
         return admit_set(inputs, manifest, storage_root, kiln_strict=kiln_strict, storage_options=storage_options,
                          workers=workers)
+    if replace_damaged:
+        set_aside_damaged(inputs, storage_root, storage_options)
     try:
         result = admit_corpus(inputs.corpus_uri, inputs.student_dir, top_k=inputs.effective_top_k,
                               pinned_manifest=manifest.manifest_line, kiln_strict=kiln_strict, out_root=storage_root,
@@ -198,18 +203,25 @@ class MaterializationMismatch(EnvironmentFailure):
 
 def verify(corpus: CorpusRef, storage_options: dict | None = None) -> CorpusRef:
     """Verify a committed materialization against its record: digests of every file, and the counts (a
-    set: every shard's, one shard in memory at a time)."""
+    set: every shard's, one shard in memory at a time).
+
+    Raises:
+        MaterializationMismatch: ``materialization_mismatch``: missing, uncommitted, or a file or count that
+            disagrees with the record.
+    """
     from kiln_core.materialize import read_materialization
 
     if corpus.kind == "shard_set":
         return _verify_set(corpus, storage_options)
 
-    materialization = read_materialization(corpus.uri, storage_options)
-    record = materialization.record
-    if record.dataset_sha256 != corpus.dataset_sha256:
-        raise MaterializationMismatch("materialization_mismatch", f"{corpus.uri} holds {record.dataset_sha256}, "
-                                      f"expected {corpus.dataset_sha256}", file=corpus.uri)
-    tables = materialization.tables  # reading verifies sizes and SHA-256 of every file
+    try:
+        materialization = read_materialization(corpus.uri, storage_options)
+        record = materialization.record
+        if record.dataset_sha256 != corpus.dataset_sha256:
+            raise ValueError(f"it holds {record.dataset_sha256}, expected {corpus.dataset_sha256}")
+        tables = materialization.tables  # reading verifies sizes and SHA-256 of every file
+    except (OSError, ValueError) as error:  # missing, uncommitted or damaged: storage, not the input
+        raise MaterializationMismatch("materialization_mismatch", f"{corpus.uri}: {error}", file=corpus.uri) from None
     if tables.num_examples != record.examples or tables.action_positions.shape[0] != record.action_tokens:
         raise MaterializationMismatch("materialization_mismatch", f"{corpus.uri}: tables disagree with "
                                       "admission.json counts", file=corpus.uri)
@@ -233,6 +245,63 @@ def _verify_set(corpus: CorpusRef, storage_options: dict | None) -> CorpusRef:
     return corpus.model_copy(update={"examples": shards.num_examples, "action_tokens": action_tokens})
 
 
+def set_aside_damaged(inputs: InputsRef, storage_root: str, storage_options: dict | None = None) -> str | None:
+    """Move a committed materialization of ``inputs``' bytes for this student and top-K whose files no longer
+    match its record out of the way (``.<name>.damaged-<token>`` beside it), so admission writes it again
+    instead of reusing it. Returns where it went, or None when there is none or it verifies.
+
+    The damaged directory is kept, not deleted: storage damage is worth a look, and another reader may hold it.
+    """
+    import secrets
+
+    from kiln_core.admission.admit import load_admission_student
+    from kiln_core.materialize import find_materialization
+    from kiln_core.storage import move_aside
+
+    identity = load_admission_student(inputs.student_dir).identity()
+    existing = find_materialization(storage_root, inputs.dataset_sha256.removeprefix("sha256:"), identity,
+                                    inputs.effective_top_k, storage_options)
+    if existing is None:
+        return None
+    try:
+        existing.tables  # reading verifies sizes and SHA-256 of every file
+        return None
+    except (OSError, ValueError):
+        name = existing.location.uri.rstrip("/").rsplit("/", 1)[-1]
+        return move_aside(existing.location, f".{name}.damaged-{secrets.token_hex(4)}").uri
+
+
+def stale_reason(ref: ScoredRef | CorpusRef, storage_options: dict | None = None) -> str | None:
+    """Why an earlier stage result no longer describes storage, or None when it still does: its artifact
+    (a scored corpus or set of shards, a materialization) exists and has the digest the result records.
+    What a cached result is checked against before it is reused (``tasks.cache.run_cached``).
+
+    Example:
+        >>> stale_reason(scored_ref)  # doctest: +SKIP
+        '/abs/kiln-data/scored/e87e7601d0ea79e67f7f5afd.jsonl does not exist'
+    """
+    from kiln_core.admission.shard_sources import is_shard_set, shard_set_digest
+    from kiln_core.storage import resolve
+
+    if isinstance(ref, CorpusRef):
+        try:
+            verify(ref, storage_options)
+        except MaterializationMismatch as error:
+            return error.message
+        return None
+    location = resolve(ref.uri, storage_options)
+    if not location.exists():
+        return f"{location.uri} does not exist"
+    if is_shard_set(ref.uri, storage_options):
+        try:
+            digest, _ = shard_set_digest(ref.uri, storage_options)
+        except AdmissionError as error:
+            return f"{location.uri}: {error.message}"
+    else:
+        digest = "sha256:" + hashlib.sha256(location.read_bytes()).hexdigest()
+    return None if digest == ref.sha256 else f"{location.uri} holds {digest}, the result records {ref.sha256}"
+
+
 # ---------------------------------------------------------------------------------------------
 # Scoring unscored examples first (PipelineSpec.examples)
 
@@ -254,11 +323,12 @@ def scored_location(storage_root: str, examples_sha256: str, identity_revision: 
 
 
 def score(examples_uri: str, out_uri: str, *, teacher_dir: str | None, teacher_alias: str | None, registry_root: str,
-          student_dir: str, top_k: int, shard_size: int | str | None = None) -> ScoredRef:
-    """Score unless ``out_uri`` already holds the scored corpus.
+          student_dir: str, top_k: int, shard_size: int | str | None = None, replace: bool = False) -> ScoredRef:
+    """Score unless ``out_uri`` already holds the scored corpus (``replace``: score again over it).
 
     With ``shard_size``, ``out_uri`` is a directory of shards (``kiln_core.scoring.shards``): a rerun resumes
-    it, scoring only unfinished shards, and the ref names its ``index.json`` and set digest.
+    it, scoring only unfinished shards (a shard whose bytes differ from its record counts as unfinished),
+    and the ref names its ``index.json`` and set digest.
     """
     from kiln_core.scoring import score_examples
     from kiln_core.storage import resolve
@@ -270,7 +340,7 @@ def score(examples_uri: str, out_uri: str, *, teacher_dir: str | None, teacher_a
         return ScoredRef(uri=result.index_uri, sha256=result.set_sha256, examples=result.examples,
                          reused=result.resumed_shards == len(result.shards))
     out = resolve(out_uri)
-    if out.exists():
+    if out.exists() and not replace:
         data = out.read_bytes()
         return ScoredRef(uri=out.uri, sha256="sha256:" + hashlib.sha256(data).hexdigest(),
                          examples=max(data.count(b"\n") - 1, 0), reused=True)

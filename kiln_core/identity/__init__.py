@@ -1,4 +1,5 @@
-"""Teacher identity: the §1.6 content digests and the full identity of a local HF teacher.
+"""Teacher identity: the content digests of Kiln's teacher identity (``scripts/vllm_teacher.py``,
+``docs/VLLM_TEACHER_IDENTITY.md``) and the full identity of a local HF teacher.
 
 Importing this package is cheap: transformers and torch load only when a tokenizer or the library
 versions are actually needed.

@@ -36,7 +36,8 @@ U32_MAX = 2**32 - 1
 
 
 class IdentityHashError(Rejection, ValueError):
-    """Input that the §1.6 hashing rules refuse; ``code`` is stable, the message says what to fix."""
+    """Input that the identity hashing rules (``scripts/vllm_teacher.py``) refuse; ``code`` is stable, the
+    message says what to fix."""
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(code, message)

@@ -3,7 +3,7 @@
 This is the per-candidate work of on-policy training before the loss (``opd.rs`` ·
 ``opd_train_to_with_checkpoint_root_and_runtime``: the student samples after the rollout prefix with
 the candidate's seed; the teacher scores every sampled token in its own sequence, ``teacher_extra_messages``
-included, with one top-K query; reference B.5, B.6). What is new here is the store in between:
+included, with one top-K query). What is new here is the store in between:
 
 1. the candidate's key (run, epoch, cursor, step, seed) is looked up; a committed rollout is returned
    as stored — never re-sampled, never re-scored — after checking that it belongs to this prompt;

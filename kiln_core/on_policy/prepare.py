@@ -1,7 +1,7 @@
 """Prompt preparation: from ``OpdPrompt``s to the token prefixes the student samples from.
 
 Kiln (``crates/kiln-train/src/opd.rs`` · ``prepare_opd_prompts_for_training``,
-``render_rollout_prompt_prefixes``, ``render_teacher_prompt_tokens``; reference B.4, B.6):
+``render_rollout_prompt_prefixes``, ``render_teacher_prompt_tokens``):
 
 1. Every prompt is tokenized with the *training* path: its ``messages`` as they are (no response is
    appended, so an on-policy prompt normally ends with a dummy assistant turn), or its

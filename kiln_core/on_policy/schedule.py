@@ -1,7 +1,7 @@
 """The on-policy candidate schedule, rollout seeds and the ``rollout-sampling`` RNG stream.
 
 Kiln (``crates/kiln-train/src/opd.rs`` · ``opd_train_to_with_checkpoint_root_and_runtime``,
-``OpdCheckpointDescriptor::rng_states``; reference B.8, B.9, checkpoint-format §2.3):
+``OpdCheckpointDescriptor::rng_states``):
 
 * candidates per epoch = kept prompts × S, prompt-major then sample index, no shuffle; the cursor of
   a candidate is ``prepared_index · S + sample_index``;

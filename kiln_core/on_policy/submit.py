@@ -4,7 +4,7 @@ Kiln runs these when a request is submitted (``crates/kiln-server/src/api/traini
 ``submit_opd``, ``validate_opd_request_at_submit``, ``validate_opd_prompts_at_submit``,
 ``validate_opd_config_at_submit``, ``require_remote_teacher_off_policy``,
 ``registered_teacher_top_k_limit``, ``resolve_opd_top_k_at_submit``, ``measure_materialized_opd_prompts``,
-``exact_opd_admission_max_seq_len``; reference B.2). In order:
+``exact_opd_admission_max_seq_len``). In order:
 
 1. ``check_request``: exactly one of non-empty ``prompts`` or ``dataset_path``; a teacher alias; a
    plain-file ``dataset_path`` needs ``off_policy``; every prompt has messages (off-policy: an

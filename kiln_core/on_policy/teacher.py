@@ -2,8 +2,7 @@
 
 Kiln (``crates/kiln-train/src/opd.rs`` · ``LiveLocalTeacher``, ``forward_topk_at_positions``,
 ``select_validated_topk_logprob_row``; ``crates/kiln-train/src/logit_source.rs`` ·
-``validate_logit_request``, ``target_token_positions_to_logits_rows``, ``validate_topk_logprob_row``;
-reference B.3, B.6):
+``validate_logit_request``, ``target_token_positions_to_logits_rows``, ``validate_topk_logprob_row``):
 
 * the teacher needs a pinned identity whose ``vocab_size`` equals the model's logit width and whose
   ``max_top_k`` is at least K;

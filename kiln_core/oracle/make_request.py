@@ -3,7 +3,8 @@
 For requests made by hand (tests, demos, local investigations) there are no real serving receipts,
 so this module also writes two small **synthetic** receipts — one per engine — under
 ``<request dir>/receipts/<id>.{kiln,vllm}.json`` and binds them in ``source``. They are marked
-``"synthetic": true`` and carry exactly what the repository-bound checks of §1.6 read
+``"synthetic": true`` and carry exactly what the repository-bound checks of
+``scripts/qualification/hf_next_token_contract.py`` read
 (driver version ``"7"``, the source commit with ``dirty: false``, the run id, the model identity
 with its ``path``, one run at concurrency 1 / repeat 0, and an exact output that starts with the
 prefix texts plus that engine's candidate), so ``--receipts-root <request dir>`` checks pass.
@@ -72,7 +73,7 @@ def synthetic_receipt(
     engine: str, *, identity_with_path: dict[str, Any], source_commit: str, run_id: str, phase: str,
     prompt_token_count: int, exact_content: str,
 ) -> dict[str, Any]:
-    """A minimal serving receipt that satisfies the §1.6 repository-bound checks, self-hashed."""
+    """A minimal serving receipt that satisfies the repository-bound checks (hf_next_token_contract.py), self-hashed."""
     receipt: dict[str, Any] = {
         "schema": SYNTHETIC_RECEIPT_SCHEMA,
         "synthetic": True,

@@ -94,7 +94,7 @@ def check_receipt(request: HfNextTokenRequest, engine: str, repo_root: str | Pat
     actual_file = sha256_prefixed(data)
     if actual_file != reference.file_sha256:
         raise mismatch(f"file bytes hash to {actual_file}, request says {reference.file_sha256}")
-    # Kiln compares with the stored self-hash; it does not recompute it (§0.5).
+    # Kiln compares with the stored self-hash; it does not recompute it (hf_next_token_contract.py).
     if receipt.get("receipt_sha256") != reference.content_sha256:
         raise mismatch(f"receipt_sha256 is {receipt.get('receipt_sha256')}, request says {reference.content_sha256}")
     if receipt.get("driver_version") != DRIVER_VERSION:

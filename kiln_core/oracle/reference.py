@@ -112,7 +112,8 @@ def check_token_range(request: HfNextTokenRequest, vocab_size: int) -> None:
 
 
 def check_tokenization(tokenizer, request: HfNextTokenRequest) -> None:
-    """Re-render the prompt and re-decode each prefix and candidate id (§4.3 tokenizer re-check).
+    """Re-render the prompt and re-decode each prefix and candidate id (the tokenizer re-check of Kiln's
+    ``scripts/qualification/qwen35_hf_logits.py``).
 
     Raises:
         OracleRejection: ``prompt_render_mismatch`` or ``token_text_mismatch``.

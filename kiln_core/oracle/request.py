@@ -53,7 +53,7 @@ class LoadedRequest:
     Attributes:
         request: Typed access to the fields.
         document: The parsed JSON object exactly as read (what the hashes cover).
-        sha256: Canonical SHA-256 of ``document`` (§0.3): the request's identity.
+        sha256: Canonical SHA-256 of ``document`` (``hf_next_token_contract.py``): the request's identity.
         uri: Where it was read from.
     """
 
@@ -140,7 +140,8 @@ def is_normalized_relative(path: str) -> bool:
 
 
 def check_cross_fields(request: HfNextTokenRequest) -> None:
-    """Enforce the rules of §1.6 that JSON Schema cannot express, in Kiln's validator order.
+    """Enforce the rules JSON Schema cannot express, in the order of Kiln's validator
+    (``scripts/qualification/hf_next_token_contract.py`` · ``validate_request``).
 
     Raises:
         OracleRejection: The first rule that fails, naming the field.
@@ -234,7 +235,7 @@ def read_regular_file(path: str, max_bytes: int, *, what: str = "request") -> by
 
 
 def read_request_bytes(uri: str) -> bytes:
-    """Read a request from a local path or an fsspec URI under the file rules of §1.6."""
+    """Read a request from a local path or an fsspec URI under Kiln's file rules (``load_request``)."""
     if is_local_uri(uri):
         return read_regular_file(uri.removeprefix("file://"), MAX_REQUEST_BYTES)
     import fsspec

@@ -102,7 +102,8 @@ def oracle_evidence(logits, request_candidates: list[dict[str, Any]], decode: Ca
 
 
 def decide_verdict(argmax: int, candidates: list[dict[str, Any]]) -> dict[str, Any]:
-    """§2.3: the engine whose candidate is the argmax; ``neither`` for none (or, in principle, both).
+    """The verdict rule of ``rocm_hf_next_token_oracle.py``: the engine whose candidate is the argmax;
+    ``neither`` for none (or, in principle, both).
 
     Example:
         >>> decide_verdict(7, [{"engine": "kiln", "token_id": 3}, {"engine": "vllm", "token_id": 7}])

@@ -3,7 +3,7 @@
 Bundled recipes (``kiln_core/recipes/bundled/*.yaml``, package data) can actually run; each says in its
 description what it needs (a corpus in the working directory, an installed eval suite). A bundled recipe is run
 by name (``kiln-flows recipe run distill-and-gate``); its relative paths are taken relative to the working
-directory. Kiln's ten built-in recipes (``crates/kiln-server/src/api/recipes/*.yaml``, kiln-recipes.md §7) are
+directory. Kiln's ten built-in recipes (``crates/kiln-server/src/api/recipes/*.yaml``) are
 listed with ``--all``, each marked not runnable with the reason: none of them can run here as written.
 
 Example:
@@ -26,7 +26,7 @@ _DOMAIN = ("distill_pump domain mode without a prompt bank: Kiln's seed bank is 
 _MERGE = ("distill_merge step without training_mode: off_policy (a recipe step defaults to on_policy, which merge "
           "refuses), and its rollout_budget and weights must match the sources' replay rows (Kiln's contract)")
 
-# (name, steps as Kiln's YAML has them, why it cannot run here) — kiln-recipes.md §7.
+# (name, steps as Kiln's YAML has them, why it cannot run here) — crates/kiln-server/src/api/recipes/*.yaml.
 _KILN_BUILTINS = (
     ("recover-instruction-following", "distill_refresh company-assistant@refresh", _REFRESH),
     ("update-with-new-docs", "distill_refresh company-assistant@v18", _REFRESH),

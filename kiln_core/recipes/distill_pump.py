@@ -1,7 +1,8 @@
 """``distill pump``: a registered (large) teacher into the student — Kiln's ``/v1/distill/pump``.
 
 ``prepare_distill_pump`` takes a request ``check_distill_pump_request`` accepted and does what needs
-files, in Kiln's order (kiln-recipes.md §2.1, §6): the teacher alias is registered in ``<out_root>/teachers.json`` and still is what was registered (its files are
+files, in Kiln's order (``api/training.rs`` ·
+``prepare_training_entry_admission``, ``training_queue.rs`` · ``run_distill_pump``): the teacher alias is registered in ``<out_root>/teachers.json`` and still is what was registered (its files are
 hashed again and compared with the pinned identity: Kiln's ``teacher_identity_mismatch``); then the
 teacher work and the spec:
 

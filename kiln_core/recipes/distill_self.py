@@ -1,8 +1,8 @@
 """``distill self``: privileged-information self-distillation (Kiln's ``/v1/distill/self``), as a corpus and a spec.
 
 Kiln's run (``crates/kiln-server/src/training_queue.rs`` · ``run_distill_self``,
-``prepare_self_distill_prompts``, ``validate_self_distill_target_alignment``, ``build_self_distill_teacher``;
-kiln-recipes.md §3.2), step by step, and where each lives here:
+``prepare_self_distill_prompts``, ``validate_self_distill_target_alignment``, ``build_self_distill_teacher``),
+step by step, and where each lives here:
 
 1. **Student sequence** (``tokenize_prompts``): the prompt's messages tokenized as for training (the corpus
    row ``messages[:-1]`` + ``teacher_response = messages[-1]``, ``kiln_core.tokenization``); the targets are

@@ -1,6 +1,6 @@
 """A recipe file checked whole before its first step runs, and each step turned into the spec that trains it.
 
-Kiln's recipe runner (``crates/kiln-server/src/api/recipes.rs``, kiln-recipes.md §7) validates the structure and
+Kiln's recipe runner (``crates/kiln-server/src/api/recipes.rs``) validates the structure and
 the adapter names, then maps every step to a training job. ``plan_recipe`` does the same, in this order, and
 refuses the first problem with a code and the field (``steps[2].adapter``):
 

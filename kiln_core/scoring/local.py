@@ -21,7 +21,7 @@ import numpy as np
 from kiln_core.scoring.examples import ScoreRequest, ScoringError
 from kiln_core.scoring.writer import ScoredRows
 
-# Admission's sparse-mass bound (§2.5): Σ exp(top-K logprobs) ≤ 1 + 32·f32::EPSILON, summed in f64.
+# Admission's sparse-mass bound (opd.rs): Σ exp(top-K logprobs) ≤ 1 + 32·f32::EPSILON, summed in f64.
 MASS_TOLERANCE = 32.0 * float(np.finfo(np.float32).eps)
 # Rows per fp32 log_softmax: bounds the [rows, vocab] fp32 temporaries (256 × 152k × 4 B ≈ 156 MB).
 LOG_SOFTMAX_CHUNK_ROWS = 256

@@ -37,7 +37,7 @@ _EXCERPT_CHARS = 400
 
 
 def teacher_fingerprint(identity: TeacherIdentity) -> str:
-    """The ``system_fingerprint`` a vLLM teacher serving ``identity`` returns (§1.4).
+    """The ``system_fingerprint`` a vLLM teacher serving ``identity`` returns (Kiln's ``teacher_identity.rs``).
 
     ``kiln-teacher-v1.`` + unpadded base64url(canonical identity bytes) + ``.`` + hex SHA-256 of them.
 
@@ -327,7 +327,7 @@ def _parse_entry(entry: Any, p: int, observed: int, top_k: int, vocab_size: int)
             raise _bad(f"{where} observed token (rank {rank}) has a higher logprob than rank {top_k}")
     ids = [c[0] for c in ranked]
     logprobs32 = np.asarray([c[1] for c in ranked], dtype=np.float32)
-    # Admission's row rules, after the f32 conversion (§2.5): what we write, admission accepts.
+    # Admission's row rules, after the f32 conversion (opd.rs): what we write, admission accepts.
     if len(set(ids)) != top_k or np.any(np.diff(logprobs32) > 0) or not np.isfinite(logprobs32).all():
         raise _bad(f"{where} top-{top_k} row is not unique and non-increasing after f32 conversion")
     if np.exp(logprobs32.astype(np.float64)).sum() > 1.0 + MASS_TOLERANCE:

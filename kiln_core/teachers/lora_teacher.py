@@ -4,7 +4,7 @@ Kiln (crates/kiln-server/src/api/teachers.rs · register_teacher; teacher_identi
 build_local_adapter_teacher_identity_from_source; kiln-train teacher_identity.rs · with_static_adapter):
 
 * at registration the adapter is found by name and fingerprinted (``weights_sha256``, ``config_sha256``,
-  opd-spec §1.6); the teacher's identity is the bare base's with ``adapter = {name, weights_sha256,
+  ``scripts/vllm_teacher.py``); the teacher's identity is the bare base's with ``adapter = {name, weights_sha256,
   config_sha256}`` put in its place (``kiln_core.identity.local_teacher.with_adapter``);
 * at every use the adapter's current digests are recomputed and compared with the pinned ones; a rewritten
   adapter is refused (``teacher_adapter_changed``) before anything is scored, and the teacher is the base

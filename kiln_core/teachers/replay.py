@@ -1,6 +1,6 @@
 """Reading a source adapter's ``replay.jsonl``: the prompts it trained on, as Kiln's ``distill_merge`` reads them.
 
-Kiln (kiln-recipes.md §4.2 step 1; crates/kiln-server/src/training_queue.rs · derive_source_prompts, and the
+Kiln (crates/kiln-server/src/training_queue.rs · derive_source_prompts, and the
 admission-time reader in api/training.rs):
 
 * the file must be a regular file of at most 64 MiB of UTF-8; every non-blank line (Rust's trim) valid JSON;

@@ -1,4 +1,4 @@
-"""Writing and reading ``train_receipt.json`` (the ``TrainReceipt`` model, reference §7.1).
+"""Writing and reading ``train_receipt.json`` (the ``TrainReceipt`` model; Kiln's ``crates/kiln-train/src/train_receipt.rs``).
 
 The receipt is written at the end of every run that got past input validation: ``status: success``
 with the adapter's digest, or ``status: failed`` with a ``failure_reason`` from Kiln's enum (a
@@ -58,7 +58,7 @@ from kiln_core.errors import Rejection
 from kiln_core.storage import Location, resolve, write_bytes_atomic
 
 __all__ = ["TRAINING_DATA_SOURCE", "RunFacts", "RunOutcome", "ReceiptError", "build_receipt", "write_receipt",
-           "read_receipt", "receipt_status", "library_versions"]
+           "read_receipt", "receipt_status", "record_ignored_keys", "library_versions"]
 
 TRAINING_DATA_SOURCE = "jsonl_off_policy_opd_teacher"
 LOSS_GRANULARITY = "teacher_top_k"
@@ -295,6 +295,16 @@ def receipt_status(where: Location | str) -> str | None:
     except (ValueError, AttributeError):
         return None
     return status if isinstance(status, str) else None
+
+
+def record_ignored_keys(run_uri: str, ignored_keys: tuple[str, ...]) -> None:
+    """Add ``ignored_request_keys`` to the run's receipt (none written: nothing to add). Called after training
+    by ``kiln-flows train --kiln-lenient`` (``kiln_core.engine.request``) and by rank 0 of a job it was handed."""
+    run = resolve(run_uri)
+    if receipt_status(run) is None:
+        return
+    receipt = read_receipt(run)
+    write_receipt(run, receipt.model_copy(update={"ignored_request_keys": list(ignored_keys)}))
 
 
 def library_versions() -> dict[str, str]:

@@ -2,13 +2,13 @@
 
 ``load_checkpoint`` refuses anything that is not exactly a committed checkpoint, in the order of
 Kiln's loader (``checkpoint.rs`` ``read_training_checkpoint_manifest`` then
-``load_training_checkpoint``, reference §1.3): suffix, real directory, no ``.incomplete``, a manifest
+``load_training_checkpoint``): suffix, real directory, no ``.incomplete``, a manifest
 (a PEFT adapter directory is not a checkpoint), its size, a strict parse, Kiln's ``validate()``,
 then the exact file set, sizes and digests. The OPD loop state and our extension file are parsed
 strictly too. A manifest in kiln-flows' earlier layout is refused as such, not as a parse error.
 
 ``validate_resume`` compares the checkpoint with what this run would write, in the order of Kiln's
-``opd_train`` and ``OpdCheckpointDescriptor::validate_resume`` (reference §5), each with Kiln's
+``opd_train`` and ``OpdCheckpointDescriptor::validate_resume`` (``opd.rs``), each with Kiln's
 message and its own stable code, then our extension (world size, sequences per step, loss).
 """
 

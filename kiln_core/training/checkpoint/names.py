@@ -1,7 +1,7 @@
 """Checkpoint names and listing: ``<adapter>-checkpoint-step-<8 digits>.kiln-checkpoint`` under a run.
 
 Naming follows Kiln's OPD writer (``opd.rs`` ``OpdCheckpointDescriptor::capture``); a directory is
-"committed" when its manifest exists (the manifest is written last, reference §1.2).
+"committed" when its manifest exists (the manifest is written last: ``checkpoint.rs`` ``write_training_checkpoint_atomic``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Publishing a checkpoint: Kiln's commit protocol through ``StagedDirectory`` (reference §1.2).
+"""Publishing a checkpoint: Kiln's commit protocol (``checkpoint.rs``
+``write_training_checkpoint_atomic``) through ``StagedDirectory``.
 
 Hidden staging directory with an ``.incomplete`` sentinel, every artifact written and fsynced, the
 manifest (pretty JSON, ``files`` filled from the bytes written) created last, sentinel removed, rename

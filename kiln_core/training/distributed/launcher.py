@@ -1,7 +1,7 @@
 """Launching a data-parallel run from one process (CLI, Prefect task): torchrun with ``nproc`` ranks.
 
 ``launch`` writes a ``DistributedJob`` to a temporary file, runs ``python -m torch.distributed.run
---standalone --nproc-per-node N -m kiln_core.engine.worker --job JOB.json --result
+--standalone --nproc-per-node N -m kiln_core.training.distributed.worker --job JOB.json --result
 RESULT.json --progress PROGRESS.jsonl`` and returns rank 0's ``TrainResult``. The worker module is
 named, never imported: the launcher runs in the parent, the worker in each rank.
 """
@@ -27,7 +27,7 @@ from kiln_core.training.trainer import TrainResult
 
 __all__ = ["DistributedJob", "DistributedRunError", "WORKER_MODULE", "torchrun_command", "launch"]
 
-WORKER_MODULE = "kiln_core.engine.worker"
+WORKER_MODULE = "kiln_core.training.distributed.worker"
 
 
 class DistributedRunError(RuntimeError):
@@ -50,6 +50,9 @@ class DistributedJob(BaseModel):
     corpus: CorpusRef
     manifest: ManifestRef
     student_dir: str
+    ignored_request_keys: tuple[str, ...] = ()
+    """Request keys ``--kiln-lenient`` ignored: rank 0 records them in the receipt of a job it was handed
+    (``kiln-flows train --write-job``); a launching process records them itself."""
 
 
 def torchrun_command(nproc: int, worker_args: Sequence[str], *, module: str = WORKER_MODULE) -> list[str]:

@@ -1,5 +1,5 @@
 """Launching a data-parallel run on a Ray cluster: a ``ray.train.torch.TorchTrainer`` whose workers run
-the same job as the torchrun ranks (``kiln_core.engine.worker.run_job``), no second trainer.
+the same job as the torchrun ranks (``kiln_core.training.distributed.worker.run_job``), no second trainer.
 
 How a Ray run relates to a torchrun run (docs/distributed.md, "Ray"):
 

@@ -2,7 +2,7 @@
 
 The worker turns the process group Ray's torch backend initialized into this project's ``World``, asks the
 driver's mailbox which attempt this is (a worker group Ray restarted resumes from the newest committed
-checkpoint; rank 0 looks and the others take its answer) and calls the engine's ``run_job`` — the torchrun
+checkpoint; rank 0 looks and the others take its answer) and calls ``worker.run_job`` — the torchrun
 rank's entry point, so both engines train the same bytes. Rank 0 sends its progress lines and its outcome
 to the mailbox and asks it whether the driver wants to stop. Bad input (a rejection) is reported, never
 raised: Ray would restart the group for it.
@@ -10,27 +10,24 @@ raised: Ray would restart the group for it.
 
 from __future__ import annotations
 
-import importlib
 import json
 import time
 from typing import Any, Callable
 
 from kiln_core.errors import Rejection
-from kiln_core.training.distributed.launcher import WORKER_MODULE, DistributedJob
+from kiln_core.training.distributed.launcher import DistributedJob
 from kiln_core.training.distributed.world import ClusterFacts, RankFailure, World
 
 __all__ = ["train_loop_per_worker"]
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
-    """Ray Train's worker function: this rank's ``World``, the resume point, then ``run_job``.
-
-    ``run_job`` is the torchrun rank's entry point, found by its module's name (``WORKER_MODULE``) as the
-    torchrun launcher names it: the engine's worker sits above this package and is never imported here.
-    """
+    """Ray Train's worker function: this rank's ``World``, the resume point, then ``run_job`` (the torchrun
+    rank's entry point, imported here: only a worker process needs the trainer)."""
     import ray
 
-    run_job = importlib.import_module(WORKER_MODULE).run_job
+    from kiln_core.training.distributed.worker import run_job
+
     job = DistributedJob.model_validate_json(config["job"])
     mailbox = config["mailbox"]
     world = _ray_world(job, ClusterFacts(**config["cluster"]))
