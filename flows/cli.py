@@ -118,9 +118,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_command(args: argparse.Namespace) -> int | None:
-    """The chosen command, with log lines and warnings kept off its progress bars' lines."""
+    """The chosen command, with log lines and warnings kept off its progress bars' lines; the storage root it
+    writes into is checked first (nothing is done for a root that cannot be written where it says)."""
+    from flows.commands._options import check_written_root
     from flows.console import lines_above_bars
 
+    check_written_root(args)
     with lines_above_bars():
         return args._run(args)
 

@@ -142,12 +142,13 @@ def prepare(spec: PipelineSpec, stages_: Stages | None = None, *, resume: str | 
             gradient_checkpointing: bool = False, claim: Callable | None = None) -> PreparedRun:
     """Every stage before training: manifest, (score), fingerprint, admit, verify — or, for ``prompts``,
     the on-policy prompt checks — then plan (``claim``: called with the run directory, ``plan_run``)."""
-    from kiln_core.storage import localize_directory
+    from kiln_core.storage import check_storage_root, localize_directory
 
     from kiln_core.engine.base_adapter import plan_base_adapter
     from kiln_core.identity.model_files import check_model_files
 
     stages_ = stages_ or LocalStages()
+    check_storage_root(spec.storage_root, field="storage_root")  # written where it says, or refused now
     base_adapter = plan_base_adapter(spec.config, spec.storage_root)  # refused before any admission work
     student_dir = localize_directory(spec.student)
     check_model_files(student_dir, role="student")  # a truncated shard is refused before any work

@@ -1,0 +1,167 @@
+"""What a new user meets on the command line (issue 32, the CLI half), each case in a ``kiln-flows`` subprocess:
+
+1. every output goes where it says: a storage root that cannot be written as given (``s3:/bucket`` with one
+   slash, ``gs://`` without gcsfs, a bucket that does not exist, no credentials) is refused before any work and
+   never becomes a local directory named ``s3:``; a root that can be written (moto's S3 server) gets the demo;
+2. a set is read whole or refused: a directory holding an ``index.json`` is read through it (a listed shard gone:
+   ``shard_missing``; an unlisted ``*.jsonl``: ``shard_unlisted``; a broken index: ``shard_index_invalid``);
+3. bounds: a LoRA rank above the student's hidden size, a run projected past its time bound, a ``score --top-k``
+   admission would refuse;
+4. ``demo`` validates its own options;
+5. each error names its real cause and place (a flag, a recipe's dataset, an unreadable weights file, a stopped
+   Prefect server, a Hugging Face cache folder, a refused Ray run, a Ray address);
+6. ``--json`` of a run that failed carries ``code`` and ``message``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kiln_core.admission.shard_sources import build_index
+from kiln_core.synthetic import synthesize_corpus
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIG = {"training_mode": "off_policy", "top_k": 16, "epochs": 1, "lora_rank": 4, "lora_alpha": 8.0, "seed": 3,
+          "checkpoint_interval": None}
+
+
+def kiln(*argv, cwd: Path, env: dict | None = None, prelude: str = "", timeout: float = 600,
+         preexec_fn=None) -> subprocess.CompletedProcess:
+    """``kiln-flows ARGV`` in a fresh process on this tree, from ``cwd``; ``prelude`` runs first (as if a package
+    were missing, …)."""
+    base = {key: value for key, value in os.environ.items() if key not in ("KILN_FLOWS_DEBUG", "PREFECT_API_URL")}
+    base["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [base.get("PYTHONPATH")])])
+    code = f"{prelude}\nimport sys\nfrom flows.cli import main\nsys.exit(main(sys.argv[1:]))"
+    return subprocess.run([sys.executable, "-c", code, *map(str, argv)], capture_output=True, text=True, cwd=cwd,
+                          env={**base, **(env or {})}, timeout=timeout, preexec_fn=preexec_fn)
+
+
+def refusal(done: subprocess.CompletedProcess) -> str:
+    """The one line a refused command printed (no traceback, nothing else on stderr)."""
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, done.stderr[-3000:]
+    return lines[0]
+
+
+def last_json(done: subprocess.CompletedProcess) -> dict:
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def uri_named_folders(directory: Path) -> list[str]:
+    """Folders a command made by taking a URI for a path (``s3:``, ``gs:``)."""
+    return sorted(entry.name for entry in directory.iterdir() if entry.name.endswith(":"))
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tiny_student, tmp_path_factory) -> Path:
+    """A 4-example scored corpus, its teacher manifest, and a request training on it."""
+    directory = tmp_path_factory.mktemp("newcomer")
+    synthesize_corpus(tiny_student, directory / "corpus.jsonl", n_examples=4, top_k=16, seed=5)
+    (directory / "teacher-manifest.jsonl").write_text((directory / "corpus.jsonl").read_text().splitlines()[0] + "\n")
+    write_request(directory, "request.json")
+    return directory
+
+
+def write_request(directory: Path, name: str, dataset: str = "corpus.jsonl", **config) -> Path:
+    path = directory / name
+    path.write_text(json.dumps({"dataset_path": dataset, "teacher": "teacher-manifest.jsonl",
+                                "config": {**CONFIG, **config}}))
+    return path
+
+
+def train(corpus_dir: Path, request: Path, out, *extra, student: Path, adapter: str = "newcomer", **options):
+    """``kiln-flows train`` of ``request``, from ``corpus_dir`` unless ``cwd`` says otherwise."""
+    options.setdefault("cwd", corpus_dir)
+    return kiln("train", "--request", request, "--adapter", adapter, "--student", student, "--out", out, *extra,
+                **options)
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Every output goes where it says
+
+
+@pytest.mark.parametrize("out", ["s3:/kiln-bucket/demo", "gs:kiln-bucket/demo"])
+def test_a_uri_with_a_missing_slash_is_refused_not_written_as_a_local_folder(tmp_path, out):
+    done = kiln("demo", "--out", out, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr[-3000:]
+    line = refusal(done)
+    assert line.startswith("rejected: [invalid_uri] field --out:") and "two slashes" in line
+    assert uri_named_folders(tmp_path) == [] and list(tmp_path.iterdir()) == []
+
+
+def test_gs_without_gcsfs_names_the_package_not_the_teacher(corpus_dir, tiny_student, tmp_path):
+    request = corpus_dir / "alias-request.json"
+    request.write_text(json.dumps({"dataset_path": "corpus.jsonl", "teacher": "tiny-teacher", "config": CONFIG}))
+    done = train(corpus_dir, request, "gs://kiln-bucket/kiln", student=tiny_student, cwd=tmp_path,
+                 prelude="import sys; sys.modules['gcsfs'] = None  # as if gcsfs were not installed")
+    assert done.returncode == 2, done.stderr[-3000:]
+    line = refusal(done)
+    assert line.startswith("rejected: [storage_package_missing] field --out:") and "gcsfs" in line
+    assert "teacher" not in line
+
+
+def test_demo_into_gs_without_gcsfs_writes_nothing_locally(tmp_path):
+    done = kiln("demo", "--out", "gs://kiln-bucket/demo", "--json", cwd=tmp_path,
+                prelude="import sys; sys.modules['gcsfs'] = None")
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert (last_json(done)["status"], last_json(done)["code"]) == ("rejected", "storage_package_missing")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    """moto's standalone S3 server on loopback, with the bucket ``kiln-newcomer``."""
+    from drills.s3_server import S3Server
+
+    server = S3Server(log_path=str(tmp_path_factory.mktemp("moto") / "moto.log"))
+    server.start()
+    try:
+        server.create_bucket("kiln-newcomer")
+        yield server
+    finally:
+        server.stop()
+
+
+def test_a_bucket_that_does_not_exist_is_refused_before_any_work(s3, tmp_path):
+    done = kiln("demo", "--out", "s3://kiln-nonexistent-bucket/demo", cwd=tmp_path, env=s3.environment())
+    assert done.returncode == 2, done.stderr[-3000:]
+    line = refusal(done)
+    assert line.startswith("rejected: [storage_bucket_missing] field --out:") and "kiln-nonexistent-bucket" in line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_no_credentials_is_an_environment_failure_before_any_work(s3, tmp_path):
+    from drills.s3_server import AWS_VARIABLES
+
+    # Only the endpoint: no key anywhere (no variables, no credentials file, no instance metadata).
+    env = {name: "" for name in AWS_VARIABLES} | {"AWS_ENDPOINT_URL_S3": s3.endpoint_url,
+                                                  "AWS_EC2_METADATA_DISABLED": "true",
+                                                  "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"),
+                                                  "AWS_CONFIG_FILE": str(tmp_path / "none")}
+    clear_empty = "import os\nfor k in [k for k, v in os.environ.items() if k.startswith('AWS_') and not v]: del os.environ[k]"
+    done = kiln("demo", "--out", "s3://kiln-newcomer/no-credentials", cwd=tmp_path, env=env, prelude=clear_empty)
+    assert done.returncode == 3, done.stderr[-3000:]
+    line = refusal(done)
+    assert line.startswith("failed: [storage_error] field --out:") and "NoCredentialsError" in line
+    assert list(tmp_path.iterdir()) == []
+    assert s3.list_keys("kiln-newcomer", "no-credentials/") == []
+
+
+@pytest.mark.integration
+def test_demo_into_a_bucket_publishes_there_and_nowhere_else(s3, tmp_path):
+    done = kiln("demo", "--out", "s3://kiln-newcomer/demo", "--json", cwd=tmp_path, env=s3.environment())
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = last_json(done)
+    assert summary["latest"] == "s3://kiln-newcomer/demo/runs/demo/latest.json"
+    keys = s3.list_keys("kiln-newcomer", "demo/")
+    assert "demo/runs/demo/latest.json" in keys and any(key.endswith("train_receipt.json") for key in keys)
+    assert list(tmp_path.iterdir()) == []  # the tiny models live in the temp directory, not under ./s3:
