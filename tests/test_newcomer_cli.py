@@ -165,3 +165,63 @@ def test_demo_into_a_bucket_publishes_there_and_nowhere_else(s3, tmp_path):
     keys = s3.list_keys("kiln-newcomer", "demo/")
     assert "demo/runs/demo/latest.json" in keys and any(key.endswith("train_receipt.json") for key in keys)
     assert list(tmp_path.iterdir()) == []  # the tiny models live in the temp directory, not under ./s3:
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. A set is read whole or refused
+
+
+@pytest.fixture
+def scored_set(tiny_student, tmp_path) -> Path:
+    """``scored/``: four shards and the ``index.json`` that lists them, as ``score --shard-size`` leaves a set."""
+    directory = tmp_path / "scored"
+    directory.mkdir()
+    line = None
+    for number in range(4):
+        path = synthesize_corpus(tiny_student, directory / f"shard-{number:05d}.jsonl", n_examples=2, top_k=16,
+                                 seed=60 + number, manifest_line=line or "auto")
+        line = line or path.read_text().splitlines()[0]
+    build_index(str(directory / "index.json"), [f"shard-{number:05d}.jsonl" for number in range(4)])
+    (tmp_path / "teacher-manifest.jsonl").write_text(line + "\n")
+    return directory
+
+
+def admit(corpus, student, cwd: Path) -> subprocess.CompletedProcess:
+    return kiln("admit", corpus, "--student", student, "--top-k", "16", "--json", cwd=cwd)
+
+
+def test_a_directory_with_an_index_missing_a_shard_is_refused(scored_set, tiny_student, tmp_path):
+    (scored_set / "shard-00001.jsonl").unlink()
+    done = admit(scored_set, tiny_student, tmp_path)
+    assert done.returncode == 2, done.stdout + done.stderr[-3000:]
+    record = last_json(done)
+    assert (record["code"], record["file"]) == ("shard_missing", "shard-00001.jsonl")
+
+
+def test_a_jsonl_file_the_index_does_not_list_is_refused(scored_set, tiny_student, tmp_path):
+    synthesize_corpus(tiny_student, scored_set / "late.jsonl", n_examples=2, top_k=16, seed=70,
+                      manifest_line=(scored_set / "shard-00000.jsonl").read_text().splitlines()[0])
+    done = admit(scored_set, tiny_student, tmp_path)
+    assert done.returncode == 2, done.stdout + done.stderr[-3000:]
+    record = last_json(done)
+    assert (record["code"], record["file"]) == ("shard_unlisted", "late.jsonl")
+    assert "index.json" in record["message"]
+
+
+@pytest.mark.parametrize("given", ["directory", "index"])
+def test_a_broken_index_is_reported_as_the_index(scored_set, tiny_student, tmp_path, given):
+    (scored_set / "index.json").write_text("{not json\n")
+    done = admit(scored_set if given == "directory" else scored_set / "index.json", tiny_student, tmp_path)
+    assert done.returncode == 2, done.stdout + done.stderr[-3000:]
+    record = last_json(done)
+    assert (record["code"], record["file"], record["line"]) == ("shard_index_invalid", str(scored_set / "index.json"),
+                                                                None)
+
+
+def test_train_on_a_directory_missing_a_shard_trains_nothing(scored_set, tiny_student, tmp_path):
+    (scored_set / "shard-00002.jsonl").unlink()
+    request = write_request(tmp_path, "set-request.json", dataset="scored/")
+    done = train(tmp_path, request, tmp_path / "out", "--json", student=tiny_student)
+    assert done.returncode == 2, done.stdout + done.stderr[-3000:]
+    assert last_json(done)["code"] == "shard_missing"
+    assert not (tmp_path / "out" / "runs").exists()
