@@ -225,3 +225,51 @@ def test_train_on_a_directory_missing_a_shard_trains_nothing(scored_set, tiny_st
     assert done.returncode == 2, done.stdout + done.stderr[-3000:]
     assert last_json(done)["code"] == "shard_missing"
     assert not (tmp_path / "out" / "runs").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Bounds a user would expect
+
+
+def test_a_lora_rank_above_the_hidden_size_is_refused_before_admission(corpus_dir, tiny_student, tmp_path):
+    request = write_request(corpus_dir, "wide-rank.json", lora_rank=128, lora_alpha=128.0)
+    done = train(corpus_dir, request, tmp_path / "out", student=tiny_student)
+    assert done.returncode == 2, done.stderr[-3000:]
+    line = refusal(done)
+    assert line.startswith("rejected: [lora_rank_exceeds_model] field config.lora_rank:")
+    assert "hidden size 64" in line and "lora_rank 64 or less" in line
+    assert not (tmp_path / "out" / "corpora").exists() and not (tmp_path / "out" / "runs").exists()
+
+
+def test_a_run_projected_past_its_time_bound_is_refused_after_its_first_steps(corpus_dir, tiny_student, tmp_path):
+    request = write_request(corpus_dir, "forever.json", epochs=1_000_000_000)
+    started = time.monotonic()
+    done = train(corpus_dir, request, tmp_path / "out", "--json", student=tiny_student, timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    record = last_json(done)
+    assert (record["status"], record["code"], record["field"]) == ("rejected", "training_too_long", "config.epochs")
+    assert "4,000,000,000 steps" in record["message"] and "168-hour bound" in record["message"]
+    assert time.monotonic() - started < 240
+    assert not (tmp_path / "out" / "runs").exists()  # a fresh run refused leaves no directory behind
+
+
+def test_the_time_bound_is_an_option_and_a_refused_run_can_run_again(corpus_dir, tiny_student, tmp_path):
+    request = write_request(corpus_dir, "three-epochs.json", epochs=3, checkpoint_interval=1)
+    tight = train(corpus_dir, request, tmp_path / "out", "--max-training-hours", "1e-9", student=tiny_student)
+    assert tight.returncode == 2, tight.stderr[-3000:]
+    assert "[training_too_long]" in tight.stderr and "1e-09-hour bound" in tight.stderr
+    assert not (tmp_path / "out" / "runs").exists()  # its checkpoints of steps 1-3 went with it
+    again = train(corpus_dir, request, tmp_path / "out", "--json", student=tiny_student)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert last_json(again)["steps"] == 12
+
+
+def test_score_refuses_a_top_k_admission_would_refuse(tiny_student, tiny_teacher, tmp_path):
+    examples = tmp_path / "examples.jsonl"
+    examples.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"}], "teacher_response": "Hello."}) + "\n")
+    done = kiln("score", examples, "--teacher", tiny_teacher, "--student", tiny_student, "--top-k", "7",
+                "--out", tmp_path / "scored.jsonl", cwd=tmp_path)
+    assert done.returncode == 2, done.stderr[-3000:]
+    line = refusal(done)
+    assert line.startswith("rejected: [top_k_unsupported]") and "--top-k 16 or more" in line
+    assert not (tmp_path / "scored.jsonl").exists()

@@ -88,3 +88,25 @@ def add_dtype_argument(parser, *, choices: tuple[str, ...] = ("fp32", "bf16"), d
     parser.add_argument("--dtype", dest="dtype", type=parse, default=default, metavar="|".join(choices), help=help)
     for alias in aliases:
         parser.add_argument(alias, dest="dtype", type=parse, help=argparse.SUPPRESS)
+
+
+def require_at_least(args: argparse.Namespace, minimum: int, *dests: str) -> None:
+    """Refuse each given option below ``minimum`` with one line naming the flag (``invalid_option``, exit 2),
+    before the command does any work; an option left out (None) is not checked.
+
+    Raises:
+        Rejection: ``invalid_option``, ``field`` the flag (``--epochs``).
+
+    Example:
+        >>> require_at_least(argparse.Namespace(epochs=0), 1, "epochs")
+        Traceback (most recent call last):
+        ...
+        kiln_core.errors.Rejection: [invalid_option] field --epochs: --epochs must be at least 1, got 0
+    """
+    from kiln_core.errors import Rejection
+
+    for dest in dests:
+        value = getattr(args, dest)
+        if value is not None and value < minimum:
+            flag = "--" + dest.replace("_", "-")
+            raise Rejection("invalid_option", f"{flag} must be at least {minimum}, got {value}", field=flag)

@@ -70,7 +70,10 @@ from __future__ import annotations
 
 import argparse
 
-from flows.commands._options import add_dtype_argument, add_json_argument, add_out_argument, add_quiet_argument
+from flows.commands._options import (add_dtype_argument, add_json_argument, add_out_argument, add_quiet_argument,
+                                     require_at_least)
+
+from kiln_core.contracts.spec_blocks import DEFAULT_MAX_TRAINING_HOURS
 
 NAME = "train"
 HELP = "Train a LoRA student from a Kiln OPD request file (teacher-scored corpus, or on-policy prompts)."
@@ -124,11 +127,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kiln-lenient", action="store_true",
                         help="ignore unknown request keys as Kiln does (each one is printed and recorded in the "
                         "receipt); without it an unknown key is refused, naming the closest field")
+    parser.add_argument("--max-training-hours", type=_hours, default=DEFAULT_MAX_TRAINING_HOURS, metavar="HOURS",
+                        help="refuse the run (training_too_long, exit 2) when, at the pace of its first steps, it "
+                        f"would train longer than HOURS (default {DEFAULT_MAX_TRAINING_HOURS:g}); 'none' for no bound")
     parser.add_argument("--wait-for-lock", type=_seconds, default=0.0, metavar="SECONDS",
                         help="when an identical run (same run key) is in progress, wait up to SECONDS for it "
                         "instead of exiting 3 with run_in_progress (default 0)")
     add_json_argument(parser)
     add_quiet_argument(parser)
+
+
+def _hours(value: str) -> float | None:
+    """A positive number of hours, or ``none`` (argparse type)."""
+    if value.strip().lower() == "none":
+        return None
+    try:
+        hours = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of hours (or none): {value!r}") from None
+    if not hours > 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be more than 0 hours, not {value!r}")
+    return hours
 
 
 def _seconds(value: str) -> float:
@@ -155,6 +174,8 @@ def resume_command(args: argparse.Namespace, checkpoint: str) -> str:
         argv.append("--gradient-checkpointing")
     if args.kiln_lenient:
         argv.append("--kiln-lenient")
+    if args.max_training_hours != DEFAULT_MAX_TRAINING_HOURS:
+        argv += ["--max-training-hours", "none" if args.max_training_hours is None else f"{args.max_training_hours:g}"]
     if args.eval_corpus:
         argv += ["--eval-corpus", args.eval_corpus, "--eval-every", str(args.eval_every)]
         if args.stop_on_divergence:
@@ -186,7 +207,8 @@ def run(args: argparse.Namespace) -> int:
                                  resume_checkpoint=args.resume_checkpoint, nproc=args.nproc, backend=args.backend,
                                  eval_watch=watch_from_arguments(args), vllm=vllm_from_arguments(args),
                                  kiln_lenient=args.kiln_lenient, admit_workers=args.admit_workers,
-                                 ray=ray_from_arguments(args), strategy=args.strategy)
+                                 ray=ray_from_arguments(args), strategy=args.strategy,
+                                 max_training_hours=args.max_training_hours)
     for warning in prepared.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     bar = _ProgressBar(enabled=not (args.quiet or args.json), config=prepared.spec.config)

@@ -64,6 +64,10 @@ class TeacherSource(BaseModel):
 
 
 
+DEFAULT_MAX_TRAINING_HOURS = 168.0
+"""One week: the longest a run may be projected to train (``kiln_core.training.time_bound``) unless allowed more."""
+
+
 class RunOptions(BaseModel):
     """How the pipeline runs (not what it trains)."""
 
@@ -98,6 +102,11 @@ class RunOptions(BaseModel):
         default=None,
         description="Run training as this deployment of the kiln-train flow (e.g. kiln-train/gpu) on its "
         "work pool, instead of in this flow run. Default: empty (train here).",
+    )
+    max_training_hours: float | None = Field(
+        default=DEFAULT_MAX_TRAINING_HOURS, gt=0,
+        description="Refuse a run that, at the pace of its first steps, would train longer than this many hours "
+        "(training_too_long); empty: no bound. Default: 168 (a week).",
     )
 
 

@@ -147,6 +147,10 @@ class TrainPlan(_Ref):
     base_adapter: BaseAdapter | None = None
     """The resolved ``config.base_adapter``: the directory and weights digest the run warm-starts from;
     its digest is part of the run key."""
+    max_training_hours: float | None = None
+    """The time bound (``kiln_core.training.time_bound``): a run projected, after its first steps, to train longer
+    is refused (``training_too_long``); None: no bound. Not part of the run's identity (the spec's
+    ``options.max_training_hours``)."""
     ray: RayOptions | None = Field(default=None, exclude_if=lambda value: value is None)
     """Train on a Ray cluster (``distributed: {engine: ray}``) with ``nproc`` workers; None: torchrun or this
     process. Not part of the run's identity (the world size is); absent from the JSON of other plans."""

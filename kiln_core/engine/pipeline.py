@@ -35,7 +35,7 @@ from kiln_core.engine.recipe_receipts import record_recipe
 from kiln_core.engine.replay_log import write_replay_log
 from kiln_core.engine.gate import check_gate_inputs, has_gate, run_gate, training_data
 from kiln_core.engine.run_lock import RunLock
-from kiln_core.engine.runs import plan_run
+from kiln_core.engine.runs import check_lora_rank, plan_run
 from kiln_core.engine.training import train, training_settings
 
 
@@ -152,6 +152,7 @@ def prepare(spec: PipelineSpec, stages_: Stages | None = None, *, resume: str | 
     base_adapter = plan_base_adapter(spec.config, spec.storage_root)  # refused before any admission work
     student_dir = localize_directory(spec.student)
     check_model_files(student_dir, role="student")  # a truncated shard is refused before any work
+    check_lora_rank(spec.config, student_dir)  # from config.json: a rank the student cannot hold never trains
     manifest = stages_.manifest(spec.teacher, spec.storage_root, max(32, spec.config.top_k))
     if spec.prompts is not None:  # the one place the source decides the path: the data stage
         corpus = stages_.prompts(spec, manifest, student_dir)
