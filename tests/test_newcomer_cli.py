@@ -273,3 +273,33 @@ def test_score_refuses_a_top_k_admission_would_refuse(tiny_student, tiny_teacher
     line = refusal(done)
     assert line.startswith("rejected: [top_k_unsupported]") and "--top-k 16 or more" in line
     assert not (tmp_path / "scored.jsonl").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. demo validates its options
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--examples", "0"), ("--examples", "-1"), ("--epochs", "0"),
+                                             ("--epochs", "-2")])
+def test_demo_refuses_a_count_below_one_before_building_anything(tmp_path, flag, value):
+    done = kiln("demo", flag, value, "--out", tmp_path / "demo", cwd=tmp_path)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert refusal(done) == f"rejected: [invalid_option] field {flag}: {flag} must be at least 1, got {value}"
+    assert not (tmp_path / "demo").exists()
+
+
+def test_demo_out_naming_a_file_is_refused(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine\n")
+    done = kiln("demo", "--out", tmp_path / "notes.txt", cwd=tmp_path)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert refusal(done).startswith("rejected: [out_not_directory] field --out:")
+    assert (tmp_path / "notes.txt").read_text() == "mine\n"
+
+
+def test_demo_out_under_a_read_only_directory_is_one_line(tmp_path):
+    from test_error_model import read_only_directory
+
+    done = kiln("demo", "--out", read_only_directory(tmp_path) / "demo", cwd=tmp_path)
+    assert done.returncode == 3, done.stderr[-3000:]
+    line = refusal(done)
+    assert line.startswith("failed: [storage_error] field --out:") and "not writable" in line
