@@ -3,7 +3,8 @@
 * ``offline_settings()`` turns off what would phone home or print errors on a machine without
   internet: server analytics, SDK analytics (``DO_NOT_TRACK``), resource-metric telemetry.
 * ``start_local_api()`` starts Prefect's temporary API server — when ``PREFECT_API_URL`` is not set —
-  **in a session of its own**. Prefect starts it in the caller's process group, so the terminal's
+  **in a session of its own**; when it is set, it checks that something answers there
+  (``prefect_api_unreachable``, exit 3, naming the address, instead of Prefect's bare ``RuntimeError``). Prefect starts it in the caller's process group, so the terminal's
   Ctrl-C (SIGINT to the whole foreground group) killed the server too, and the run then retried its
   training task against a dead API for minutes and exited 1. Detached, the server outlives the
   Ctrl-C; training stops at the next step boundary, the run ends ``cancelled``, and the server is
@@ -70,7 +71,10 @@ def start_local_api() -> float | None:
     from prefect.server.api.server import SubprocessASGIServer
     from prefect.settings import PREFECT_API_URL
 
-    if PREFECT_API_URL.value() or SubprocessASGIServer._instances.get(None) is not None:
+    if PREFECT_API_URL.value():
+        check_api_reachable(PREFECT_API_URL.value())
+        return None
+    if SubprocessASGIServer._instances.get(None) is not None:
         return None
     server = object.__new__(_detached_server_class())  # bypass the per-port instance lookup of __new__
     server.__init__(None)
@@ -78,6 +82,35 @@ def start_local_api() -> float | None:
     started = time.perf_counter()
     server.start()
     return time.perf_counter() - started
+
+
+API_CHECK_TIMEOUT_SECONDS = 5.0
+
+
+def check_api_reachable(api_url: str, timeout: float = API_CHECK_TIMEOUT_SECONDS) -> None:
+    """Refuse to start a flow against a ``PREFECT_API_URL`` where nothing answers (a stopped server): Prefect
+    would fail later with a bare ``RuntimeError``. Any HTTP answer counts as reachable (Prefect Cloud answers
+    ``/health`` without credentials with 401); only a refused, unresolvable or silent address is not.
+
+    Raises:
+        EnvironmentFailure: ``prefect_api_unreachable`` (exit 3), naming PREFECT_API_URL and the address.
+    """
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    from kiln_core.errors import EnvironmentFailure
+
+    try:
+        urllib.request.urlopen(api_url.rstrip("/") + "/health", timeout=timeout).close()
+    except urllib.error.HTTPError:
+        return  # something answered
+    except (OSError, ValueError) as error:
+        reason = getattr(error, "reason", None) or error
+        address = urllib.parse.urlsplit(api_url).netloc or api_url
+        raise EnvironmentFailure("prefect_api_unreachable", f"no Prefect API answers at {address} "
+                                 f"(PREFECT_API_URL={api_url}: {reason}); start the server (`prefect server start`), "
+                                 "or unset PREFECT_API_URL to run on a temporary local API") from None
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec

@@ -303,3 +303,104 @@ def test_demo_out_under_a_read_only_directory_is_one_line(tmp_path):
     assert done.returncode == 3, done.stderr[-3000:]
     line = refusal(done)
     assert line.startswith("failed: [storage_error] field --out:") and "not writable" in line
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Each error names its real cause and place
+
+
+def test_workers_zero_names_the_flag_not_the_request_file(corpus_dir, tiny_student, tmp_path):
+    done = train(corpus_dir, corpus_dir / "request.json", tmp_path / "out", "--ray", "local", "--workers", "0",
+                 student=tiny_student)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert refusal(done) == "rejected: [invalid_option] field --workers: --workers must be at least 1, got 0"
+
+
+def test_a_ray_address_is_checked_before_any_work(corpus_dir, tiny_student, tmp_path):
+    done = train(corpus_dir, corpus_dir / "request.json", tmp_path / "out", "--ray", "bogus", student=tiny_student)
+    assert done.returncode == 2, done.stderr[-3000:]
+    line = refusal(done)
+    assert line.startswith("rejected: [invalid_ray_address] field --ray:") and "host:port" in line
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_a_ray_run_refused_by_the_cluster_leaves_no_run_directory(corpus_dir, tiny_student, tmp_path):
+    done = train(corpus_dir, corpus_dir / "request.json", tmp_path / "out", "--ray", "local", "--workers", "1000",
+                 student=tiny_student)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "[ray_cluster_too_small]" in done.stderr
+    assert not (tmp_path / "out" / "runs").exists()
+
+
+def test_a_recipe_whose_dataset_is_missing_is_refused_up_front(corpus_dir, tiny_student, tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("name: missing-data\nsteps:\n  - kind: opd\n    name: distilled\n"
+                      f"    teacher: {corpus_dir / 'teacher-manifest.jsonl'}\n"
+                      "    prompts_from: {dataset: no-such-corpus.jsonl}\n"
+                      "    config: {training_mode: off_policy, top_k: 16}\n")
+    started = time.monotonic()
+    done = kiln("recipe", "run", recipe, "--student", tiny_student, "--out", tmp_path / "out", cwd=tmp_path)
+    assert done.returncode == 2, done.stderr[-3000:]
+    line = refusal(done)  # one line: no Prefect server was started, no flow ran
+    assert line.startswith(f"rejected: [file_not_found] {recipe} field steps[0].prompts_from.dataset:")
+    assert str(tmp_path / "no-such-corpus.jsonl") in line
+    assert time.monotonic() - started < 20
+
+
+def _without_dac_override():
+    """In the child before exec: root without the capabilities that let it read any file, so permission bits
+    apply to it as to any user (tests may run as root, where a chmod alone stops nothing)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    for capability in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
+        if libc.prctl(24, capability, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+def test_a_weights_file_without_read_permission_is_the_model_named(corpus_dir, tiny_student, tmp_path):
+    student = tmp_path / "student"
+    shutil.copytree(tiny_student, student)
+    (student / "model.safetensors").chmod(0)
+    done = train(corpus_dir, corpus_dir / "request.json", tmp_path / "out", student=student,
+                 preexec_fn=_without_dac_override if os.geteuid() == 0 else None)
+    assert done.returncode == 2, done.stderr[-3000:]
+    line = refusal(done)
+    assert line.startswith(f"rejected: [model_unreadable] {student / 'model.safetensors'} field student:")
+    assert "Permission denied" in line
+
+
+def test_a_stopped_prefect_server_is_named_with_its_address(corpus_dir, tiny_student, tmp_path):
+    from drills.s3_server import free_port
+
+    spec = tmp_path / "pipeline.json"
+    spec.write_text(json.dumps({"teacher": {"kind": "manifest_file", "path": str(corpus_dir / "teacher-manifest.jsonl")},
+                                "corpus": str(corpus_dir / "corpus.jsonl"), "student": str(tiny_student),
+                                "storage_root": str(tmp_path / "out"), "adapter": "offline", "config": CONFIG}))
+    address = f"127.0.0.1:{free_port()}"
+    done = kiln("run", spec, cwd=tmp_path, env={"PREFECT_API_URL": f"http://{address}/api"})
+    assert done.returncode == 3, done.stderr[-3000:]
+    line = refusal(done)
+    assert line.startswith("failed: [prefect_api_unreachable]")
+    assert f"PREFECT_API_URL=http://{address}/api" in line and f"at {address}" in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_hugging_face_cache_folder_gets_its_snapshot_named(corpus_dir, tiny_student, tmp_path):
+    import hashlib
+
+    repo = tmp_path / "hub" / "models--kiln--student"
+    snapshot = repo / "snapshots" / "0123abcd"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    for source in tiny_student.iterdir():
+        blob = repo / "blobs" / hashlib.sha256(source.read_bytes()).hexdigest()
+        shutil.copyfile(source, blob)
+        (snapshot / source.name).symlink_to(Path("..") / ".." / "blobs" / blob.name)
+    done = train(corpus_dir, corpus_dir / "request.json", tmp_path / "out", student=repo)
+    assert done.returncode == 2, done.stderr[-3000:]
+    line = refusal(done)
+    assert f"give its snapshot {snapshot}" in line and "Hugging Face cache folder" in line

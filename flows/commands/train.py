@@ -203,6 +203,7 @@ def run(args: argparse.Namespace) -> int:
 
     from kiln_core.engine import ResumeRequired, run_pipeline, spec_from_request
 
+    require_at_least(args, 1, "nproc", "admit_workers")  # flags are named as flags, not as request fields
     prepared = spec_from_request(args.request, adapter=args.adapter, student_dir=args.student, out_root=args.out,
                                  resume_checkpoint=args.resume_checkpoint, nproc=args.nproc, backend=args.backend,
                                  eval_watch=watch_from_arguments(args), vllm=vllm_from_arguments(args),
@@ -293,7 +294,27 @@ def ray_from_arguments(args: argparse.Namespace) -> dict | None:
                 raise ConfigError(f"--{name.replace('_', '-')} needs --ray ADDRESS (local, auto or ray://host:port)",
                                   f"distributed.{name}")
         return None
+    check_ray_flag(args.ray)
+    require_at_least(args, 1, "workers")
+    require_at_least(args, 0, "gpus_per_worker", "max_failures")
     return {"address": args.ray, **given, "workers": 1 if args.workers is None else args.workers}
+
+
+def check_ray_flag(address: str) -> None:
+    """``--ray ADDRESS`` is an address Ray can be given (``local``, ``auto``, ``ray://host:port``, ``host:port``),
+    checked before any work: refused naming the flag, not the request file.
+
+    Raises:
+        ConfigError: ``invalid_ray_address``, field ``--ray``.
+    """
+    from kiln_core.contracts.opd_config import ConfigError
+    from kiln_core.contracts.spec_blocks import check_ray_address
+
+    try:
+        check_ray_address(address)
+    except ValueError as error:
+        raise ConfigError(str(error).replace("`distributed.address`", "--ray"), "--ray",
+                          code="invalid_ray_address") from None
 
 
 def vllm_from_arguments(args: argparse.Namespace) -> dict | None:

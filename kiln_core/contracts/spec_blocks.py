@@ -9,6 +9,8 @@ Example:
 
 from __future__ import annotations
 
+import re
+
 from pathlib import Path
 from typing import Literal
 
@@ -252,7 +254,14 @@ def check_ray_address(address: str) -> str:
                          "authentication)")
     if not rest or rest.startswith(":"):
         raise ValueError(f"`distributed.address`: {address!r} names no host")
+    if "://" not in address and not _HOST_PORT.match(address):
+        # A bare word would be handed to Ray as a cluster address and fail only when the run connects.
+        raise ValueError(f"`distributed.address`: {address!r} must be local, auto, ray://host:port or host:port "
+                         "(a port number after the host)")
     return address
+
+
+_HOST_PORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):(\d{1,5})$")
 
 
 class VllmBackends(BaseModel):
