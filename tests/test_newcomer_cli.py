@@ -404,3 +404,16 @@ def test_a_hugging_face_cache_folder_gets_its_snapshot_named(corpus_dir, tiny_st
     assert done.returncode == 2, done.stderr[-3000:]
     line = refusal(done)
     assert f"give its snapshot {snapshot}" in line and "Hugging Face cache folder" in line
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. --json of a run that did not succeed: status, code and message
+
+
+def test_train_json_of_a_failed_run_has_code_and_message(corpus_dir, tiny_student, tmp_path):
+    request = write_request(corpus_dir, "diverges.json", learning_rate=1e10, checkpoint_interval=2)
+    done = train(corpus_dir, request, tmp_path / "out", "--json", student=tiny_student)
+    assert done.returncode == 3, done.stderr[-3000:]
+    summary = last_json(done)
+    assert (summary["status"], summary["code"]) == ("failed", "training_diverged")
+    assert summary["message"].startswith("the publish guard refused")

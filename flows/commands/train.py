@@ -161,8 +161,9 @@ def _seconds(value: str) -> float:
     return seconds
 
 
-def resume_command(args: argparse.Namespace, checkpoint: str) -> str:
-    """The exact command that resumes this run from ``checkpoint``."""
+def resume_command(args: argparse.Namespace, checkpoint: str | None) -> str:
+    """The exact command that resumes this run from ``checkpoint`` (None: the run has none yet, so the same
+    command again starts it afresh)."""
     import shlex
 
     argv = ["kiln-flows", "train", "--request", args.request, "--adapter", args.adapter, "--student", args.student,
@@ -194,7 +195,7 @@ def resume_command(args: argparse.Namespace, checkpoint: str) -> str:
                         ("--vllm-sync-dir", args.vllm_sync_dir)):
         if value:
             argv += [flag, value]
-    return shlex.join(argv + ["--resume-checkpoint", checkpoint])
+    return shlex.join(argv + (["--resume-checkpoint", checkpoint] if checkpoint else []))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -216,7 +217,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         on_train_start = None if args.quiet else (
             lambda settings: print(f"training {args.adapter}: {settings}", file=sys.stderr, flush=True))
-        result = run_pipeline(prepared.spec, prepared.stages(on_progress=bar.update, on_train_start=on_train_start),
+        stages = prepared.stages(on_progress=bar.update, on_train_start=on_train_start)
+        args.resume_hint = lambda: _resume_after_interrupt(args, stages.plan)  # for a second Ctrl-C (flows.cli)
+        result = run_pipeline(prepared.spec, stages,
                               resume=prepared.resume,
                               device=args.device, precision=args.dtype,
                               gradient_checkpointing=args.gradient_checkpointing, wait_for_lock=args.wait_for_lock)
@@ -229,6 +232,16 @@ def run(args: argparse.Namespace) -> int:
     if result.status != "success" and result.latest_checkpoint and not args.json:
         print(f"  resume with: {resume_command(args, result.latest_checkpoint)}", file=sys.stderr)
     return exit_code(result)
+
+
+def _resume_after_interrupt(args: argparse.Namespace, plan) -> str | None:
+    """The command that resumes a run a second Ctrl-C stopped at once: from its newest committed checkpoint,
+    or the same command again when it had none (None before training started: nothing to resume)."""
+    if plan is None:
+        return None
+    from kiln_core.engine.runs import newest_checkpoint
+
+    return resume_command(args, newest_checkpoint(plan.run_uri, plan.adapter))
 
 
 def print_result(result, label: str, *, as_json: bool) -> None:

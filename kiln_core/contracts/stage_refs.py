@@ -276,5 +276,13 @@ class PipelineResult(_Ref):
                                                                                                      "kept")
 
     def summary(self) -> dict[str, Any]:
-        """The JSON summary of ``kiln-flows run``/``train --json`` and of the ``opd_distill`` flow."""
-        return self.model_dump(mode="json")
+        """The JSON summary of ``kiln-flows run``/``train --json`` and of the ``opd_distill`` flow.
+
+        A run that did not succeed also carries the error contract's ``code`` and ``message`` (its
+        ``failure_reason`` and ``failure_message``: ``cancelled``, ``training_diverged``, ``nan_loss``, …), as every
+        other outcome that is not a success does (docs/errors.md)."""
+        summary = self.model_dump(mode="json")
+        if self.status != "success":
+            summary["code"] = self.failure_reason or self.status
+            summary["message"] = self.failure_message or self.status
+        return summary

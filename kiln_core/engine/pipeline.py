@@ -85,6 +85,8 @@ class LocalStages:
                  on_train_start: Callable[[str], None] | None = None) -> None:
         self.on_progress, self.should_cancel, self.handle_signals = on_progress, should_cancel, handle_signals
         self.on_step_committed, self.on_train_start = on_step_committed, on_train_start
+        self.plan: TrainPlan | None = None
+        """The plan being trained, once training starts: where a run stopped at once can be resumed from."""
 
     def manifest(self, teacher: TeacherSource, storage_root: str, max_top_k: int) -> ManifestRef:
         return stages.resolve_manifest(teacher, storage_root, max_top_k=max_top_k)
@@ -108,6 +110,7 @@ class LocalStages:
         return check_prompts(spec.prompts, manifest, spec.config, student_dir)
 
     def train(self, plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir: str) -> TrainRef:
+        self.plan = plan
         if self.on_train_start is not None:
             self.on_train_start(training_settings(plan))
         return train(plan, corpus, manifest, student_dir, on_progress=self.on_progress,
