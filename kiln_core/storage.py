@@ -13,6 +13,11 @@ Everything kiln-flows publishes is a *directory of files plus one commit file*:
 Single files are written with one primitive, ``AtomicFile`` (local: a temp file beside the target,
 fsync, ``os.replace``, fsync of the directory; object stores: one PUT at commit).
 
+A storage root a command writes into is checked before any work (``check_storage_root``): a malformed URI,
+a missing fsspec package, a bucket that does not exist, no credentials or a read-only directory are refused
+then, so nothing is ever written somewhere other than where the root says (``s3:/bucket`` is not a local
+folder named ``s3:``).
+
 Credentials, timeouts and the errors storage raises are in ``kiln_core.storage_settings``:
 ``resolve`` applies the run's scoped options and the product's S3 timeouts to every location, and
 turns an unknown protocol or a missing package into a ``StorageRejection``.
