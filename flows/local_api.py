@@ -3,12 +3,13 @@
 * ``offline_settings()`` turns off what would phone home or print errors on a machine without
   internet: server analytics, SDK analytics (``DO_NOT_TRACK``), resource-metric telemetry.
 * ``start_local_api()`` starts Prefect's temporary API server — when ``PREFECT_API_URL`` is not set —
-  **in a session of its own**; when it is set, it checks that something answers there
-  (``prefect_api_unreachable``, exit 3, naming the address, instead of Prefect's bare ``RuntimeError``). Prefect starts it in the caller's process group, so the terminal's
+  **in a session of its own**. Prefect starts it in the caller's process group, so the terminal's
   Ctrl-C (SIGINT to the whole foreground group) killed the server too, and the run then retried its
   training task against a dead API for minutes and exited 1. Detached, the server outlives the
   Ctrl-C; training stops at the next step boundary, the run ends ``cancelled``, and the server is
   stopped when the command exits (and, on Linux, when the command's process dies any other way).
+  When ``PREFECT_API_URL`` is set, it checks that something answers there instead
+  (``prefect_api_unreachable``, exit 3, naming the address, not Prefect's bare ``RuntimeError`` later).
 
 * ``hide_rejection_tracebacks()`` keeps Prefect's run logs to one line for a rejected input: its
   task and flow loggers log a failure with the whole traceback, which for bad input (a ``Rejection``)
