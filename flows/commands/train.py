@@ -326,8 +326,7 @@ def check_ray_flag(address: str) -> None:
     try:
         check_ray_address(address)
     except ValueError as error:
-        raise ConfigError(str(error).replace("`distributed.address`", "--ray"), "--ray",
-                          code="invalid_ray_address") from None
+        raise ConfigError(str(error).replace("`distributed.address`: ", ""), "--ray", code="invalid_ray_address") from None
 
 
 def vllm_from_arguments(args: argparse.Namespace) -> dict | None:
