@@ -111,18 +111,37 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(run_command(args) or 0)
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr, flush=True)
-        return EXIT_FAILED
+        return report_interrupt(args)
     except Exception as error:  # noqa: BLE001 - the one place that turns any error into an exit code
         return report_error(error, as_json=bool(getattr(args, "json", False)), debug=debug)
 
 
 def run_command(args: argparse.Namespace) -> int | None:
-    """The chosen command, with log lines and warnings kept off its progress bars' lines."""
+    """The chosen command, with log lines and warnings kept off its progress bars' lines; the storage root it
+    writes into is checked first (nothing is done for a root that cannot be written where it says)."""
+    from flows.commands._options import check_written_root
     from flows.console import lines_above_bars
 
+    check_written_root(args)
     with lines_above_bars():
         return args._run(args)
+
+
+def report_interrupt(args: argparse.Namespace) -> int:
+    """A second Ctrl-C stopped the command at once: say so, and how to resume when the command knows (a command
+    sets ``args.resume_hint``, a function returning the command line, once it has something to resume). With
+    ``--json`` stdout also gets the error object (``status`` and ``code`` ``cancelled``/``interrupted``)."""
+    hint = getattr(args, "resume_hint", None)
+    try:
+        resume = hint() if callable(hint) else None
+    except Exception:  # noqa: BLE001 - a hint is a courtesy: never a traceback on the way out
+        resume = None
+    print("interrupted" + (f"\n  resume with: {resume}" if resume else ""), file=sys.stderr, flush=True)
+    if getattr(args, "json", False):
+        message = "second Ctrl-C: stopped at once" + (f"; resume with: {resume}" if resume else "")
+        print(json.dumps({"status": "cancelled", "code": "interrupted", "line": None, "field": None,
+                          "message": message, "resume_command": resume}, ensure_ascii=False), flush=True)
+    return EXIT_FAILED
 
 
 def report_error(error: BaseException, *, as_json: bool, debug: bool = False) -> int:

@@ -47,10 +47,24 @@ def demo_examples(count: int) -> list[dict[str, Any]]:
 
 
 def prepare_demo(workdir: str, examples: int) -> dict[str, str]:
-    """Build (once) the tiny models and the examples file; returns their paths."""
+    """Build (once) the tiny models and the examples file; returns their paths and the storage root.
+
+    Models are read from this machine's disk: under a local ``workdir`` they live in it, as the README's
+    examples expect; for a remote root (``s3://…``) they are built in a folder of the system's temp directory
+    named after the root, and everything the pipeline publishes goes to the root itself.
+    """
+    import hashlib
+    import tempfile
+
+    from kiln_core.storage import resolve
     from kiln_core.tiny_models import build_tiny_model
 
-    root = Path(workdir).resolve()
+    location = resolve(workdir)
+    if location.is_local:
+        root = Path(location.path)
+    else:
+        digest = hashlib.sha256(location.uri.encode()).hexdigest()[:16]
+        root = Path(tempfile.gettempdir()) / "kiln-flows-demo" / digest
     models = root / "demo-models"
     teacher, student = models / "teacher", models / "student"
     if not (teacher / "model.safetensors").exists():
@@ -62,7 +76,8 @@ def prepare_demo(workdir: str, examples: int) -> dict[str, str]:
     text = "".join(json.dumps(record) + "\n" for record in demo_examples(examples))
     if not path.exists() or path.read_text(encoding="utf-8") != text:
         path.write_text(text, encoding="utf-8")
-    return {"teacher": str(teacher), "student": str(student), "examples": str(path), "root": str(root)}
+    return {"teacher": str(teacher), "student": str(student), "examples": str(path),
+            "root": str(root) if location.is_local else location.uri}
 
 
 def demo_spec(paths: dict[str, str], epochs: int) -> PipelineSpec:

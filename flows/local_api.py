@@ -8,6 +8,8 @@
   training task against a dead API for minutes and exited 1. Detached, the server outlives the
   Ctrl-C; training stops at the next step boundary, the run ends ``cancelled``, and the server is
   stopped when the command exits (and, on Linux, when the command's process dies any other way).
+  When ``PREFECT_API_URL`` is set, it checks that something answers there instead
+  (``prefect_api_unreachable``, exit 3, naming the address, not Prefect's bare ``RuntimeError`` later).
 
 * ``hide_rejection_tracebacks()`` keeps Prefect's run logs to one line for a rejected input: its
   task and flow loggers log a failure with the whole traceback, which for bad input (a ``Rejection``)
@@ -70,7 +72,10 @@ def start_local_api() -> float | None:
     from prefect.server.api.server import SubprocessASGIServer
     from prefect.settings import PREFECT_API_URL
 
-    if PREFECT_API_URL.value() or SubprocessASGIServer._instances.get(None) is not None:
+    if PREFECT_API_URL.value():
+        check_api_reachable(PREFECT_API_URL.value())
+        return None
+    if SubprocessASGIServer._instances.get(None) is not None:
         return None
     server = object.__new__(_detached_server_class())  # bypass the per-port instance lookup of __new__
     server.__init__(None)
@@ -78,6 +83,35 @@ def start_local_api() -> float | None:
     started = time.perf_counter()
     server.start()
     return time.perf_counter() - started
+
+
+API_CHECK_TIMEOUT_SECONDS = 5.0
+
+
+def check_api_reachable(api_url: str, timeout: float = API_CHECK_TIMEOUT_SECONDS) -> None:
+    """Refuse to start a flow against a ``PREFECT_API_URL`` where nothing answers (a stopped server): Prefect
+    would fail later with a bare ``RuntimeError``. Any HTTP answer counts as reachable (Prefect Cloud answers
+    ``/health`` without credentials with 401); only a refused, unresolvable or silent address is not.
+
+    Raises:
+        EnvironmentFailure: ``prefect_api_unreachable`` (exit 3), naming PREFECT_API_URL and the address.
+    """
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    from kiln_core.errors import EnvironmentFailure
+
+    try:
+        urllib.request.urlopen(api_url.rstrip("/") + "/health", timeout=timeout).close()
+    except urllib.error.HTTPError:
+        return  # something answered
+    except (OSError, ValueError) as error:
+        reason = getattr(error, "reason", None) or error
+        address = urllib.parse.urlsplit(api_url).netloc or api_url
+        raise EnvironmentFailure("prefect_api_unreachable", f"no Prefect API answers at {address} "
+                                 f"(PREFECT_API_URL={api_url}: {reason}); start the server (`prefect server start`), "
+                                 "or unset PREFECT_API_URL to run on a temporary local API") from None
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec

@@ -63,7 +63,7 @@ def run_recipe(recipe: dict[str, Any], student: str, storage_root: str = "./kiln
     from prefect.states import Failed
 
     from kiln_core.post_eval.registry import SuiteRegistry
-    from kiln_core.recipes.recipe_plan import plan_recipe
+    from kiln_core.recipes.recipe_plan import check_step_inputs, plan_recipe
     from kiln_core.recipes.recipe_run import (
         RecipeHeldBack,
         RecipeStepFailed,
@@ -81,6 +81,7 @@ def run_recipe(recipe: dict[str, Any], student: str, storage_root: str = "./kiln
         tag_run(f"recipe:{name}")
     try:
         plan = plan_recipe(recipe, file=recipe_file, suites=SuiteRegistry.for_storage_root(storage_root))
+        check_step_inputs(plan, recipe_file)
     except Rejection as error:
         return reject_run(error, name if isinstance(name, str) else None)
     logger = get_run_logger()

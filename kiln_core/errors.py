@@ -236,6 +236,7 @@ SHARD_SET_CODES = (
     "shard_index_invalid",
     "shard_path_unsafe",
     "shard_missing",
+    "shard_unlisted",
     "shard_digest_mismatch",
     "shard_identity_mismatch",
     "shard_duplicate_conflict",
@@ -248,6 +249,8 @@ shard's own verdict (``ADMISSION_CODES``, the shard named in the error's ``file`
 * ``shard_path_unsafe`` — an index entry escapes the index's directory (absolute, ``..``), or a shard
   (or a directory on its way) is a symlink;
 * ``shard_missing`` — an indexed shard does not exist;
+* ``shard_unlisted`` — a ``*.jsonl`` file in the directory of an index that the index does not list (a directory
+  with an ``index.json`` is read through it, whole);
 * ``shard_digest_mismatch`` — a shard's bytes no longer match the index's ``sha256``/``size_bytes``;
 * ``shard_identity_mismatch`` — a shard's manifest line is not byte-identical to the first shard's;
 * ``shard_duplicate_conflict`` — the same exact token sequence in two shards with different teacher rows

@@ -35,19 +35,21 @@ S3_PROTOCOLS = ("s3", "s3a")
 
 
 class StorageRejection(Rejection, ValueError):
-    """A storage URI kiln-flows cannot use as given: unknown protocol (``unknown_protocol``), or the
-    package for it is not installed (``storage_package_missing``)."""
+    """A storage URI kiln-flows cannot use as given: unknown protocol (``unknown_protocol``), the package
+    for it is not installed (``storage_package_missing``), not a URI at all (``invalid_uri``), a bucket
+    that does not exist (``storage_bucket_missing``), or a root that is a file (``out_not_directory``)."""
 
-    def __init__(self, code: str, message: str, *, file: str | None = None) -> None:
-        super().__init__(code, message, file=file)
+    def __init__(self, code: str, message: str, *, file: str | None = None, field: str | None = None) -> None:
+        super().__init__(code, message, file=file, field=field)
 
 
 class StorageFailure(EnvironmentFailure, OSError):
     """Storage that did not answer or refused: timeout, unreachable, no credentials, permission
     denied (code ``storage_error``). Exit 3; Prefect retries the task."""
 
-    def __init__(self, message: str, *, file: str | None = None, code: str = "storage_error") -> None:
-        super().__init__(code, message, file=file)
+    def __init__(self, message: str, *, file: str | None = None, code: str = "storage_error",
+                 field: str | None = None) -> None:
+        super().__init__(code, message, file=file, field=field)
 
     def __str__(self) -> str:
         return self.describe()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -207,3 +208,42 @@ def test_ctrl_c_in_demo_ends_the_demo_cancelled_in_one_line(tmp_path):
     receipt = json.loads((run / "train_receipt.json").read_text())
     assert (receipt["status"], receipt["failure_reason"]) == ("failed", "cancelled")
     assert_gone(started)
+
+
+def test_a_second_ctrl_c_in_train_prints_the_command_that_resumes_it(tiny_student, tiny_teacher, tmp_path):
+    """``kiln-flows train`` stopped at once by a second Ctrl-C names its newest checkpoint in the exact command that
+    resumes it; that command, run as printed, finishes the run."""
+    from kiln_core.contracts.identity import build_manifest_line
+    from kiln_core.identity.local_teacher import local_teacher_identity
+
+    line = build_manifest_line(local_teacher_identity(str(tiny_teacher), max_top_k=32))
+    synthesize_corpus(tiny_student, tmp_path / "corpus.jsonl", n_examples=4, top_k=16, manifest_line=line)
+    (tmp_path / "teacher-manifest.jsonl").write_text(line + "\n")
+    (tmp_path / "request.json").write_text(json.dumps({
+        "dataset_path": "corpus.jsonl", "teacher": "teacher-manifest.jsonl",
+        "config": {"training_mode": "off_policy", "top_k": 16, "epochs": 2, "checkpoint_interval": 2, "seed": 5,
+                   "learning_rate": 0.01, "lora_rank": 4, "lora_alpha": 8.0, "optimizer": {"kind": "adam_w"}}}))
+    argv = [KILN_FLOWS, "train", "--request", str(tmp_path / "request.json"), "--adapter", "interrupted",
+            "--student", str(tiny_student), "--out", str(tmp_path / "out")]
+    train = {**held_training(tmp_path), "argv": argv}
+    process, log = start(train)
+    try:
+        wait_until_held(process, train)
+        ctrl_c(process)
+        time.sleep(1.0)
+        ctrl_c(process)
+        process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        log.close()
+    stderr = train["log"].read_text()
+    assert process.returncode == 3, stderr[-3000:]
+    newest = f"interrupted-checkpoint-step-{HOLD_STEP - 1:08d}.kiln-checkpoint"  # the hold is after step 3
+    [resume] = [line.split("resume with: ", 1)[1] for line in stderr.splitlines() if "resume with: " in line]
+    assert resume.startswith("kiln-flows train --request ") and resume.endswith(f"--resume-checkpoint {newest}")
+    env = {key: value for key, value in train["env"].items() if not key.startswith("KILN_TEST_")}
+    resumed = subprocess.run([KILN_FLOWS, *shlex.split(resume)[1:], "--json"], env=env, capture_output=True, text=True,
+                             timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert json.loads(resumed.stdout.strip().splitlines()[-1])["steps"] == 8

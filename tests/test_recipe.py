@@ -476,6 +476,15 @@ def test_a_failing_gate_stops_the_recipe_before_its_next_step(data, tiny_student
     assert "inconclusive" in artifact.data and "latest.json not moved" in artifact.data
 
 
+def test_a_flow_run_whose_later_step_input_is_missing_fails_before_its_first_step(data, tiny_student, prefect_harness,
+                                                                                  tmp_path):
+    recipe = write_recipe(data, "missing-later", [opd("early-a"), opd("early-b", corpus="absent.jsonl")])
+    state = run_flow(recipe, tiny_student, tmp_path / "root")
+    assert state.is_failed()
+    assert state.message.startswith(f"rejected (file_not_found) {recipe} steps[1].prompts_from.dataset: "), state.message
+    assert not (tmp_path / "root" / "runs").exists()  # steps[0] never ran
+
+
 @pytest.mark.slow
 @pytest.mark.usefixtures("one_torch_thread")
 def test_a_retried_recipe_resumes_at_its_first_unfinished_step(data, tiny_student, prefect_harness, tmp_path):
@@ -488,14 +497,17 @@ def test_a_retried_recipe_resumes_at_its_first_unfinished_step(data, tiny_studen
         (work / name).write_bytes((data / name).read_bytes())
     root = tmp_path / "root"
     recipe = write_recipe(work, "resumed", [opd("resumed-a"), opd("resumed-b", corpus="later.jsonl")])
+    # A missing input file is refused before the first step (check_step_inputs); one that is there but not a
+    # corpus fails its own step, after the steps before it finished.
+    (work / "later.jsonl").write_text("not a corpus\n")
     first = run_flow(recipe, tiny_student, root)
-    assert first.is_failed() and first.message == ("recipe resumed stopped at steps[1] opd 'resumed-b': rejected "
-                                                   f"(file_not_found) {work / 'later.jsonl'} does not exist")
+    assert first.is_failed() and first.message.startswith("recipe resumed stopped at steps[1] opd 'resumed-b': "
+                                                          "rejected (invalid_json)"), first.message
     with pytest.raises(RecipeStepFailed):
         first.result()
     latest_a = (root / "runs" / "resumed-a" / "latest.json").read_bytes()
 
-    (work / "later.jsonl").write_bytes((data / "heldout.jsonl").read_bytes())  # the missing input, now there
+    (work / "later.jsonl").write_bytes((data / "heldout.jsonl").read_bytes())  # the input fixed
     second = run_flow(recipe, tiny_student, root)
     assert second.is_completed(), second.message
     summary = second.result()

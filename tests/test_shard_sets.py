@@ -340,6 +340,21 @@ def test_missing_shard(capsys, tiny_student, shard_lines, tmp_path):
     assert (root / "corpora" / digest(directory / "part-000.jsonl")[7:] / "admission.json").is_file()
 
 
+def test_a_directory_holding_index_json_is_read_through_it(capsys, tiny_student, shard_lines, tmp_path):
+    directory = shard_directory(tmp_path, shard_lines[:2])
+    build_index(str(directory / "index.json"), ["part-000.jsonl", "part-001.jsonl"])
+    code, value = admit_cli(capsys, directory, tiny_student)
+    assert code == 0 and [shard["shard"] for shard in value["shards"]] == ["part-000.jsonl", "part-001.jsonl"]
+    assert value["set_sha256"] == set_sha256([digest(directory / "part-000.jsonl"), digest(directory / "part-001.jsonl")])
+    write_shard(directory / "part-002.jsonl", shard_lines[2])  # a shard the index does not list
+    error = rejected(directory, tiny_student, tmp_path / "root")
+    assert (error.code, error.file) == ("shard_unlisted", "part-002.jsonl")
+    (directory / "part-002.jsonl").unlink()
+    (directory / "part-001.jsonl").unlink()  # a shard the index lists, gone
+    assert (rejected(directory, tiny_student).code, rejected(directory, tiny_student).file) == ("shard_missing",
+                                                                                               "part-001.jsonl")
+
+
 @pytest.mark.parametrize("change", ["size", "same_size"])
 def test_shard_bytes_not_matching_the_index(capsys, tiny_student, shard_lines, tmp_path, change):
     directory = shard_directory(tmp_path, shard_lines[:2])

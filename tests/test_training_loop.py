@@ -130,3 +130,57 @@ def test_both_modes_run_the_one_loop_and_only_it_does_end_of_step_work():
     doing_end_of_step = sorted(path.name for path in training.rglob("*.py")
                                if "StopTraining(\"cancelled\"" in path.read_text(encoding="utf-8"))
     assert doing_end_of_step == ["boundary.py"]
+
+
+# --- the time bound (kiln_core.training.time_bound) ------------------------------------------------------
+
+
+def _measured(monkeypatch, clock: list[float], max_hours, *, steps_left: bool = True, epochs: int = 1000):
+    """Three committed steps of a 4-example run of ``epochs`` epochs; the bound reads the clock at the end of the
+    first step and of the third, the readings ``clock``. Returns the refusal, or None."""
+    import kiln_core.training.time_bound as time_bound
+    from kiln_core.training.plan import Schedule
+
+    readings = iter(clock)
+    monkeypatch.setattr(time_bound.time, "perf_counter", lambda: next(readings))
+    bound = time_bound.TimeBound(max_hours, Schedule(examples=4, samples_per_prompt=1, epochs=epochs,
+                                                     sequences_per_step=1), _World())
+    progress = LoopProgress()
+    for _ in range(3):
+        progress.global_step += 1
+        try:
+            bound.after_step(progress, steps_left=steps_left)
+        except time_bound.TrainingTooLong as refused:
+            return refused
+    return None
+
+
+def test_the_time_bound_projects_from_the_steps_after_the_first(monkeypatch):
+    # Step 1 ends at 100 s (warm-up, not counted); steps 2 and 3 take 1 s each: 3,997 steps left ≈ 1.11 hours.
+    refused = _measured(monkeypatch, [100.0, 102.0], max_hours=1.0)
+    assert refused is not None and (refused.code, refused.field) == ("training_too_long", "config.epochs")
+    assert "4,000 steps (1,000 epochs)" in refused.message and "the 3,997 left take about 1 hours" in refused.message
+    assert "above the 1-hour bound" in refused.message
+    assert _measured(monkeypatch, [100.0, 102.0], max_hours=2.0) is None
+
+
+def test_the_time_bound_is_off_without_a_bound_and_after_the_last_step(monkeypatch):
+    assert _measured(monkeypatch, [], max_hours=None) is None  # no bound: the clock is never read
+    assert _measured(monkeypatch, [0.0, 2000.0], max_hours=1e-9, steps_left=False) is None
+
+
+def test_every_rank_decides_the_time_bound_together(monkeypatch):
+    import kiln_core.training.time_bound as time_bound
+    from kiln_core.training.plan import Schedule
+
+    readings = iter([0.0, 0.002])
+    monkeypatch.setattr(time_bound.time, "perf_counter", lambda: next(readings))
+    world = _World(others_stop=True)  # this rank is fast; another rank found the run too long
+    bound = time_bound.TimeBound(168.0, Schedule(examples=4, samples_per_prompt=1, epochs=2, sequences_per_step=1),
+                                 world)
+    progress = LoopProgress()
+    with pytest.raises(time_bound.TrainingTooLong):
+        for _ in range(3):
+            progress.global_step += 1
+            bound.after_step(progress, steps_left=True)
+    assert world.collectives == 1  # one collective, at the measured step only

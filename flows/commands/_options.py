@@ -23,12 +23,31 @@ _LONG = {long: short for short, long in DTYPES.items()}
 
 
 def add_out_argument(parser, *, default: str | None = DEFAULT_ROOT, help: str | None = None,
-                     aliases: tuple[str, ...] = ()) -> None:
-    """``--out ROOT_URI`` (dest ``out``), plus hidden ``aliases`` such as ``--root``."""
+                     aliases: tuple[str, ...] = (), writes: bool = True) -> None:
+    """``--out ROOT_URI`` (dest ``out``), plus hidden ``aliases`` such as ``--root``.
+
+    A root the command ``writes`` into is checked before the command runs (``flows.cli.run_command``,
+    ``kiln_core.storage.check_storage_root``): a malformed URI, a missing fsspec package or bucket, a file in
+    the way or a read-only directory is refused before any work, never written somewhere else."""
     text = help or f"storage root, a local path or fsspec URI (default {default})"
     parser.add_argument("--out", dest="out", default=default, metavar="ROOT_URI", help=text)
     for alias in aliases:
         parser.add_argument(alias, dest="out", metavar="ROOT_URI", help=argparse.SUPPRESS)
+    if writes:
+        parser.set_defaults(written_root_flag="--out")
+
+
+def check_written_root(args: argparse.Namespace) -> None:
+    """Refuse the storage root the command writes into (``add_out_argument``) before the command runs.
+
+    Raises:
+        StorageRejection, StorageFailure: what ``kiln_core.storage.check_storage_root`` refuses, naming ``--out``.
+    """
+    flag = getattr(args, "written_root_flag", None)
+    if flag is not None and getattr(args, "out", None) is not None:
+        from kiln_core.storage import check_storage_root
+
+        check_storage_root(args.out, field=flag)
 
 
 def add_registry_argument(parser, *, default: str = DEFAULT_ROOT) -> None:
@@ -69,3 +88,25 @@ def add_dtype_argument(parser, *, choices: tuple[str, ...] = ("fp32", "bf16"), d
     parser.add_argument("--dtype", dest="dtype", type=parse, default=default, metavar="|".join(choices), help=help)
     for alias in aliases:
         parser.add_argument(alias, dest="dtype", type=parse, help=argparse.SUPPRESS)
+
+
+def require_at_least(args: argparse.Namespace, minimum: int, *dests: str) -> None:
+    """Refuse each given option below ``minimum`` with one line naming the flag (``invalid_option``, exit 2),
+    before the command does any work; an option left out (None) is not checked.
+
+    Raises:
+        Rejection: ``invalid_option``, ``field`` the flag (``--epochs``).
+
+    Example:
+        >>> require_at_least(argparse.Namespace(epochs=0), 1, "epochs")
+        Traceback (most recent call last):
+        ...
+        kiln_core.errors.Rejection: [invalid_option] field --epochs: --epochs must be at least 1, got 0
+    """
+    from kiln_core.errors import Rejection
+
+    for dest in dests:
+        value = getattr(args, dest)
+        if value is not None and value < minimum:
+            flag = "--" + dest.replace("_", "-")
+            raise Rejection("invalid_option", f"{flag} must be at least {minimum}, got {value}", field=flag)

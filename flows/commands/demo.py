@@ -14,7 +14,7 @@ import os
 import sys
 import time
 
-from flows.commands._options import add_json_argument, add_out_argument
+from flows.commands._options import add_json_argument, add_out_argument, require_at_least
 
 NAME = "demo"
 HELP = "Run the full pipeline on tiny local models (no downloads) and show what it produced."
@@ -36,6 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from flows.local_api import hide_rejection_tracebacks, offline_settings, start_local_api
 
+    check_options(args)  # before any model is built: a refused option leaves nothing behind
+    args.resume_hint = lambda: same_command(args)  # the demo's pipeline resumes by itself (flows.cli, Ctrl-C)
     offline_settings()
     hide_rejection_tracebacks()
     if not args.json:
@@ -48,10 +50,13 @@ def run(args: argparse.Namespace) -> int:
 
     from flows.demo import demo
 
-    state = demo(workdir=args.out, examples=args.examples or 16, epochs=args.epochs or 3, return_state=True)
+    state = demo(workdir=args.out, examples=16 if args.examples is None else args.examples,
+                 epochs=3 if args.epochs is None else args.epochs, return_state=True)
     wall = time.perf_counter() - started
+    if state.is_failed():
+        state.result(raise_on_failure=True)  # the flow's own exception: its code and exit status (the CLI's guard)
     if not state.is_completed():
-        return _ended(args, f"demo run ended {state.type.value}: {state.message}")
+        return _ended(args, state)
     summary = state.result()
     overhead = _prefect_overhead(get_client, state.state_details.flow_run_id)
     if overhead is not None and server_start is not None:
@@ -74,13 +79,14 @@ def _run_real(args: argparse.Namespace, started: float) -> int:
     start_local_api()
     from flows.demo_real import DEFAULT_KEEP_LAYERS
 
-    state = demo_real(workdir=args.out, train_examples=args.examples or 96, heldout_examples=args.heldout,
-                      epochs=args.epochs or 2, keep_layers=args.keep_layers or DEFAULT_KEEP_LAYERS, return_state=True)
+    state = demo_real(workdir=args.out, train_examples=96 if args.examples is None else args.examples,
+                      heldout_examples=args.heldout, epochs=2 if args.epochs is None else args.epochs,
+                      keep_layers=args.keep_layers or DEFAULT_KEEP_LAYERS, return_state=True)
     wall = time.perf_counter() - started
     if state.is_failed():
         state.result(raise_on_failure=True)  # the flow's own exception: a Rejection exits 2 (the CLI's guard)
     if not state.is_completed():
-        return _ended(args, f"demo --real ended {state.type.value}: {state.message}")
+        return _ended(args, state, what="demo --real")
     result = state.result()
     print(report(result, wall), file=sys.stderr if args.json else sys.stdout)
     if args.json:
@@ -88,12 +94,45 @@ def _run_real(args: argparse.Namespace, started: float) -> int:
     return 0
 
 
-def _ended(args: argparse.Namespace, message: str) -> int:
-    """A demo flow that did not complete: one line, or with --json one error object on stdout."""
+def check_options(args: argparse.Namespace) -> None:
+    """Refuse what the demo could not run as asked, as every other command does (exit 2, one line).
+
+    Raises:
+        Rejection: ``invalid_option`` — ``--examples``, ``--epochs`` or ``--heldout`` below 1, or ``--real`` with
+            an ``--out`` that is not on this machine (its model cache lives there).
+    """
+    from kiln_core.errors import Rejection
+    from kiln_core.storage import is_local_uri
+
+    require_at_least(args, 1, "examples", "epochs", "heldout")
+    if args.real and not is_local_uri(args.out):
+        raise Rejection("invalid_option", f"demo --real keeps its models and answers under --out: give a local "
+                        f"directory, not {args.out}", field="--out")
+
+
+def same_command(args: argparse.Namespace) -> str:
+    """This demo's command line, which picks an interrupted run up at its newest checkpoint."""
+    import shlex
+
+    argv = ["kiln-flows", "demo", "--out", args.out]
+    for flag, value in (("--examples", args.examples), ("--epochs", args.epochs)):
+        if value is not None:
+            argv += [flag, str(value)]
+    if args.real:
+        argv += ["--real", "--heldout", str(args.heldout)] + (["--keep-layers", args.keep_layers] if args.keep_layers else [])
+    return shlex.join(argv)
+
+
+def _ended(args: argparse.Namespace, state, what: str = "demo run") -> int:
+    """A demo flow that ended without completing (cancelled, crashed): one line, or with --json one error
+    object on stdout (``status`` and ``code`` ``cancelled`` for a Ctrl-C, else ``failed``/``run_failed``)."""
     from kiln_core.errors import EXIT_FAILED
 
+    message = f"{what} ended {state.type.value}: {state.message}"
     if args.json:
-        print(json.dumps({"status": "failed", "code": "run_failed", "line": None, "field": None, "message": message}))
+        status = "cancelled" if state.is_cancelled() else "failed"
+        code = "cancelled" if state.is_cancelled() else "run_failed"
+        print(json.dumps({"status": status, "code": code, "line": None, "field": None, "message": message}))
     else:
         print(message, file=sys.stderr)
     return EXIT_FAILED

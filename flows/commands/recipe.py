@@ -83,11 +83,12 @@ def run_recipe_command(args: argparse.Namespace) -> int:
     from kiln_core.contracts.recipe import recipe_value
     from kiln_core.errors import EXIT_OK
     from kiln_core.post_eval.registry import SuiteRegistry
-    from kiln_core.recipes.recipe_plan import plan_recipe
+    from kiln_core.recipes.recipe_plan import check_step_inputs, plan_recipe
 
     path, recipe_file = resolve_recipe_argument(args.recipe)
     document = recipe_value(path)  # rejections (exit 2) go to the CLI's guard, before Prefect loads
     plan = plan_recipe(document, file=recipe_file or path, suites=SuiteRegistry.for_storage_root(args.out))
+    check_step_inputs(plan, recipe_file)
     if "://" not in args.student and not os.path.isdir(args.student):
         raise SpecError(f"--student {args.student} is not a directory", "student", code="invalid_student")
 

@@ -24,6 +24,7 @@ import argparse
 from flows.commands._options import add_json_argument, add_quiet_argument
 import json
 import os
+import shlex
 import sys
 
 NAME = "run"
@@ -42,6 +43,8 @@ def run(args: argparse.Namespace) -> int:
     from kiln_core.errors import EXIT_FAILED, EXIT_HELD_BACK, EXIT_OK
 
     spec = load_spec(args.pipeline)  # a rejection (exit 2) goes to the CLI's guard, before Prefect loads
+    # A pipeline run resumes from its newest checkpoint by itself: the same command is the resume command.
+    args.resume_hint = lambda: shlex.join(["kiln-flows", "run", args.pipeline])
 
     from flows.local_api import hide_rejection_tracebacks, offline_settings, start_local_api
 

@@ -35,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_local_teacher_arguments(register)
     add_json_argument(register)
     listing = sub.add_parser("list", help="list registered teachers")
-    add_out_argument(listing, aliases=("--root",))
+    add_out_argument(listing, aliases=("--root",), writes=False)
     add_json_argument(listing)
 
 

@@ -72,7 +72,10 @@ from __future__ import annotations
 
 import argparse
 
-from flows.commands._options import add_dtype_argument, add_json_argument, add_out_argument, add_quiet_argument
+from flows.commands._options import (add_dtype_argument, add_json_argument, add_out_argument, add_quiet_argument,
+                                     require_at_least)
+
+from kiln_core.contracts.spec_blocks import DEFAULT_MAX_TRAINING_HOURS
 
 NAME = "train"
 HELP = "Train a LoRA student from a Kiln OPD request file (teacher-scored corpus, or on-policy prompts)."
@@ -130,11 +133,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kiln-lenient", action="store_true",
                         help="ignore unknown request keys as Kiln does (each one is printed and recorded in the "
                         "receipt); without it an unknown key is refused, naming the closest field")
+    parser.add_argument("--max-training-hours", type=_hours, default=DEFAULT_MAX_TRAINING_HOURS, metavar="HOURS",
+                        help="refuse the run (training_too_long, exit 2) when, at the pace of its first steps, it "
+                        f"would train longer than HOURS (default {DEFAULT_MAX_TRAINING_HOURS:g}); 'none' for no bound")
     parser.add_argument("--wait-for-lock", type=_seconds, default=0.0, metavar="SECONDS",
                         help="when an identical run (same run key) is in progress, wait up to SECONDS for it "
                         "instead of exiting 3 with run_in_progress (default 0)")
     add_json_argument(parser)
     add_quiet_argument(parser)
+
+
+def _hours(value: str) -> float | None:
+    """A positive number of hours, or ``none`` (argparse type)."""
+    if value.strip().lower() == "none":
+        return None
+    try:
+        hours = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of hours (or none): {value!r}") from None
+    if not hours > 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be more than 0 hours, not {value!r}")
+    return hours
 
 
 def _seconds(value: str) -> float:
@@ -148,8 +167,9 @@ def _seconds(value: str) -> float:
     return seconds
 
 
-def resume_command(args: argparse.Namespace, checkpoint: str) -> str:
-    """The exact command that resumes this run from ``checkpoint``."""
+def resume_command(args: argparse.Namespace, checkpoint: str | None) -> str:
+    """The exact command that resumes this run from ``checkpoint`` (None: the run has none yet, so the same
+    command again starts it afresh)."""
     import shlex
 
     argv = ["kiln-flows", "train", "--request", args.request, "--adapter", args.adapter, "--student", args.student,
@@ -161,6 +181,8 @@ def resume_command(args: argparse.Namespace, checkpoint: str) -> str:
         argv.append("--gradient-checkpointing")
     if args.kiln_lenient:
         argv.append("--kiln-lenient")
+    if args.max_training_hours != DEFAULT_MAX_TRAINING_HOURS:
+        argv += ["--max-training-hours", "none" if args.max_training_hours is None else f"{args.max_training_hours:g}"]
     if args.eval_corpus:
         argv += ["--eval-corpus", args.eval_corpus, "--eval-every", str(args.eval_every)]
         if args.stop_on_divergence:
@@ -179,7 +201,7 @@ def resume_command(args: argparse.Namespace, checkpoint: str) -> str:
                         ("--vllm-sync-dir", args.vllm_sync_dir)):
         if value:
             argv += [flag, value]
-    return shlex.join(argv + ["--resume-checkpoint", checkpoint])
+    return shlex.join(argv + (["--resume-checkpoint", checkpoint] if checkpoint else []))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -188,13 +210,15 @@ def run(args: argparse.Namespace) -> int:
 
     from kiln_core.engine import ResumeRequired, run_pipeline, spec_from_request
 
+    require_at_least(args, 1, "nproc", "admit_workers")  # flags are named as flags, not as request fields
     if args.write_job is not None:
         check_write_job(args)
     prepared = spec_from_request(args.request, adapter=args.adapter, student_dir=args.student, out_root=args.out,
                                  resume_checkpoint=args.resume_checkpoint, nproc=args.nproc, backend=args.backend,
                                  eval_watch=watch_from_arguments(args), vllm=vllm_from_arguments(args),
                                  kiln_lenient=args.kiln_lenient, admit_workers=args.admit_workers,
-                                 ray=ray_from_arguments(args), strategy=args.strategy)
+                                 ray=ray_from_arguments(args), strategy=args.strategy,
+                                 max_training_hours=args.max_training_hours)
     for warning in prepared.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     if args.write_job is not None:
@@ -203,7 +227,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         on_train_start = None if args.quiet else (
             lambda settings: print(f"training {args.adapter}: {settings}", file=sys.stderr, flush=True))
-        result = run_pipeline(prepared.spec, prepared.stages(on_progress=bar.update, on_train_start=on_train_start),
+        stages = prepared.stages(on_progress=bar.update, on_train_start=on_train_start)
+        args.resume_hint = lambda: _resume_after_interrupt(args, stages.plan)  # for a second Ctrl-C (flows.cli)
+        result = run_pipeline(prepared.spec, stages,
                               resume=prepared.resume,
                               device=args.device, precision=args.dtype,
                               gradient_checkpointing=args.gradient_checkpointing, wait_for_lock=args.wait_for_lock)
@@ -256,6 +282,14 @@ def write_job(prepared, args: argparse.Namespace) -> int:
         print(f"job for {job.plan.nproc} ranks written to {location.uri} (run {job.plan.run_uri})\n"
               f"on every node, with NODES × RANKS_PER_NODE = {job.plan.nproc}:\n  {shlex.join(command)}")
     return 0
+def _resume_after_interrupt(args: argparse.Namespace, plan) -> str | None:
+    """The command that resumes a run a second Ctrl-C stopped at once: from its newest committed checkpoint,
+    or the same command again when it had none (None before training started: nothing to resume)."""
+    if plan is None:
+        return None
+    from kiln_core.engine.runs import newest_checkpoint
+
+    return resume_command(args, newest_checkpoint(plan.run_uri, plan.adapter))
 
 
 def print_result(result, label: str, *, as_json: bool) -> None:
@@ -321,7 +355,26 @@ def ray_from_arguments(args: argparse.Namespace) -> dict | None:
                 raise ConfigError(f"--{name.replace('_', '-')} needs --ray ADDRESS (local, auto or ray://host:port)",
                                   f"distributed.{name}")
         return None
+    check_ray_flag(args.ray)
+    require_at_least(args, 1, "workers")
+    require_at_least(args, 0, "gpus_per_worker", "max_failures")
     return {"address": args.ray, **given, "workers": 1 if args.workers is None else args.workers}
+
+
+def check_ray_flag(address: str) -> None:
+    """``--ray ADDRESS`` is an address Ray can be given (``local``, ``auto``, ``ray://host:port``, ``host:port``),
+    checked before any work: refused naming the flag, not the request file.
+
+    Raises:
+        ConfigError: ``invalid_ray_address``, field ``--ray``.
+    """
+    from kiln_core.contracts.opd_config import ConfigError
+    from kiln_core.contracts.spec_blocks import check_ray_address
+
+    try:
+        check_ray_address(address)
+    except ValueError as error:
+        raise ConfigError(str(error).replace("`distributed.address`: ", ""), "--ray", code="invalid_ray_address") from None
 
 
 def vllm_from_arguments(args: argparse.Namespace) -> dict | None:

@@ -4,8 +4,9 @@ against what the index says before it is admitted (``kiln_core.admission.shards`
 A directory (not a symlink to one) lists its ``*.jsonl`` files, hidden ones left out, in byte order of
 their names. An index (``kiln-flows.corpus-shards.v1``, ``kiln_core.contracts.corpus_shards``) lists shard
 paths relative to its own directory — never absolute, never through ``..`` or a symlink — or full fsspec
-URIs, each with the size and digest its bytes must have. Codes: ``shard_set_empty``,
-``shard_index_invalid``, ``shard_path_unsafe``, ``shard_missing``, ``shard_digest_mismatch``.
+URIs, each with the size and digest its bytes must have. A directory holding an ``index.json`` is read
+through that index. Codes: ``shard_set_empty``, ``shard_index_invalid``, ``shard_path_unsafe``,
+``shard_unlisted``, ``shard_missing``, ``shard_digest_mismatch``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from pydantic import ValidationError
 
 from kiln_core.admission.source import MAX_CORPUS_BYTES
-from kiln_core.contracts.corpus_shards import INDEX_FORMAT, CorpusShardIndex, set_sha256
+from kiln_core.contracts.corpus_shards import DIRECTORY_INDEX, INDEX_FORMAT, CorpusShardIndex, set_sha256
 from kiln_core.errors import AdmissionError
 from kiln_core.storage import Location, resolve, write_bytes_atomic
 
@@ -48,9 +49,10 @@ def is_shard_set(uri: str, storage_options: dict | None = None) -> bool:
     """Whether ``uri`` names a set of shards (a directory or an index) rather than one JSONL file.
 
     A directory (not a symlink to one: a symlinked corpus stays the single-file ``not_regular_file``), a
-    file named ``*.index.json``, or a ``*.json`` file holding one JSON object whose ``format`` is
-    ``kiln-flows.corpus-shards.v1``. Anything else — a missing path included — is a single file and
-    keeps the single-file verdict.
+    file named ``index.json`` or ``*.index.json`` (read as an index even when it does not parse, so a broken
+    one is refused as the index it is, ``shard_index_invalid``), or a ``*.json`` file holding one JSON object
+    whose ``format`` is ``kiln-flows.corpus-shards.v1``. Anything else — a missing path included — is a single
+    file and keeps the single-file verdict.
     """
     location = resolve(uri, storage_options)
     if location.is_local:
@@ -68,7 +70,7 @@ def is_shard_set(uri: str, storage_options: dict | None = None) -> bool:
                 return True
         except FileNotFoundError:
             return False
-    if location.path.endswith(INDEX_SUFFIX):
+    if location.path.endswith(INDEX_SUFFIX) or posixpath.basename(location.path) == DIRECTORY_INDEX:
         return True
     if not location.path.endswith(".json"):
         return False
@@ -113,12 +115,21 @@ def shard_set_digest(uri: str, storage_options: dict | None = None) -> tuple[str
 def list_shards(uri: str, storage_options: dict | None = None) -> list[ShardSource]:
     """The shards of a set, in set order.
 
+    A directory that holds an ``index.json`` is the set its index lists, read whole: a ``*.jsonl`` file beside
+    the index that the index does not list is refused (``shard_unlisted``), as is (later, before admission) a
+    listed shard that is gone (``shard_missing``). Without an index, a directory is its ``*.jsonl`` files.
+
     Raises:
-        AdmissionError: ``shard_index_invalid``, ``shard_path_unsafe`` or ``shard_set_empty``.
+        AdmissionError: ``shard_index_invalid``, ``shard_path_unsafe``, ``shard_unlisted`` or ``shard_set_empty``.
     """
     location = resolve(uri, storage_options)
     directory = location.fs.isdir(location.path)
-    shards = _directory_shards(location) if directory else _index_shards(location, storage_options)
+    index = location.child(DIRECTORY_INDEX) if directory else location
+    if directory and index.exists():
+        shards = _index_shards(index, storage_options)
+        _refuse_unlisted(_directory_shards(location), shards, index)
+    else:
+        shards = _directory_shards(location) if directory else _index_shards(location, storage_options)
     if not shards:
         what = "the directory holds no *.jsonl file" if directory else "the index lists no shard"
         raise AdmissionError("shard_set_empty", None, f"{what}: a set needs at least one shard", file=location.uri)
@@ -141,6 +152,17 @@ def _directory_shards(location: Location) -> list[ShardSource]:
             raise AdmissionError("shard_path_unsafe", None, f"shard {name} is a symlink; a shard must be a regular "
                                  f"file inside the set's directory", file=name)
     return [ShardSource(uri=location.child(name).uri, name=name) for name in names]
+
+
+def _refuse_unlisted(present: list[ShardSource], listed: list[ShardSource], index: Location) -> None:
+    """``shard_unlisted``: a ``*.jsonl`` file in the index's directory that the index does not list (a shard
+    written after the index, or a stray corpus) would be silently left out of the set."""
+    known = {shard.uri for shard in listed}
+    for shard in present:
+        if shard.uri not in known:
+            raise AdmissionError("shard_unlisted", None, f"{shard.name} is in the directory of {index.uri} but the "
+                                 f"index does not list it; a directory with an index is read through it, whole: "
+                                 f"move the file out, or write the index again", file=shard.name)
 
 
 def _index_shards(location: Location, storage_options: dict | None) -> list[ShardSource]:

@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
     "INDEX_FORMAT",
+    "DIRECTORY_INDEX",
     "SET_FORMAT",
     "ShardEntry",
     "CorpusShardIndex",
@@ -45,6 +46,9 @@ __all__ = [
 ]
 
 INDEX_FORMAT = "kiln-flows.corpus-shards.v1"
+DIRECTORY_INDEX = "index.json"
+"""The index a directory of shards holds (``kiln-flows score --shard-size`` writes it last): a directory with one
+is read through it, whole, never as the ``*.jsonl`` files that happen to be there."""
 SET_FORMAT = "kiln-flows.corpus-set.v1"
 SHA256_PATTERN = r"^sha256:[0-9a-f]{64}$"
 

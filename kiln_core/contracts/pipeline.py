@@ -336,7 +336,8 @@ def unknown_config_keys(value: Any) -> list[UnknownKey]:
     return find_unknown_keys(value, OpdConfig, prefix="config.", owners={OpdConfig: "Kiln's OpdConfig"})
 
 
-_RULE_CODES = {"adapter": "invalid_adapter_name", "distributed.strategy": "unsupported_strategy"}
+_RULE_CODES = {"adapter": "invalid_adapter_name", "distributed.strategy": "unsupported_strategy",
+               "distributed.address": "invalid_ray_address"}
 
 
 def parse_spec(value: Any, *, file: str | None = None) -> PipelineSpec:

@@ -9,6 +9,8 @@ Example:
 
 from __future__ import annotations
 
+import re
+
 from pathlib import Path
 from typing import Literal
 
@@ -64,6 +66,10 @@ class TeacherSource(BaseModel):
 
 
 
+DEFAULT_MAX_TRAINING_HOURS = 168.0
+"""One week: the longest a run may be projected to train (``kiln_core.training.time_bound``) unless allowed more."""
+
+
 class RunOptions(BaseModel):
     """How the pipeline runs (not what it trains)."""
 
@@ -98,6 +104,11 @@ class RunOptions(BaseModel):
         default=None,
         description="Run training as this deployment of the kiln-train flow (e.g. kiln-train/gpu) on its "
         "work pool, instead of in this flow run. Default: empty (train here).",
+    )
+    max_training_hours: float | None = Field(
+        default=DEFAULT_MAX_TRAINING_HOURS, gt=0,
+        description="Refuse a run that, at the pace of its first steps, would train longer than this many hours "
+        "(training_too_long); empty: no bound. Default: 168 (a week).",
     )
 
 
@@ -243,7 +254,14 @@ def check_ray_address(address: str) -> str:
                          "authentication)")
     if not rest or rest.startswith(":"):
         raise ValueError(f"`distributed.address`: {address!r} names no host")
+    if "://" not in address and not _HOST_PORT.match(address):
+        # A bare word would be handed to Ray as a cluster address and fail only when the run connects.
+        raise ValueError(f"`distributed.address`: {address!r} must be local, auto, ray://host:port or host:port "
+                         "(a port number after the host)")
     return address
+
+
+_HOST_PORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):(\d{1,5})$")
 
 
 class VllmBackends(BaseModel):

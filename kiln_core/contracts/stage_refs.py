@@ -151,6 +151,10 @@ class TrainPlan(_Ref):
     lora_targets: LoraTargets | None = Field(default=None, exclude_if=lambda value: value is None)
     """The student's LoRA targets, resolved from its config (``kiln_core.training.lora_targets``) when the engine
     plans the run; None for a direct call of the trainers, which read them from the student when they plan."""
+    max_training_hours: float | None = None
+    """The time bound (``kiln_core.training.time_bound``): a run projected, after its first steps, to train longer
+    is refused (``training_too_long``); None: no bound. Not part of the run's identity (the spec's
+    ``options.max_training_hours``)."""
     ray: RayOptions | None = Field(default=None, exclude_if=lambda value: value is None)
     """Train on a Ray cluster (``distributed: {engine: ray}``) with ``nproc`` workers; None: torchrun or this
     process. Not part of the run's identity (the world size is); absent from the JSON of other plans."""
@@ -276,5 +280,13 @@ class PipelineResult(_Ref):
                                                                                                      "kept")
 
     def summary(self) -> dict[str, Any]:
-        """The JSON summary of ``kiln-flows run``/``train --json`` and of the ``opd_distill`` flow."""
-        return self.model_dump(mode="json")
+        """The JSON summary of ``kiln-flows run``/``train --json`` and of the ``opd_distill`` flow.
+
+        A run that did not succeed also carries the error contract's ``code`` and ``message`` (its
+        ``failure_reason`` and ``failure_message``: ``cancelled``, ``training_diverged``, ``nan_loss``, …), as every
+        other outcome that is not a success does (docs/errors.md)."""
+        summary = self.model_dump(mode="json")
+        if self.status != "success":
+            summary["code"] = self.failure_reason or self.status
+            summary["message"] = self.failure_message or self.status
+        return summary

@@ -35,7 +35,7 @@ from kiln_core.engine.recipe_receipts import record_recipe
 from kiln_core.engine.replay_log import write_replay_log
 from kiln_core.engine.gate import check_gate_inputs, has_gate, run_gate, training_data
 from kiln_core.engine.run_lock import RunLock
-from kiln_core.engine.runs import plan_run
+from kiln_core.engine.runs import check_lora_rank, plan_run
 from kiln_core.engine.training import distributed_job, train, training_settings
 
 
@@ -85,6 +85,8 @@ class LocalStages:
                  on_train_start: Callable[[str], None] | None = None) -> None:
         self.on_progress, self.should_cancel, self.handle_signals = on_progress, should_cancel, handle_signals
         self.on_step_committed, self.on_train_start = on_step_committed, on_train_start
+        self.plan: TrainPlan | None = None
+        """The plan being trained, once training starts: where a run stopped at once can be resumed from."""
 
     def manifest(self, teacher: TeacherSource, storage_root: str, max_top_k: int) -> ManifestRef:
         return stages.resolve_manifest(teacher, storage_root, max_top_k=max_top_k)
@@ -108,6 +110,7 @@ class LocalStages:
         return check_prompts(spec.prompts, manifest, spec.config, student_dir)
 
     def train(self, plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir: str) -> TrainRef:
+        self.plan = plan
         if self.on_train_start is not None:
             self.on_train_start(training_settings(plan))
         return train(plan, corpus, manifest, student_dir, on_progress=self.on_progress,
@@ -142,15 +145,17 @@ def prepare(spec: PipelineSpec, stages_: Stages | None = None, *, resume: str | 
             gradient_checkpointing: bool = False, claim: Callable | None = None) -> PreparedRun:
     """Every stage before training: manifest, (score), fingerprint, admit, verify — or, for ``prompts``,
     the on-policy prompt checks — then plan (``claim``: called with the run directory, ``plan_run``)."""
-    from kiln_core.storage import localize_directory
+    from kiln_core.storage import check_storage_root, localize_directory
 
     from kiln_core.engine.base_adapter import plan_base_adapter
     from kiln_core.identity.model_files import check_model_files
     from kiln_core.training.lora_targets import resolve_lora_targets
 
     stages_ = stages_ or LocalStages()
+    check_storage_root(spec.storage_root, field="storage_root")  # written where it says, or refused now
     student_dir = localize_directory(spec.student)
     check_model_files(student_dir, role="student")  # a truncated shard is refused before any work
+    check_lora_rank(spec.config, student_dir)  # from config.json: a rank the student cannot hold never trains
     lora_targets = resolve_lora_targets(student_dir)  # from config.json: a model with nothing to adapt is refused now
     base_adapter = plan_base_adapter(spec.config, spec.storage_root, lora_targets)  # before any admission work
     manifest = stages_.manifest(spec.teacher, spec.storage_root, max(32, spec.config.top_k))

@@ -32,6 +32,7 @@ from kiln_core.contracts.names import check_name
 from kiln_core.contracts.opd_config import ConfigError, OpdRequest, parse_opd_request, unknown_request_keys
 from kiln_core.contracts.opd_submit import validate_request_for_offline_training
 from kiln_core.contracts.pipeline import DistributedOptions, PipelineSpec, TeacherSource, parse_spec
+from kiln_core.contracts.spec_blocks import DEFAULT_MAX_TRAINING_HOURS
 from kiln_core.contracts.post_eval.config import PostEvalConfig, parse_post_eval_config, validate_post_eval_config
 from kiln_core.contracts.unknown_keys import UnknownKey
 from kiln_core.engine.pipeline import LocalStages, prepare_job
@@ -132,7 +133,7 @@ def spec_from_request(request_path: str, *, adapter: str, student_dir: str, out_
                       resume_checkpoint: str | None = None, nproc: int = 1, backend: str = "auto",
                       eval_watch: dict | None = None, vllm: dict | None = None,
                       kiln_lenient: bool = False, admit_workers: int = 1, ray: dict | None = None,
-                      strategy: str = "ddp") -> RequestRun:
+                      strategy: str = "ddp", max_training_hours: float | None = DEFAULT_MAX_TRAINING_HOURS) -> RequestRun:
     """Validate a request file and build the spec ``run_pipeline`` trains (nothing is read but the request;
     an on-policy request's inline prompts are written to ``<out_root>/prompts/<digest>.jsonl``).
 
@@ -145,6 +146,7 @@ def spec_from_request(request_path: str, *, adapter: str, student_dir: str, out_
     the Ray fields of the spec's ``distributed`` block (``address``, ``workers``, ``gpus_per_worker``,
     ``max_failures``); training then runs on that Ray cluster instead of here or under torchrun.
     ``strategy`` (``--strategy``): ``distributed.strategy`` (``fsdp``: two or more ranks on GPUs).
+    ``max_training_hours`` (``--max-training-hours``): the time bound, ``options.max_training_hours`` (None: none).
 
     Raises:
         ConfigError: the request (``invalid_request`` for an unknown key), the adapter name (``invalid_adapter_name``), ``nproc``, the watch
@@ -184,7 +186,8 @@ def spec_from_request(request_path: str, *, adapter: str, student_dir: str, out_
     if request.prompts:
         return RequestRun(spec=_on_policy_spec(request, teacher, post_eval, watch, adapter=adapter,
                                                student_dir=student_dir, out_root=out_root, nproc=nproc,
-                                               request_path=request_path, vllm=vllm),
+                                               request_path=request_path, vllm=vllm,
+                                               max_training_hours=max_training_hours),
                           resume=resume, warnings=warnings, ignored_keys=ignored)
     spec = parse_spec({
         "teacher": teacher,
@@ -197,7 +200,7 @@ def spec_from_request(request_path: str, *, adapter: str, student_dir: str, out_
         "post_eval": post_eval,
         "eval": watch,
         "vllm": vllm,  # refused (invalid_spec): a corpus is already scored
-        "options": {"admit_workers": admit_workers},
+        "options": {"admit_workers": admit_workers, "max_training_hours": max_training_hours},
     }, file=request_path)
     return RequestRun(spec=spec, resume=resume, warnings=warnings, ignored_keys=ignored)
 
@@ -215,7 +218,8 @@ def _distributed_block(nproc: int, backend: str, ray: dict | None, strategy: str
 
 def _on_policy_spec(request: OpdRequest, teacher: TeacherSource, post_eval: PostEvalConfig | None,
                     watch: EvalWatch | None, *, adapter: str, student_dir: str, out_root: str, nproc: int,
-                    request_path: str, vllm: dict | None = None) -> PipelineSpec:
+                    request_path: str, vllm: dict | None = None,
+                    max_training_hours: float | None = DEFAULT_MAX_TRAINING_HOURS) -> PipelineSpec:
     """The spec of an on-policy request: its prompts written as a prompt file, a local teacher, one process,
     its ``post_eval`` gate and the held-out watch, if any."""
     from kiln_core.engine.prompts import write_inline_prompts
@@ -230,5 +234,5 @@ def _on_policy_spec(request: OpdRequest, teacher: TeacherSource, post_eval: Post
     return parse_spec({
         "teacher": teacher, "prompts": write_inline_prompts(request.prompts, out_root), "student": student_dir,
         "storage_root": out_root, "adapter": adapter, "config": request.config, "post_eval": post_eval,
-        "eval": watch, "vllm": vllm,
+        "eval": watch, "vllm": vllm, "options": {"max_training_hours": max_training_hours},
     }, file=request_path)

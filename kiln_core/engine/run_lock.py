@@ -159,6 +159,7 @@ class RunLock:
         self.holder: Holder | None = None
         self.lost = False
         self._fd: int | None = None
+        self._created_dirs: list[str] | None = None
         self._etag: Any = None
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
@@ -198,8 +199,14 @@ class RunLock:
         """None when taken; else the holder's record (or True when it is not readable yet)."""
         import fcntl
 
-        os.makedirs(os.path.dirname(location.path), exist_ok=True)
-        fd = os.open(location.path, os.O_RDWR | os.O_CREAT, 0o644)
+        parent = os.path.dirname(location.path)
+        if self._created_dirs is None:  # what release removes again when the run wrote nothing beside the lock
+            self._created_dirs = _missing_directories(parent)
+        os.makedirs(parent, exist_ok=True)
+        try:
+            fd = os.open(location.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except FileNotFoundError:  # a releasing run removed the directory it had created: look again
+            return True
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as error:
@@ -289,6 +296,8 @@ class RunLock:
             finally:
                 if fd is not None:
                     os.close(fd)
+            _remove_if_empty(self._created_dirs or [])
+            self._created_dirs = None
             return
         if self.lost:
             return
@@ -306,6 +315,28 @@ class RunLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def _missing_directories(path: str) -> list[str]:
+    """The directories ``os.makedirs(path)`` would create, deepest first."""
+    missing = []
+    while path and not os.path.isdir(path):
+        missing.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return missing
+
+
+def _remove_if_empty(directories: list[str]) -> None:
+    """Remove the directories a lock created (deepest first) while they are empty: a run refused before it
+    wrote anything leaves no ``runs/<adapter>/`` behind."""
+    for directory in directories:
+        try:
+            os.rmdir(directory)
+        except OSError:  # not empty (the run wrote there, or another run did), or already gone
+            return
 
 
 class _Changed(Exception):

@@ -150,7 +150,34 @@ def plan_run(spec: PipelineSpec, corpus: CorpusRef, manifest: ManifestRef, stude
                      ray=distributed.ray_options() if distributed else None,
                      device=device, precision=precision, gradient_checkpointing=gradient_checkpointing,
                      eval_watch=spec.eval, held_out=held_out, base_adapter=base_adapter, vllm=spec.vllm,
-                     lora_targets=lora_targets)
+                     lora_targets=lora_targets, max_training_hours=spec.options.max_training_hours)
+
+
+def check_lora_rank(config: OpdConfig, student_dir: str) -> None:
+    """Refuse a LoRA rank the student cannot hold, from its ``config.json`` alone (no weights load).
+
+    Every projection LoRA adapts (``kiln_core.training.lora_targets``) has the hidden size on one
+    side, so its update has rank at most ``hidden_size``: a larger ``lora_rank`` adds parameters that can never add
+    capacity, at the cost of memory and step time (rank 100000 on a hidden size of 64: 26 s a step). Kiln's own
+    range (any positive rank) is kept wherever the model is wide enough; a config without a hidden size is not
+    checked, and one that cannot be read is left to the stage that reads the student (its own codes).
+
+    Raises:
+        ConfigError: ``lora_rank_exceeds_model``, field ``config.lora_rank``, naming the largest rank that runs.
+    """
+    from kiln_core.contracts.opd_config import ConfigError
+    from kiln_core.identity.hashing import IdentityHashError, config_value, read_model_config
+
+    try:
+        _, model_config = read_model_config(student_dir)
+        hidden = next((value for key in ("hidden_size", "n_embd", "d_model")
+                       if (value := config_value(model_config, key)) is not None), None)
+    except IdentityHashError:
+        return
+    if hidden is not None and config.lora_rank > hidden:
+        raise ConfigError(f"lora_rank {config.lora_rank} is above the student's hidden size {hidden}: each adapted "
+                          f"projection has {hidden} on one side, so no LoRA update can have a rank above {hidden}; "
+                          f"use lora_rank {hidden} or less", "config.lora_rank", code="lora_rank_exceeds_model")
 
 
 def check_resume_name(value: str, storage_root: str, adapter: str) -> str:

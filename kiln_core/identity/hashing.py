@@ -93,12 +93,35 @@ def checked_regular_file(path: Path, what: str) -> Path:
     if path.is_symlink():
         _check_cache_link(path, what)
     if not path.exists():
-        raise IdentityHashError("missing_file", f"{what} {path} does not exist")
+        raise IdentityHashError("missing_file", f"{what} {path} does not exist{hf_cache_repo_hint(path.parent)}")
     if not path.is_file():
         raise IdentityHashError("not_a_file", f"{what} {path} is not a regular file")
     if path.stat().st_size == 0:
         raise IdentityHashError("empty_file", f"{what} {path} is empty")
     return path
+
+
+def hf_cache_repo_hint(directory: str | Path) -> str:
+    """``''``, unless ``directory`` is a Hugging Face cache repo folder (``models--org--name`` holding ``blobs/``
+    and ``snapshots/``) given where a model directory belongs: then a hint naming the snapshot folder(s) to give
+    instead, the one ``refs/main`` points at first.
+
+    Example:
+        >>> hf_cache_repo_hint("./student")
+        ''
+    """
+    root = Path(directory)
+    snapshots = root / "snapshots"
+    if not (snapshots.is_dir() and (root / "blobs").is_dir()):
+        return ""
+    found = sorted(entry for entry in snapshots.iterdir() if entry.is_dir())
+    main = root / "refs" / "main"
+    pinned = snapshots / main.read_text(encoding="utf-8").strip() if main.is_file() else None
+    found.sort(key=lambda entry: entry != pinned)  # refs/main's snapshot first, the others in name order
+    if not found:
+        return f"; {root} is a Hugging Face cache folder with no snapshot in it yet"
+    more = f" (or {', '.join(str(entry) for entry in found[1:3])}{', …' if len(found) > 3 else ''})" if len(found) > 1 else ""
+    return f"; {root} is a Hugging Face cache folder, not a model directory: give its snapshot {found[0]}{more}"
 
 
 def hf_cache_repo(path: Path) -> Path | None:
@@ -154,7 +177,8 @@ def select_weight_shards(model_dir: str | Path) -> list[Path]:
     else:
         names = sorted(entry.name for entry in root.iterdir() if entry.name.endswith(".safetensors"))
     if not names:
-        raise IdentityHashError("no_shards", f"no safetensors weights in {root} (pickled .bin weights are not hashed)")
+        raise IdentityHashError("no_shards", f"no safetensors weights in {root} (pickled .bin weights are not hashed)"
+                                f"{hf_cache_repo_hint(root)}")
     return [checked_regular_file(root / name, "weight shard") for name in names]
 
 
@@ -263,6 +287,9 @@ def load_fast_tokenizer(model_dir: str | Path) -> Any:
     """Load the fast tokenizer of a local model directory (no hub access)."""
     from transformers import AutoTokenizer
 
+    hint = hf_cache_repo_hint(model_dir)
+    if hint:  # transformers would say, over several lines, that it cannot build a tokenizer
+        raise IdentityHashError("no_tokenizer", f"no tokenizer in {model_dir}{hint}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir), use_fast=True, local_files_only=True)
     except (OSError, ValueError, KeyError) as error:

@@ -87,11 +87,22 @@ def _weight_files(root: Path) -> list[Path]:
 
 def _check_json_object(path: Path, role: str) -> None:
     try:
-        value = json.loads(path.read_bytes())
+        value = json.loads(_read(path, role))
     except (ValueError, UnicodeDecodeError) as error:
         raise ModelUnreadable(path, f"not valid JSON ({error})", role) from None
     if not isinstance(value, dict):
         raise ModelUnreadable(path, "not a JSON object", role)
+
+
+def _read(path: Path, role: str, size: int = -1) -> bytes:
+    """The first ``size`` bytes of a model file (all with -1). A file this process may not read (its
+    permissions, a directory in its place) is the model's fault, not the storage's: ``model_unreadable``."""
+    try:
+        with open(path, "rb") as handle:
+            return handle.read(size)
+    except OSError as error:
+        hint = " (check the file's permissions)" if isinstance(error, PermissionError) else ""
+        raise ModelUnreadable(path, f"{error.strerror or error}{hint}", role) from None
 
 
 def check_safetensors(path: str | Path, *, role: str = "student") -> None:
@@ -103,15 +114,14 @@ def check_safetensors(path: str | Path, *, role: str = "student") -> None:
     """
     path = Path(path)
     size = path.stat().st_size
-    with open(path, "rb") as handle:
-        prefix = handle.read(8)
-        if len(prefix) < 8:
-            raise ModelUnreadable(path, f"{size} bytes is shorter than the safetensors header length", role)
-        header_bytes = int.from_bytes(prefix, "little")
-        if header_bytes > min(MAX_HEADER_BYTES, size - 8):
-            raise ModelUnreadable(path, f"its safetensors header claims {header_bytes} bytes but the file has "
-                                  f"{size}: truncated, or not a safetensors file", role)
-        raw = handle.read(header_bytes)
+    prefix = _read(path, role, 8)
+    if len(prefix) < 8:
+        raise ModelUnreadable(path, f"{size} bytes is shorter than the safetensors header length", role)
+    header_bytes = int.from_bytes(prefix, "little")
+    if header_bytes > min(MAX_HEADER_BYTES, size - 8):
+        raise ModelUnreadable(path, f"its safetensors header claims {header_bytes} bytes but the file has "
+                              f"{size}: truncated, or not a safetensors file", role)
+    raw = _read(path, role, 8 + header_bytes)[8:]
     try:
         header = json.loads(raw)
     except (ValueError, UnicodeDecodeError):

@@ -45,8 +45,8 @@ from kiln_core.contracts.names import check_name
 from kiln_core.contracts.recipe import REFUSED_STEP_KINDS, STEP_KINDS, TRAINING_STEP_KINDS, PostEvalStep, parse_recipe
 from kiln_core.errors import Rejection
 
-__all__ = ["PlannedStep", "RecipePlan", "STEP_ENGINES", "CHAINED_KINDS", "plan_recipe", "step_functions",
-           "prepare_step"]
+__all__ = ["PlannedStep", "RecipePlan", "STEP_ENGINES", "CHAINED_KINDS", "plan_recipe", "check_step_inputs",
+           "step_functions", "prepare_step"]
 
 STEP_ENGINES: dict[str, tuple[str, str, str]] = {
     "opd": ("kiln_core.recipes.opd", "check_opd_request", "prepare_opd"),
@@ -185,6 +185,31 @@ def plan_recipe(value: Any, *, file: str | None = None, suites: Any = None) -> R
                                options=options)
         planned.append(previous)
     return RecipePlan(name=document.name, description=document.description, steps=tuple(planned), file=file)
+
+
+def check_step_inputs(plan: RecipePlan, recipe_file: str | None = None) -> None:
+    """Refuse a recipe whose steps name input files that are not there, before the first step runs: an opd step's
+    ``prompts_from.dataset`` and a step's path options (``prompt_bank``), taken relative to ``recipe_file`` (the
+    working directory without one), as ``prepare_step`` takes them.
+
+    Raises:
+        Rejection: ``file_not_found``, naming the step's field (``steps[0].prompts_from.dataset``).
+    """
+    import os
+
+    from kiln_core.storage import anchored_path, resolve
+
+    anchor = recipe_file or os.path.join(os.getcwd(), "recipe.yaml")
+    for step in plan.steps:
+        named = [(key, value) for key, value in step.options.items() if key in PATH_OPTIONS]
+        source = step.body.get("prompts_from") if step.kind == "opd" else None
+        if isinstance(source, dict) and isinstance(source.get("dataset"), str):
+            named.append(("prompts_from.dataset", source["dataset"]))
+        for field, value in named:
+            path = anchored_path(value, anchor)
+            if not resolve(path).exists():
+                raise Rejection("file_not_found", f"{path} does not exist", field=f"steps[{step.index}].{field}",
+                                file=recipe_file)
 
 
 def prepare_step(step: PlannedStep, *, recipe: str, student_dir: str, storage_root: str,

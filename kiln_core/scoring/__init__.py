@@ -32,6 +32,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from kiln_core.contracts.opd_config import SUPPORTED_TOP_K
 from kiln_core.scoring.examples import ScoringError, batched, count_examples, iter_examples
 from kiln_core.scoring.requests import encode_requests as _encode  # the mask builder per batch (tests use it too)
 from kiln_core.scoring.requests import sequence_key as _sequence_key
@@ -214,6 +215,12 @@ def _check_options(top_k, batch_size, dtype, attn_implementation, device, teache
         raise ScoringError("invalid_option", f"give exactly one teacher: a directory, an alias or a vLLM URL (got {sources or 'none'})")
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
         raise ScoringError("invalid_option", f"top_k must be a positive integer, got {top_k!r}")
+    if top_k < min(SUPPORTED_TOP_K):
+        # Admission resolves its K to 32 or 16 and needs that many candidates per token (too_few_candidates):
+        # a corpus scored with fewer could be written, but nothing would ever admit it.
+        raise ScoringError("top_k_unsupported", f"--top-k {top_k} would score {top_k} candidates per token, but "
+                           f"admission trains with top-K {' or '.join(map(str, SUPPORTED_TOP_K))} and refuses rows with "
+                           f"fewer (too_few_candidates): score with --top-k {min(SUPPORTED_TOP_K)} or more")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ScoringError("invalid_option", f"batch_size must be a positive integer, got {batch_size!r}")
     if dtype is not None and dtype not in DTYPES:

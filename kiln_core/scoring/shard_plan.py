@@ -21,6 +21,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from kiln_core.contracts.corpus_shards import DIRECTORY_INDEX
 from kiln_core.scoring.examples import ScoringError, batched, iter_examples
 from kiln_core.scoring.requests import encode_requests, sequence_key
 
@@ -33,7 +34,7 @@ MAX_LOGPROB_CHARS = 24
 """Characters ``repr(float(np.float32(x)))`` can take: sign, 17 significant digits, point, ``e-45``."""
 PLAN_FORMAT = "kiln-flows.scored-set-plan.v1"
 STATE_DIR = ".kiln-flows-score"
-INDEX_NAME = "index.json"
+INDEX_NAME = DIRECTORY_INDEX  # the name a directory of shards is read through (admission)
 _UNITS = {"": 1, "b": 1, "kib": 1024, "mib": 1024**2, "gib": 1024**3}
 _SIZE_TEXT = re.compile(r"^\s*(\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
 

@@ -3,7 +3,8 @@
 Once a step is committed (``step.train_examples`` / ``step.train_step_distributed``) the loop hands
 over to ``StepBoundary.after_step``, which does, in this order:
 
-1. the progress report (the caller's ``report``: its shape differs per mode, its place does not);
+1. the progress report (the caller's ``report``: its shape differs per mode, its place does not), then the
+   time bound (``time_bound``: after the first few steps, a run projected past its bound is refused);
 2. a held-out evaluation when due (``watch``, only when the run is watched);
 3. a checkpoint when ``global_step % checkpoint_interval == 0`` and steps remain;
 4. ``on_step_committed`` (tests and fault drills stop a run there);
@@ -28,6 +29,7 @@ from kiln_core.training.lifecycle import CANCEL_MESSAGE, CheckpointPublisher
 from kiln_core.training.progress import Clock, LoopProgress
 from kiln_core.training.step import StopTraining
 from kiln_core.training.student import Student
+from kiln_core.training.time_bound import TimeBound
 from kiln_core.training.watch import HeldOutWatch
 
 __all__ = ["StepBoundary"]
@@ -47,6 +49,7 @@ class StepBoundary:
         should_cancel: Polled at each boundary; True stops the run.
         on_step_committed: Called with the step number once the step (and its checkpoint) is published.
         watch: The held-out watch of a watched run, or None.
+        time_bound: Refuses a run whose measured pace projects past its bound (``time_bound.TimeBound``), or None.
     """
 
     checkpoints: CheckpointPublisher
@@ -58,6 +61,7 @@ class StepBoundary:
     should_cancel: Callable[[], bool] | None = None
     on_step_committed: Callable[[int], None] | None = None
     watch: HeldOutWatch | None = None
+    time_bound: TimeBound | None = None
 
     def stop_requested(self) -> bool:
         """True when this process (or, with several, any rank) was asked to stop."""
@@ -89,6 +93,8 @@ class StepBoundary:
         """
         if report is not None:
             report()
+        if self.time_bound is not None:  # before anything more is written: a refused run keeps nothing new
+            self.time_bound.after_step(self.progress, steps_left=steps_left)
         step = self.progress.global_step
         halt = self.watch.after_step(student, self.progress, self.clock, steps_left=steps_left) if self.watch else None
         if self.checkpoint_interval and step % self.checkpoint_interval == 0 and steps_left:

@@ -35,6 +35,7 @@ from kiln_core.training.progress import Clock, LoopProgress
 from kiln_core.training.receipt import RunOutcome
 from kiln_core.training.step import StopTraining
 from kiln_core.training.student import Student, load_student
+from kiln_core.training.time_bound import TrainingTooLong
 
 __all__ = ["CANCEL_MESSAGE", "TrainResult", "CheckpointPublisher", "new_progress", "start_student", "outcome_recorded",
            "write_checkpoint", "run_status", "result_fields", "deterministic", "stop_signals"]
@@ -112,12 +113,15 @@ def start_student(plan: RunPlan, student_dir: str, progress: LoopProgress, *, gr
 @contextlib.contextmanager
 def outcome_recorded(plan: RunPlan, outcome: RunOutcome, progress: LoopProgress, clock: Clock):
     """How the loop ended, into ``outcome``: a ``StopTraining`` (cancel, non-finite loss) is an expected
-    end and is not raised further; any other error writes the failed receipt, then propagates."""
+    end and is not raised further; ``TrainingTooLong`` (the time bound) propagates with no receipt; any other
+    error writes the failed receipt, then propagates."""
     try:
         yield
     except StopTraining as stop:
         outcome.failure_reason, outcome.failure_message = stop.reason, stop.message
         outcome.stop_reason = stop.stop_reason
+    except TrainingTooLong:
+        raise  # refused, not failed: no receipt (the loop removes a fresh run's directory)
     except BaseException as error:
         outcome.failure_reason = _failure_reason(error)
         outcome.failure_message = f"{type(error).__name__}: {error}"

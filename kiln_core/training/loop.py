@@ -41,9 +41,11 @@ from kiln_core.training.lifecycle import (
 )
 from kiln_core.training.plan import RunPlan
 from kiln_core.training.progress import Clock, LoopProgress
+from kiln_core.storage import remove_tree
 from kiln_core.training.receipt import RunOutcome
 from kiln_core.training.step import train_examples, train_step_distributed
 from kiln_core.training.student import Student
+from kiln_core.training.time_bound import TimeBound, TrainingTooLong
 from kiln_core.training.watch import EvalReport, HeldOutSlice, HeldOutWatch
 
 __all__ = ["CandidateSource", "StepGroup", "TrainingRun", "run_training"]
@@ -87,7 +89,8 @@ def run_training(plan: RunPlan, source: CandidateSource, *, student_dir: str, cl
                  on_step_committed: Callable[[int], None] | None = None,
                  report: Callable[[LoopProgress, float], None] | None = None,
                  eval_watch: HeldOutSlice | None = None,
-                 on_eval: Callable[[EvalReport], None] | None = None) -> TrainingRun:
+                 on_eval: Callable[[EvalReport], None] | None = None,
+                 max_hours: float | None = None) -> TrainingRun:
     """Train the planned run over ``source`` and publish the adapter and receipt.
 
     Args:
@@ -104,17 +107,40 @@ def run_training(plan: RunPlan, source: CandidateSource, *, student_dir: str, cl
         report: Called as ``(progress, loss)`` after each committed step.
         eval_watch: Held-out evaluation during training, or None.
         on_eval: Called with an ``EvalReport`` after each held-out evaluation.
+        max_hours: The time bound (``time_bound.TimeBound``); None: none.
 
     Returns:
         ``TrainingRun``; a cancelled, non-finite or watch-stopped run is returned, not raised.
 
     Raises:
+        TrainingTooLong: ``training_too_long`` — projected past ``max_hours`` after its first steps (no receipt;
+            a fresh run's directory is removed, a resumed one keeps its earlier checkpoints).
         Exception: anything unexpected, after a ``failed`` receipt was written.
     """
     outcome = RunOutcome(resumed_from=plan.loaded.basename if plan.loaded else None)
     progress = new_progress(plan)
     step = train_examples if plan.world.size == 1 else train_step_distributed
 
+    try:
+        _train(plan, source, outcome, progress, clock, student_dir=student_dir, step=step,
+               gradient_checkpointing=gradient_checkpointing, handle_signals=handle_signals,
+               should_cancel=should_cancel, on_step_committed=on_step_committed, report=report,
+               eval_watch=eval_watch, on_eval=on_eval, max_hours=max_hours)
+    except TrainingTooLong:
+        if plan.loaded is None and plan.world.is_main:
+            remove_tree(plan.run_dir)  # a fresh run refused after its first steps: nothing of it stays
+        raise
+    receipt_uri = finish_run(plan, outcome, progress, clock)
+    plan.world.barrier()  # the other ranks return once rank 0's receipt is written
+    return TrainingRun(plan, outcome, progress, clock, receipt_uri)
+
+
+def _train(plan: RunPlan, source: CandidateSource, outcome: RunOutcome, progress: LoopProgress, clock: Clock, *,
+           student_dir: str, step, gradient_checkpointing: bool, handle_signals: bool,
+           should_cancel: Callable[[], bool] | None, on_step_committed: Callable[[int], None] | None,
+           report: Callable[[LoopProgress, float], None] | None, eval_watch: HeldOutSlice | None,
+           on_eval: Callable[[EvalReport], None] | None, max_hours: float | None) -> None:
+    """Setup, the loop and the final adapter (``run_training``'s steps 1-3), with the outcome recorded."""
     with (deterministic(plan.device), stop_signals(handle_signals) as signalled,
           outcome_recorded(plan, outcome, progress, clock)):
         # ---- 1. setup: fresh seeded student and optimizer; a resume then overwrites every state
@@ -127,7 +153,8 @@ def run_training(plan: RunPlan, source: CandidateSource, *, student_dir: str, cl
         checkpoints = CheckpointPublisher(plan, student, optimizer, progress, clock,
                                           eval_curve=(lambda: watch.curve) if watch is not None else None)
         boundary = StepBoundary(checkpoints, progress, clock, plan.world, plan.config.checkpoint_interval, signalled,
-                                should_cancel=should_cancel, on_step_committed=on_step_committed, watch=watch)
+                                should_cancel=should_cancel, on_step_committed=on_step_committed, watch=watch,
+                                time_bound=TimeBound(max_hours, plan.schedule, plan.world))
         source.open(student, outcome, clock)
         try:
             # ---- 2. the loop: one optimizer step per group the source gives
@@ -146,6 +173,3 @@ def run_training(plan: RunPlan, source: CandidateSource, *, student_dir: str, cl
 
         # ---- 3. publish the PEFT adapter (rank 0 only; the receipt follows in finish_run)
         publish_final_adapter(plan, outcome, student, clock, progress)
-    receipt_uri = finish_run(plan, outcome, progress, clock)
-    plan.world.barrier()  # the other ranks return once rank 0's receipt is written
-    return TrainingRun(plan, outcome, progress, clock, receipt_uri)

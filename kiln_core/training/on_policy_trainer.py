@@ -194,7 +194,8 @@ def train_on_policy(
     run = run_training(run_plan, source, student_dir=student_dir, clock=clock,
                        gradient_checkpointing=plan.gradient_checkpointing, handle_signals=handle_signals,
                        should_cancel=should_cancel, on_step_committed=on_step_committed,
-                       report=report if on_progress is not None else None, eval_watch=eval_watch, on_eval=on_eval)
+                       report=report if on_progress is not None else None, eval_watch=eval_watch, on_eval=on_eval,
+                       max_hours=plan.max_training_hours)
     counters = source.counters
     return OnPolicyTrainResult(
         **result_fields(run_plan, run.outcome, run.progress, clock, run.receipt_uri),

@@ -110,7 +110,7 @@ def train_opd(
                        gradient_checkpointing=plan.gradient_checkpointing, handle_signals=handle_signals,
                        should_cancel=should_cancel, on_step_committed=on_step_committed,
                        report=(lambda progress, loss: on_progress(progress.global_step, total, loss)) if on_progress else None,
-                       eval_watch=eval_watch, on_eval=on_eval)
+                       eval_watch=eval_watch, on_eval=on_eval, max_hours=plan.max_training_hours)
     return TrainResult(**result_fields(run_plan, run.outcome, run.progress, clock, run.receipt_uri))
 
 
