@@ -138,3 +138,19 @@ def test_a_model_with_nothing_for_lora_to_adapt_is_refused():
         lora_targets_of(Decoder())
     assert refused.value.code == "unsupported_architecture"
     assert "'convnet'" in refused.value.message and "no linear projection" in refused.value.message
+
+
+def test_a_student_whose_config_names_no_causal_lm_is_refused_by_name(tmp_path):
+    import json
+
+    from kiln_core.errors import Rejection
+    from kiln_core.training.lora_targets import resolve_lora_targets
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "no-such-model", "hidden_size": 8}))
+    with pytest.raises(UnsupportedArchitecture) as refused:
+        resolve_lora_targets(tmp_path)
+    assert refused.value.code == "unsupported_architecture" and str(tmp_path) in refused.value.message
+    (tmp_path / "config.json").unlink()
+    with pytest.raises(Rejection) as missing:
+        resolve_lora_targets(tmp_path)
+    assert missing.value.code == "invalid_student" and "config.json" in missing.value.message

@@ -78,7 +78,18 @@ def resolve_lora_targets(student_dir: str | os.PathLike[str]) -> LoraTargets:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(str(student_dir), local_files_only=True)
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
+    from kiln_core.errors import Rejection
+    from kiln_core.identity.hashing import IdentityHashError, read_model_config
+
+    try:  # names the file, and the snapshot to give when a Hugging Face cache folder was given instead
+        read_model_config(student_dir)
+    except IdentityHashError as error:
+        raise Rejection("invalid_student", error.message, field="student") from None
+    try:
+        config = AutoConfig.from_pretrained(str(student_dir), local_files_only=True)
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config)
+    except (ValueError, KeyError) as error:  # a model type this transformers does not know as a causal LM
+        raise UnsupportedArchitecture("unsupported_architecture", f"{student_dir}: transformers cannot build a causal "
+                                      f"LM from its config.json: {str(error).splitlines()[0]}") from None
     return lora_targets_of(skeleton)
