@@ -98,7 +98,17 @@ def pipeline_inputs(tmp_path_factory, tiny_student, tiny_teacher, teacher_manife
 
 def pipeline_spec(inputs: dict[str, Path], corpus: Path, adapter: str, *, epochs: int = 1,
                   checkpoint_interval: int = 2) -> dict[str, Any]:
-    """A ``PipelineSpec`` as JSON, exactly what the UI form submits for the ``spec`` parameter."""
+    """A ``PipelineSpec`` as JSON, exactly what the UI form submits for the ``spec`` parameter: every field
+    the form requires (its numbers) included, as the form sends them."""
+    from kiln_core.contracts.form_choices import complete_for_form
+    from kiln_core.contracts.pipeline import PipelineSpec
+
+    return complete_for_form(_sparse_spec(inputs, corpus, adapter, epochs, checkpoint_interval),
+                             PipelineSpec.model_json_schema(by_alias=True))
+
+
+def _sparse_spec(inputs: dict[str, Path], corpus: Path, adapter: str, epochs: int,
+                 checkpoint_interval: int) -> dict[str, Any]:
     return {
         "teacher": {"kind": "local_dir", "path": str(inputs["teacher"])},
         "source": {"kind": "corpus", "corpus": str(corpus)},
