@@ -144,8 +144,16 @@ class PrefectStages:
         else:
             from tasks.train import train_task
 
-            trained = train_task.with_options(retries=options.train_retries)(
-                plan, corpus, manifest, student_dir, options.progress_every_seconds, options.cancel_poll_seconds)
+            state = train_task.with_options(retries=options.train_retries)(
+                plan, corpus, manifest, student_dir, options.progress_every_seconds, options.cancel_poll_seconds,
+                return_state=True)
+            if state.is_cancelled():  # the flow run's cancellation stopped training: its receipt says how far
+                from kiln_core.engine.runs import cancelled_run
+                from kiln_core.storage import resolve
+
+                trained = cancelled_run(resolve(plan.run_uri), plan.adapter)
+            else:
+                trained = state.result()  # a failed task raises its error, as a direct call does
         loss = "n/a" if trained.final_loss is None else f"{trained.final_loss:.4f}"
         _log().info("train: %s after %d steps, final loss %s%s", trained.status, trained.steps, loss,
                     " (already finished: reused)" if trained.reused else "")
@@ -187,6 +195,6 @@ class PrefectStages:
     def ended(self, trained: TrainRef, spec: PipelineSpec) -> None:
         from tasks.publish import record_artifacts
 
-        _log().warning("publish: nothing published; receipt %s says %s (%s)", trained.receipt_uri, trained.status,
-                       trained.failure_reason or "no reason given")
+        # The reason is the run's final line (flows.run_log.fail_run); said here too, it would be told twice.
+        _log().warning("publish: nothing published: the run ended %s; receipt %s", trained.status, trained.receipt_uri)
         record_artifacts(trained, spec.adapter, None)

@@ -3,12 +3,14 @@
 The run is created through the API call the UI's Custom run form makes, training happens in the
 worker's flow-run subprocess, and the outputs are checked on disk. A second run is cancelled the way
 the UI's Cancel button does it, after its first checkpoint: the run must end Cancelled with a
-published checkpoint and a ``failed``/``cancelled`` receipt (Kiln's convention).
+published checkpoint and a ``failed``/``cancelled`` receipt (Kiln's convention) naming the checkpoint
+kept, and its log and task runs show a cancel, not a crash.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -33,6 +35,11 @@ def _committed_checkpoints(storage_root: Path, adapter: str) -> list[str]:
     for run_dir in sorted((storage_root / "runs" / adapter).glob("*/")):
         found += [str(run_dir / name) for _, name in committed_checkpoints(resolve(str(run_dir)), adapter)]
     return found
+
+
+def _logs(live_server, flow_run_id: str) -> list[dict]:
+    body = {"logs": {"flow_run_id": {"any_": [flow_run_id]}}, "limit": 200, "sort": "TIMESTAMP_ASC"}
+    return live_server.api("POST", "/logs/filter", json=body)
 
 
 def test_deployment_runs_from_ui_parameters_and_schedules(live_server, deployment, worker, pipeline_inputs):
@@ -101,6 +108,21 @@ def test_cancel_from_ui_publishes_checkpoint_and_cancelled_receipt(live_server, 
     _, receipt = _receipt(storage_root, adapter)
     assert receipt["status"] == "failed", receipt
     assert receipt["failure_reason"] == "cancelled", receipt
+    # The receipt and the run's final state say which checkpoint a retry resumes from (not "TerminationSignal: ").
+    kept = re.search(r"checkpoint (\S+\.kiln-checkpoint) kept \(a retry resumes from it\)", receipt["failure_message"])
+    assert kept and any(path.endswith(kept.group(1)) for path in checkpoints), receipt["failure_message"]
+    assert kept.group(1) in final["state"]["message"], final["state"]
+    # A cancel is not a crash: no "Crash detected!", no Crashed task (the UI's orange), no traceback.
+    tasks = live_server.api("POST", "/task_runs/filter", json={"flow_runs": {"id": {"any_": [run["id"]]}}})
+    [train] = [task for task in tasks if task["name"].startswith("train-")]
+    assert train["state"]["type"] == "CANCELLED", train["state"]
+    assert not [task["name"] for task in tasks if task["state"]["type"] == "CRASHED"]
+    lines = wait_for(lambda: [entry for entry in _logs(live_server, run["id"])
+                              if entry["message"].startswith("Finished in state Cancelled")], timeout=60,
+                     what="the run's final log line") and _logs(live_server, run["id"])
+    noisy = [entry["message"][:200] for entry in lines if entry["level"] >= 40 or "Crash" in entry["message"]
+             or "Traceback" in entry["message"] or "unexpected exception" in entry["message"]]
+    assert noisy == [], noisy
     assert not (storage_root / "runs" / adapter / "latest.json").exists(), "a cancelled run must not publish latest.json"
     # Training stopped early: far fewer than the 180 steps three epochs of 60 examples would take.
     steps = (receipt.get("data") or {}).get("examples_trained")
