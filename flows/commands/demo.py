@@ -47,8 +47,10 @@ def run(args: argparse.Namespace) -> int:
     from prefect import get_client
 
     from flows.demo import demo
+    from flows.local_api import links_to_the_default_ui
 
-    state = demo(workdir=args.out, examples=args.examples or 16, epochs=args.epochs or 3, return_state=True)
+    with links_to_the_default_ui() as ui:
+        state = demo(workdir=args.out, examples=args.examples or 16, epochs=args.epochs or 3, return_state=True)
     wall = time.perf_counter() - started
     if not state.is_completed():
         return _ended(args, f"demo run ended {state.type.value}: {state.message}")
@@ -58,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         overhead = round(overhead + server_start, 2)  # the temporary API's start is Prefect's too
     # With --json, stdout carries exactly one JSON object: the report goes to stderr.
     with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
-        _report(summary, wall, overhead, server_start, _run_url(state.state_details.flow_run_id, server_start))
+        _report(summary, wall, overhead, server_start, _run_url(state.state_details.flow_run_id, server_start, ui))
     if args.json:
         print(json.dumps({**summary, "wall_seconds": round(wall, 2), "prefect_overhead_seconds": overhead,
                           "prefect_server_start_seconds": None if server_start is None else round(server_start, 2)}))
@@ -124,15 +126,12 @@ def _prefect_overhead(get_client, flow_run_id) -> float | None:
     return round(wall(pipeline) - sum(wall(stage) for stage in stages), 2)
 
 
-def _run_url(flow_run_id, server_start: float | None) -> str | None:
-    """The run's page in the UI when the demo ran against a configured server, else None (the
-    temporary API this command started is gone once it exits)."""
-    if server_start is not None or flow_run_id is None:
+def _run_url(flow_run_id, server_start: float | None, ui: str | None) -> str | None:
+    """The run's page in the UI (``ui``: the base URL ``links_to_the_default_ui`` chose) when the demo ran
+    against a configured server, else None (the temporary API this command started is gone once it exits)."""
+    if server_start is not None or flow_run_id is None or not ui:
         return None
-    from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL
-
-    ui = PREFECT_UI_URL.value() or (PREFECT_API_URL.value() or "").removesuffix("/api")
-    return f"{ui.rstrip('/')}/runs/flow-run/{flow_run_id}" if ui else None
+    return f"{ui.rstrip('/')}/runs/flow-run/{flow_run_id}"
 
 
 def _report(summary: dict, wall: float, overhead: float | None, server_start: float | None,

@@ -52,9 +52,11 @@ def run(args: argparse.Namespace) -> int:
     elif not args.json:
         os.environ.setdefault("KILN_FLOWS_PROGRESS", "1")  # a training progress bar on stderr
     start_local_api()
+    from flows.local_api import links_to_the_default_ui
     from flows.opd_distill import opd_distill
 
-    state = opd_distill(spec, return_state=True)
+    with links_to_the_default_ui():  # Prefect's "View at …" line opens the UI the server's root opens
+        state = opd_distill(spec, return_state=True)
     if state.is_completed():
         summary = state.result()
         gate = summary.get("gate") or {}

@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     from prefect import serve
     from prefect.deployments.runner import EntrypointType
     from prefect.schedules import Cron
-    from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL
+    from prefect.settings import PREFECT_API_URL
 
     from flows.opd_distill import opd_distill
 
@@ -78,8 +78,11 @@ def run(args: argparse.Namespace) -> int:
         # flow to the child, where the postponed `PipelineSpec` annotation cannot be resolved.)
         entrypoint_type=EntrypointType.MODULE_PATH,
     )
-    _print_hint(args.name, PREFECT_API_URL.value(), PREFECT_UI_URL.value(), schedules is not None)
-    serve(deployment, limit=args.limit, pause_on_shutdown=True)
+    from flows.local_api import links_to_the_default_ui
+
+    with links_to_the_default_ui() as ui:  # Prefect's own links too: the deployment's, each run's "View at"
+        _print_hint(args.name, PREFECT_API_URL.value(), ui, schedules is not None)
+        serve(deployment, limit=args.limit, pause_on_shutdown=True)
     return 0
 
 
@@ -91,10 +94,15 @@ def _description(cron: str | None, timezone: str, spec_file: str | None) -> str:
 
 
 def _print_hint(name: str, api_url: str | None, ui_url: str | None, scheduled: bool) -> None:
+    """What is served and where a browser finds it: the UI's address, never the API's (``…/api`` opens
+    "Page not found" in a browser)."""
+    from flows.local_api import ui_root
+
     deployment = f"opd-distill/{name}"
     if api_url:
-        where = f"{ui_url}/deployments" if ui_url else api_url
-        print(f"serving {deployment} against {api_url}\n  UI: {where} → {name} → Run → Custom run", flush=True)
+        ui = (ui_url or ui_root(None, api_url) or "").rstrip("/")
+        print(f"serving {deployment} on the Prefect server at {ui_root(ui_url, api_url)}\n"
+              f"  UI: {ui}/deployments → {name} → Run → Custom run", flush=True)
         return
     print(
         f"warning: serving {deployment} on a temporary local API (PREFECT_API_URL is not set): no UI"
