@@ -201,8 +201,14 @@ def request_run_name(prefix: str) -> Callable[[], str]:
     return name
 
 
+# A deployment's schedule zone (``tz:Europe/Berlin``, deployments/prefect.yaml and ``serve``) says something
+# about the deployment, shown on its page; on a run it would push the adapter tag behind the UI's "+1".
+DEPLOYMENT_ONLY_TAG = "tz:"
+
+
 def tag_run(*tags: str) -> None:
-    """Add tags to the current flow run (best effort: a failed API call must not fail the run)."""
+    """Add tags to the current flow run, without the deployment-only tags it inherited (best effort: a
+    failed API call must not fail the run)."""
     from prefect.client.orchestration import get_client
     from prefect.runtime import flow_run
 
@@ -211,7 +217,7 @@ def tag_run(*tags: str) -> None:
         return
     try:
         with get_client(sync_client=True) as client:
-            current = list(client.read_flow_run(run_id).tags or [])
+            current = [tag for tag in client.read_flow_run(run_id).tags or [] if not tag.startswith(DEPLOYMENT_ONLY_TAG)]
             client.update_flow_run(run_id, tags=current + [tag for tag in tags if tag not in current])
     except Exception as error:  # noqa: BLE001 - tags are cosmetic
         logging.getLogger("kiln_flows").debug("could not tag flow run %s: %s", run_id, error)
