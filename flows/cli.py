@@ -32,6 +32,7 @@ COMMAND_MODULES = [
     "flows.commands.distill",
     "flows.commands.recipe",
     "flows.commands.eval",
+    "flows.commands.eval_suites",
     "flows.commands.models",
     "flows.commands.oracle",
     "flows.commands.serve",

@@ -14,6 +14,7 @@ from contextlib import ExitStack
 from kiln_core.contracts.pipeline import PipelineSpec, TeacherSource
 from kiln_core.contracts.stage_refs import CorpusRef, GateRef, InputsRef, ManifestRef, PublishRef, TrainPlan, TrainRef
 from kiln_core.engine.training import training_settings
+from kiln_core.wording import counted
 
 
 def _log():
@@ -39,9 +40,10 @@ class PrefectStages:
     def manifest(self, teacher: TeacherSource, storage_root: str, max_top_k: int) -> ManifestRef:
         from tasks.manifest import fetch_manifest
 
-        _log().info("manifest: pinning teacher %s (%s)", teacher.label(), teacher.kind)
+        # Names in quotes: a teacher directory is often called "teacher" ("pinning teacher teacher" said nothing)
+        _log().info("manifest: pinning the %s teacher %r", teacher.kind, teacher.path or teacher.alias)
         manifest = fetch_manifest(teacher, storage_root, max_top_k)
-        _log().info("manifest: teacher %s pinned at identity revision %s", manifest.teacher, manifest.identity_revision)
+        _log().info("manifest: teacher %r pinned at identity revision %s", manifest.teacher, manifest.identity_revision)
         return manifest
 
     def score(self, spec: PipelineSpec, manifest: ManifestRef, student_dir: str) -> str:
@@ -131,8 +133,9 @@ class PrefectStages:
         from tasks.prompts import check_prompts_task
 
         prompts = check_prompts_task(spec.prompts, manifest, spec.config, student_dir)
-        get_run_logger().info("prompts %s: %d prompts, %d samples per prompt, top-K %d", prompts.dataset_sha256,
-                              prompts.examples, prompts.samples_per_prompt, prompts.effective_top_k)
+        get_run_logger().info("prompts %s: %s, %s per prompt, top-K %d", prompts.dataset_sha256,
+                              counted(prompts.examples, "prompt"), counted(prompts.samples_per_prompt, "sample"),
+                              prompts.effective_top_k)
         return prompts
 
     def train(self, plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir: str) -> TrainRef:
@@ -196,5 +199,6 @@ class PrefectStages:
         from tasks.publish import record_artifacts
 
         # The reason is the run's final line (flows.run_log.fail_run); said here too, it would be told twice.
-        _log().warning("publish: nothing published: the run ended %s; receipt %s", trained.status, trained.receipt_uri)
+        _log().warning("publish: nothing published (training %s); receipt %s",
+                       "was cancelled" if trained.status == "cancelled" else trained.status, trained.receipt_uri)
         record_artifacts(trained, spec.adapter, None)

@@ -255,18 +255,41 @@ def test_serve_puts_its_limit_and_the_schedules_time_zone_on_the_deployment(monk
     served = {}
     monkeypatch.setattr(flows.local_api, "start_local_api", lambda: None)
     monkeypatch.setattr(prefect, "serve", lambda *deployments, **options: served.update(deployments=deployments, **options))
-    args = argparse.Namespace(name="local", cron="0 2 * * *", timezone=None, spec=None, limit=3)
+    args = argparse.Namespace(name="local", cron="0 2 * * *", timezone=None, spec=None, spec_path=None, _spec_required=False, limit=3)
     assert serve_command.run(args) == 0
     [deployment] = served["deployments"]
     assert served["limit"] == 3
     assert deployment.concurrency_limit == 3  # what the deployment page shows instead of "∞"
     [schedule] = deployment.schedules
     assert schedule.schedule.timezone == "UTC" and schedule.schedule.cron == "0 2 * * *"
-    # the deployment page's description says when, with the time zone (not only the schedule's edit dialog)
-    assert "cron `0 2 * * *` in time zone UTC" in deployment.description
-    args = argparse.Namespace(name="local", cron="30 1 * * 1", timezone="Europe/Berlin", spec=None, limit=1)
+    # the deployment page says when, with the time zone (both UIs show the schedule as "At 02:00 AM" only):
+    # in the description and as a tag, which both show on the deployment page itself
+    assert "cron `0 2 * * *` in time zone UTC" in deployment.description and "tz:UTC" in deployment.tags
+    args = argparse.Namespace(name="local", cron="30 1 * * 1", timezone="Europe/Berlin", spec=None, spec_path=None,
+                              _spec_required=False, limit=1)
     assert serve_command.run(args) == 0
     assert "cron `30 1 * * 1` in time zone Europe/Berlin" in served["deployments"][0].description
+    assert "tz:Europe/Berlin" in served["deployments"][0].tags
+    args = argparse.Namespace(name="local", cron=None, timezone=None, spec=None, spec_path=None, _spec_required=False,
+                              limit=1)
+    assert serve_command.run(args) == 0
+    assert not [tag for tag in served["deployments"][0].tags if tag.startswith("tz:")]  # no schedule, no zone
+
+
+def test_every_scheduled_deployment_shows_its_time_zone_on_its_page():
+    """deployments/prefect.yaml: both UIs show a cron schedule as "At 02:00 AM" (the zone only in its edit
+    dialog, or a tooltip); each scheduled deployment carries ``tz:<zone>``, a tag both show on its page."""
+    from pathlib import Path
+
+    import yaml
+
+    root = Path(__file__).resolve().parents[1]
+    deployments = yaml.safe_load((root / "deployments" / "prefect.yaml").read_text(encoding="utf-8"))["deployments"]
+    scheduled = [deployment for deployment in deployments if deployment.get("schedules")]
+    assert len(scheduled) >= 2
+    for deployment in scheduled:
+        zones = {schedule.get("timezone", "UTC") for schedule in deployment["schedules"]}
+        assert {f"tz:{zone}" for zone in zones} <= set(deployment["tags"]), deployment["name"]
 
 
 def test_the_demos_hint_links_the_run_when_it_went_to_a_server():

@@ -14,7 +14,7 @@ import os
 import sys
 import time
 
-from flows.commands._options import add_json_argument, add_out_argument
+from flows.commands._options import add_json_argument, add_out_argument, add_quiet_argument
 
 NAME = "demo"
 HELP = "Run the full pipeline on tiny local models (no downloads) and show what it produced."
@@ -25,6 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--examples", type=int, help="examples to score and train on (default 16; --real: 96 prompts)")
     parser.add_argument("--epochs", type=int, help="training epochs (default 3; --real: 2)")
     add_json_argument(parser)
+    add_quiet_argument(parser)
     parser.add_argument("--real", action="store_true",
                         help="run on SmolLM2-135M-Instruct and its half-depth student instead of tiny models")
     parser.add_argument("--heldout", type=int, default=24, help="--real: held-out prompts to evaluate on")
@@ -38,7 +39,9 @@ def run(args: argparse.Namespace) -> int:
 
     offline_settings()
     hide_rejection_tracebacks()
-    if not args.json:
+    if args.quiet:
+        os.environ["PREFECT_LOGGING_LEVEL"] = "WARNING"  # Prefect's info lines, as `run --quiet`
+    elif not args.json:
         os.environ.setdefault("KILN_FLOWS_PROGRESS", "1")  # a training progress bar on stderr
     started = time.perf_counter()
     if args.real:
@@ -58,9 +61,10 @@ def run(args: argparse.Namespace) -> int:
     overhead = _prefect_overhead(get_client, state.state_details.flow_run_id)
     if overhead is not None and server_start is not None:
         overhead = round(overhead + server_start, 2)  # the temporary API's start is Prefect's too
-    # With --json, stdout carries exactly one JSON object: the report goes to stderr.
-    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
-        _report(summary, wall, overhead, server_start, _run_url(state.state_details.flow_run_id, server_start, ui))
+    # With --json, stdout carries exactly one JSON object: the report goes to stderr; --quiet: no report.
+    if not args.quiet or args.json:
+        with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+            _report(summary, wall, overhead, server_start, _run_url(state.state_details.flow_run_id, server_start, ui))
     if args.json:
         print(json.dumps({**summary, "wall_seconds": round(wall, 2), "prefect_overhead_seconds": overhead,
                           "prefect_server_start_seconds": None if server_start is None else round(server_start, 2)}))
@@ -84,7 +88,8 @@ def _run_real(args: argparse.Namespace, started: float) -> int:
     if not state.is_completed():
         return _ended(args, f"demo --real ended {state.type.value}: {state.message}")
     result = state.result()
-    print(report(result, wall), file=sys.stderr if args.json else sys.stdout)
+    if not args.quiet or args.json:
+        print(report(result, wall), file=sys.stderr if args.json else sys.stdout)
     if args.json:
         print(summary_json(result, wall))
     return 0

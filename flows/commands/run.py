@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import argparse
 
-from flows.commands._options import add_json_argument, add_quiet_argument
+from flows.commands._options import add_json_argument, add_quiet_argument, add_spec_argument, spec_file
 import json
 import os
 import sys
@@ -31,7 +31,7 @@ HELP = "Run the distillation pipeline described by a PipelineSpec YAML file, in 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("pipeline", metavar="PIPELINE.yaml", help="PipelineSpec file (YAML or JSON)")
+    add_spec_argument(parser, required=True)  # PIPELINE.yaml or --spec PIPELINE.yaml, as `serve` takes it
     add_json_argument(parser)
     add_quiet_argument(parser)
 
@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     from kiln_core.contracts.pipeline import load_spec
     from kiln_core.errors import EXIT_FAILED, EXIT_HELD_BACK, EXIT_OK
 
-    spec = load_spec(args.pipeline)  # a rejection (exit 2) goes to the CLI's guard, before Prefect loads
+    spec = load_spec(spec_file(args))  # a rejection (exit 2) goes to the CLI's guard, before Prefect loads
 
     from flows.local_api import hide_rejection_tracebacks, offline_settings, start_local_api
 

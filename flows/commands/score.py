@@ -120,6 +120,8 @@ def run(args: argparse.Namespace) -> int:
             progress.close()
     if args.json:
         print(json.dumps(result.model_dump(mode="json"), ensure_ascii=False))
+    elif args.quiet:
+        pass
     elif sharded:
         print(
             f"scored {result.examples} examples, {result.action_tokens} action tokens with teacher "
