@@ -50,7 +50,7 @@ class PrefectStages:
         from kiln_core.engine.stages import score_arguments
         from tasks.score import score_task
 
-        _log().info("score: scoring %s with teacher %s", spec.examples, manifest.teacher)
+        _log().info("score: scoring %s with teacher %r", spec.examples, manifest.teacher)
         scored = score_task(**score_arguments(spec, manifest, student_dir))
         _log().info("score: %d examples %s at %s", scored.examples,
                     "reused (already scored)" if scored.reused else "scored", scored.uri)
@@ -115,8 +115,11 @@ class PrefectStages:
         from kiln_core.training.distributed.ray_launcher import ray_session
         from tasks.ray_fan_out import ray_task_runner
 
+        from tasks.ray_fan_out import prefect_worker_env
+
         runner = ray_task_runner(options)  # prefect-ray missing: refused before Ray starts
-        self._cluster.enter_context(ray_session(options, self.spec.distributed.world_size))
+        self._cluster.enter_context(ray_session(options, self.spec.distributed.world_size,
+                                                worker_env=prefect_worker_env(options)))
         return runner
 
     def verify(self, corpus: CorpusRef) -> CorpusRef:

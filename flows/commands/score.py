@@ -161,6 +161,10 @@ def _run_on_ray(args: argparse.Namespace) -> int:
         return 2
     shard_size = None if args.shard_size is None else parse_shard_size(args.shard_size)
     ray_options(args.ray, shard_size, args.examples, args.out)  # refused before Prefect starts
+    from flows.local_api import offline_settings, start_local_api
+
+    offline_settings()  # as `run`: no telemetry (its errors were logged at ERROR), an API Ctrl-C does not kill
+    start_local_api()
     teacher = _teacher_source(args)
     if "registry_root" in teacher:  # the flow reads its registry under its storage root
         teacher["storage_root"] = teacher.pop("registry_root")
