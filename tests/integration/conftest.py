@@ -100,11 +100,16 @@ def pipeline_spec(inputs: dict[str, Path], corpus: Path, adapter: str, *, epochs
                   checkpoint_interval: int = 2) -> dict[str, Any]:
     """A ``PipelineSpec`` as JSON, exactly what the UI form submits for the ``spec`` parameter: every field
     the form requires (its numbers) included, as the form sends them."""
+    return as_the_form_sends(_sparse_spec(inputs, corpus, adapter, epochs, checkpoint_interval))
+
+
+def as_the_form_sends(spec: dict[str, Any]) -> dict[str, Any]:
+    """``spec`` with every field the form shows and requires (its numbers) that it leaves out, as the form
+    holds them: null, or the field's default."""
     from kiln_core.contracts.form_choices import complete_for_form
     from kiln_core.contracts.pipeline import PipelineSpec
 
-    return complete_for_form(_sparse_spec(inputs, corpus, adapter, epochs, checkpoint_interval),
-                             PipelineSpec.model_json_schema(by_alias=True))
+    return complete_for_form(spec, PipelineSpec.model_json_schema(by_alias=True))
 
 
 def _sparse_spec(inputs: dict[str, Path], corpus: Path, adapter: str, epochs: int,

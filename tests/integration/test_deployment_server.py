@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import pipeline_spec
+from .conftest import as_the_form_sends, pipeline_spec
 from .server import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -171,9 +171,9 @@ def test_kiln_flows_serve_creates_deployment_and_runs_it(live_server, pipeline_i
         prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": text},
                                                              {"role": "assistant", "content": ""}]}) + "\n"
                                    for text in ("What is two plus two?", "Name a colour.")), encoding="utf-8")
-        on_policy = {**defaults, "adapter": f"{adapter}-prompts",
-                     "source": {"kind": "prompts", "corpus": None, "prompts": str(prompts),
-                                "sampling": {"samples_per_prompt": 2, "max_tokens": 4}}}
+        on_policy = as_the_form_sends({**defaults, "adapter": f"{adapter}-prompts",
+                                       "source": {"kind": "prompts", "corpus": None, "prompts": str(prompts),
+                                                  "sampling": {"samples_per_prompt": 2, "max_tokens": 4}}})
         runs["prompts"] = live_server.create_run(deployment, {"spec": on_policy}, name="itest-served-prompts")
         for kind, run in runs.items():
             final = live_server.wait_for_state(run["id"], {"COMPLETED", "FAILED", "CRASHED"}, timeout=600)
@@ -200,8 +200,8 @@ def test_an_on_policy_run_from_the_form_trains_and_publishes(live_server, deploy
                                for text in ("What is two plus two?", "Name a colour.")), encoding="utf-8")
     adapter = "itest-on-policy"
     spec = pipeline_spec(pipeline_inputs, pipeline_inputs["short_corpus"], adapter, checkpoint_interval=2)
-    spec["source"] = {"kind": "prompts", "prompts": str(prompts),
-                      "sampling": {"samples_per_prompt": 2, "max_tokens": 4}}
+    spec = as_the_form_sends({**spec, "source": {"kind": "prompts", "prompts": str(prompts),
+                                                 "sampling": {"samples_per_prompt": 2, "max_tokens": 4}}})
     run = live_server.create_run(deployment, {"spec": spec}, name="itest-ui-on-policy")
 
     final = live_server.wait_for_state(run["id"], {"COMPLETED", "FAILED", "CRASHED"}, timeout=600)
