@@ -106,8 +106,6 @@ def end_line(error: Any) -> str:
     return f"{type(error).status} ({error.code}){' ' + where if where else ''}: {error.message}"
 
 
-rejection_line = end_line  # the name the rejection path has always used
-
 
 def reject_run(error: Any, adapter: str | None) -> Any:
     """The flow's end for a rejected input: a ``Failed`` state whose message is ``end_line`` and whose data

@@ -113,9 +113,7 @@ class PrefectStages:
         """prefect-ray's task runner on the run's cluster, joined once for the flow run (``ray_session``: a
         ``local`` instance is started here and stopped when the stages close, after training used it)."""
         from kiln_core.training.distributed.ray_launcher import ray_session
-        from tasks.ray_fan_out import ray_task_runner
-
-        from tasks.ray_fan_out import prefect_worker_env
+        from tasks.ray_fan_out import prefect_worker_env, ray_task_runner
 
         runner = ray_task_runner(options)  # prefect-ray missing: refused before Ray starts
         self._cluster.enter_context(ray_session(options, self.spec.distributed.world_size,

@@ -162,6 +162,20 @@ def test_every_number_field_is_required_so_a_value_the_form_dropped_is_refused(s
         validate({"spec": dropped}, schema, raise_on_error=True, ignore_required=False)
 
 
+def test_what_a_form_holds_for_a_field_left_out_is_its_default():
+    """A field the form shows but a spec leaves out is filled as the form holds it: its default (25 for the
+    checkpoint interval, never null, which turns checkpoints off), null where null is the default."""
+    from kiln_core.contracts.form_choices import complete_for_form
+    from kiln_core.contracts.pipeline import PipelineSpec, parse_spec
+
+    spec = complete_for_form({**BASE, "source": {"kind": "corpus", "corpus": "/c"}, "config": {"top_k": 16},
+                              "eval": {"corpus": "/h", "every_steps": 5}}, PipelineSpec.model_json_schema())
+    assert spec["config"]["checkpoint_interval"] == 25 and spec["config"]["learning_rate"] is None
+    assert spec["eval"]["flat_window"] == 50
+    assert parse_spec(spec) == parse_spec({**BASE, "corpus": "/c", "config": {"top_k": 16},
+                                           "eval": {"corpus": "/h", "every_steps": 5}})
+
+
 def test_the_deployments_default_parameters_pass_the_servers_check(schema):
     """A Quick run of ``opd-distill/nightly`` sends deployments/prefect.yaml's defaults as they are: they must
     name every field the schema requires."""

@@ -392,10 +392,10 @@ def test_a_rejection_is_told_once_in_the_run_log():
 
 
 def test_a_rejection_line_names_the_code_the_place_and_the_rule():
-    from flows.run_log import rejection_line
+    from flows.run_log import end_line
     from kiln_core.errors import Rejection
 
-    assert rejection_line(Rejection("token_count_mismatch", "3 tokens, 4 logprobs", line=3, file="c.jsonl")) == \
+    assert end_line(Rejection("token_count_mismatch", "3 tokens, 4 logprobs", line=3, file="c.jsonl")) == \
         "rejected (token_count_mismatch) c.jsonl line 3: 3 tokens, 4 logprobs"
 
 

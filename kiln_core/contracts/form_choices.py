@@ -83,7 +83,7 @@ def require_numbers(schema: dict[str, Any], resolve: Callable[[dict[str, Any]], 
 
 def complete_for_form(value: Any, schema: dict[str, Any]) -> Any:
     """``value`` (a spec as JSON) with every required field the form schema names and the value leaves out
-    filled in: null where the field takes null, else the schema's default. A deployment's default
+    filled in: the schema's default, else null where the field takes null (a field with neither is left out). A deployment's default
     parameters are what the form opens with and what a Quick run sends; the server checks them against
     the same ``required`` lists.
 
@@ -116,10 +116,10 @@ def complete_for_form(value: Any, schema: dict[str, Any]) -> Any:
             if name in filled:
                 filled[name] = walk(filled[name], prop)
             elif name in node.get("required", []):
-                if {"type": "null"} in prop.get("anyOf", []):
-                    filled[name] = None
-                elif "default" in prop:
+                if "default" in prop:
                     filled[name] = prop["default"]
+                elif {"type": "null"} in prop.get("anyOf", []):
+                    filled[name] = None
         return filled
 
     return walk(value, schema)
