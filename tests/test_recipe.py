@@ -490,7 +490,7 @@ def test_a_retried_recipe_resumes_at_its_first_unfinished_step(data, tiny_studen
     recipe = write_recipe(work, "resumed", [opd("resumed-a"), opd("resumed-b", corpus="later.jsonl")])
     first = run_flow(recipe, tiny_student, root)
     assert first.is_failed() and first.message == ("recipe resumed stopped at steps[1] opd 'resumed-b': rejected "
-                                                   f"(file_not_found) {work / 'later.jsonl'} does not exist")
+                                                   f"(file_not_found): {work / 'later.jsonl'} does not exist")
     with pytest.raises(RecipeStepFailed):
         first.result()
     latest_a = (root / "runs" / "resumed-a" / "latest.json").read_bytes()

@@ -210,15 +210,15 @@ def run(args: argparse.Namespace) -> int:
 
 def print_result(result, label: str, *, as_json: bool, quiet: bool = False) -> None:
     """How a training command ends its output: the summary as one JSON line (``--json``), else what was trained
-    and where (and the gate's verdict; nothing with ``--quiet``), or on stderr why it failed and its newest
-    checkpoint."""
+    and where (and the gate's verdict), or on stderr why it failed and its newest checkpoint. With ``--quiet`` a
+    success (exit 0) prints nothing; an adapter the gate held back (exit 4) is still told, with its evidence."""
     import json
     import sys
 
     if as_json:
         print(json.dumps(result.summary(), ensure_ascii=False))
     elif result.status == "success":
-        if quiet:
+        if quiet and not result.held_back:
             return
         verb = "already trained" if result.reused else "trained"
         print(f"{verb} {label}: {result.steps} steps, final loss {result.final_loss:.6f}\n"
