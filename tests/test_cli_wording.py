@@ -22,7 +22,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def cli(*argv: str, cwd: Path | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
-    env = {key: value for key, value in os.environ.items() if key not in ("KILN_FLOWS_DEBUG", "PREFECT_API_URL")}
+    # as a user's shell has it: without the test session's own switches (its progress bars off, its API)
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("KILN_FLOWS_DEBUG", "PREFECT_API_URL", "HF_HUB_DISABLE_PROGRESS_BARS")}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
     env["OMP_NUM_THREADS"] = "1"
     return subprocess.run([sys.executable, "-m", "flows.cli", *map(str, argv)], capture_output=True, text=True,

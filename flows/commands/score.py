@@ -92,10 +92,6 @@ def run(args: argparse.Namespace) -> int:
         return _run_on_ray(args)
     sharded = args.shard_size is not None
     progress = None if args.quiet else (_SetProgressLine() if sharded else _ProgressBar())
-    if args.quiet:
-        from transformers.utils import logging as transformers_logging
-
-        transformers_logging.disable_progress_bar()  # the weight-loading bar too
     try:
         pinned = read_manifest_file(args.teacher_manifest) if args.teacher_manifest else None
         result = score_examples(
