@@ -149,12 +149,13 @@ def test_eval_suites_register_stores_the_suite_a_post_eval_gate_finds(tmp_path):
     assert cli("eval-suites", "register", suite, "--out", root, "--force", "--quiet").stdout == ""
 
 
-def test_eval_suites_register_refuses_a_broken_suite_before_storing_it(tmp_path):
+def test_eval_suites_register_refuses_a_broken_suite_before_storing_it(tmp_path, capsys):
+    from flows.cli import main
+
     broken = tmp_path / "broken.json"
     broken.write_text(json.dumps({**SUITE, "default_scorer": {"kind": "no_such_scorer"}}), encoding="utf-8")
-    done = cli("eval-suites", "register", broken, "--out", tmp_path / "kiln-data", "--json")
-    assert done.returncode == 2
-    record = json.loads(done.stdout)
+    assert main(["eval-suites", "register", str(broken), "--out", str(tmp_path / "kiln-data"), "--json"]) == 2
+    record = json.loads(capsys.readouterr().out)
     assert record["status"] == "rejected" and record["code"].startswith("eval_")
     assert not (tmp_path / "kiln-data" / ".eval" / "suites").exists() or \
         not list((tmp_path / "kiln-data" / ".eval" / "suites").iterdir())
