@@ -32,6 +32,7 @@ COMMAND_MODULES = [
     "flows.commands.distill",
     "flows.commands.recipe",
     "flows.commands.eval",
+    "flows.commands.eval_suites",
     "flows.commands.models",
     "flows.commands.oracle",
     "flows.commands.serve",
@@ -108,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     debug = debug_flag or os.environ.get(DEBUG_ENV) == "1"
     if not debug:
         quiet_third_party_warnings()
+    if getattr(args, "quiet", False):
+        # --quiet: no progress bar, the libraries' too ("Loading weights"); read when they are imported, later
+        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
     try:
         return int(run_command(args) or 0)
     except KeyboardInterrupt:

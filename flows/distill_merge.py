@@ -57,4 +57,4 @@ def distill_merge(request: dict[str, Any], student: str, storage_root: str = "./
     except Rejection as error:
         return reject_run(error, adapter)
     sources = ", ".join(f"{source.adapter}={source.rows}" for source in spec.recipe.sources)
-    return finish_run(result, f"distill merge {checked.name}", f"; sources {sources}")
+    return finish_run(result, f"distill merge {checked.name}", f"; sources {sources}", adapter=checked.name)

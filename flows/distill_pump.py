@@ -56,4 +56,4 @@ def distill_pump(request: dict, student: str, storage_root: str = "./kiln-data",
                 result = run_pipeline(spec, stages)
     except Rejection as error:
         return reject_run(error, adapter)
-    return finish_run(result, f"distill pump {spec.adapter} ({spec.recipe.mode})")
+    return finish_run(result, f"distill pump {spec.adapter} ({spec.recipe.mode})", adapter=spec.adapter)

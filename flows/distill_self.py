@@ -59,4 +59,4 @@ def distill_self(request: dict, student: str, storage_root: str = "./kiln-data",
                 result = run_pipeline(spec, stages)
     except Rejection as error:
         return reject_run(error, name)
-    return finish_run(result, f"distill self {spec.adapter} ({spec.recipe.mode})")
+    return finish_run(result, f"distill self {spec.adapter} ({spec.recipe.mode})", adapter=spec.adapter)

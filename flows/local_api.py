@@ -14,15 +14,21 @@
 * ``hide_rejection_tracebacks()`` keeps Prefect's run logs to one line for a rejected input: its
   task and flow loggers log a failure with the whole traceback, which for bad input (a ``Rejection``)
   says nothing the rule and place do not.
+* ``links_to_the_default_ui()`` makes every link a command prints (Prefect's "View at …", the served
+  deployment's, the demo's) open the UI the server's root opens: Prefect 3.9's root opens its new UI
+  (``/v2/…``) while the links it prints, built from ``PREFECT_UI_URL``, open the old one. The server
+  says which UI its root opens (``/ui-settings``); the links follow it.
 
 All are called before the flow runs; none imports anything heavy until needed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
+from typing import Iterator
 
 OFFLINE_SETTINGS = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
@@ -60,6 +66,48 @@ def hide_rejection_tracebacks() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _RejectionWithoutTraceback) for f in logger.filters):
             logger.addFilter(_RejectionWithoutTraceback())
+
+
+def ui_root(ui_url: str | None, api_url: str | None) -> str | None:
+    """The server's address a browser opens (never ``…/api``, which answers "Page not found" there).
+
+    Example:
+        >>> ui_root(None, "http://127.0.0.1:4200/api")
+        'http://127.0.0.1:4200'
+        >>> ui_root("http://127.0.0.1:4200/v2", "http://127.0.0.1:4200/api")
+        'http://127.0.0.1:4200'
+    """
+    base = (ui_url or (api_url or "").removesuffix("/").removesuffix("/api")).rstrip("/")
+    return base.removesuffix("/v2") or None
+
+
+def default_ui_url(root: str, timeout: float = 3.0) -> str | None:
+    """The base URL of the UI the server's root opens (``<root>/v2`` for Prefect 3.9's default), asked of the
+    server's ``/ui-settings``; None when it does not answer (an older server, no UI)."""
+    import httpx
+
+    try:
+        settings = httpx.get(f"{root}/ui-settings", timeout=timeout).json()
+        base = settings[f"{settings['default_ui']}_base_url"]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return None
+    return root + (base.rstrip("/") if isinstance(base, str) else "")
+
+
+@contextlib.contextmanager
+def links_to_the_default_ui() -> Iterator[str | None]:
+    """Within the block, links Prefect and kiln-flows print open the UI the server's root opens; yields
+    that UI's base URL (None without a server that says). Runs this process starts inherit it."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL, temporary_settings
+
+    root = ui_root(PREFECT_UI_URL.value(), PREFECT_API_URL.value()) if PREFECT_API_URL.value() else None
+    base = default_ui_url(root) if root else None
+    if base is None:
+        yield PREFECT_UI_URL.value()
+        return
+    os.environ["PREFECT_UI_URL"] = base  # the flow-run processes `serve` starts print the same links
+    with temporary_settings(updates={PREFECT_UI_URL: base}):
+        yield base
 
 
 def start_local_api() -> float | None:

@@ -20,9 +20,8 @@ from contextlib import contextmanager
 from typing import Any
 
 from prefect import flow
-from prefect.states import Cancelled
 
-from flows.run_log import quiet_run_logs, reject_run, run_name, tag_run
+from flows.run_log import cancel_run, fail_run, quiet_run_logs, reject_run, run_name, tag_run
 from kiln_core.contracts.pipeline import PipelineSpec, SpecError
 from kiln_core.errors import KilnFlowsError, Rejection
 
@@ -34,23 +33,23 @@ def _adapter_of(spec: Any) -> str | None:
 
 
 class RunFailed(KilnFlowsError):
-    """Training ended ``failed`` (its receipt says why: ``nan_loss``, ``training_error``, …): exit 3."""
+    """Training ended ``failed`` (its receipt says why: ``nan_loss``, ``training_diverged``, …): exit 3."""
 
 
-def finish_run(result: Any, what: str, detail: str = "") -> Any:
+def finish_run(result: Any, what: str, detail: str = "", *, adapter: str | None = None) -> Any:
     """End a flow run the way its pipeline ended, after one summary line in the run's log.
 
     Args:
         result: The ``PipelineResult`` of ``run_pipeline``.
         what: What trained, for the summary line (the adapter, ``distill pump x (examples)``, …).
         detail: More of the story for the summary line (``; sources a=4, b=3``).
+        adapter: The adapter's name, for the artifact of a failed run (``failed-<adapter>``); ``what`` when
+            not given.
 
     Returns:
         The run summary (``PipelineResult.summary()``) on success; a ``Cancelled`` state when training was
-        cancelled (naming the checkpoint to resume from).
-
-    Raises:
-        RunFailed: training ended ``failed`` (exit 3), its reason and receipt in the message.
+        cancelled (naming the checkpoint kept); a ``Failed`` state carrying ``RunFailed`` when training ended
+        ``failed`` (``fail_run``: its code, reason and receipt in one line, shown once; exit 3 from the CLI).
     """
     from prefect import get_run_logger
 
@@ -59,11 +58,31 @@ def finish_run(result: Any, what: str, detail: str = "") -> Any:
                           result.steps, result.total_steps or "?", loss, result.receipt,
                           f"; latest.json {result.latest}" if result.latest else "", detail)
     if result.status == "cancelled":
-        return Cancelled(message=f"training cancelled at step {result.steps}; checkpoint {result.latest_checkpoint}")
+        return cancel_run(cancelled_line(result))
     if result.status != "success":
-        raise RunFailed(result.failure_reason or "training_failed",
-                        f"training failed ({result.failure_reason}): {result.failure_message}; receipt {result.receipt}")
+        return failed_run(result, adapter or what)
     return result.summary()
+
+
+def failed_run(result: Any, adapter: str) -> Any:
+    """The ``Failed`` state of a run whose training ended ``failed``: ``RunFailed`` with the receipt's reason
+    (ours: ``training_diverged`` where Kiln's receipt says ``training_error``), told once (``fail_run``)."""
+    error = RunFailed(result.failure_reason or "training_failed",
+                      f"{result.failure_message or 'training failed'}; receipt {result.receipt}")
+    return fail_run(error, adapter, receipt=result.receipt, checkpoint=result.latest_checkpoint)
+
+
+def cancelled_line(result: Any) -> str:
+    """The final state's message of a cancelled run: where it stopped and the checkpoint a retry resumes from.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> cancelled_line(SimpleNamespace(steps=4, latest_checkpoint="a-checkpoint-step-00000004.kiln-checkpoint"))
+        'training cancelled at step 4; checkpoint a-checkpoint-step-00000004.kiln-checkpoint kept (a retry resumes from it)'
+    """
+    if result.latest_checkpoint is None:
+        return f"training cancelled at step {result.steps}; no checkpoint was committed yet (a retry starts over)"
+    return f"training cancelled at step {result.steps}; checkpoint {result.latest_checkpoint} kept (a retry resumes from it)"
 
 
 @contextmanager
@@ -134,4 +153,4 @@ def opd_distill(spec: PipelineSpec) -> dict[str, Any]:
         # Bad input, not a crash: one line as the run's state (what the UI and the log show), a short
         # artifact, and the exception kept in the state so `kiln-flows run` still exits 2 with it.
         return reject_run(error, adapter)
-    return finish_run(result, spec.adapter)
+    return finish_run(result, spec.adapter, adapter=spec.adapter)

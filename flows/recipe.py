@@ -23,8 +23,8 @@ from typing import Any
 
 from prefect import flow
 
-from flows.opd_distill import RunFailed, storage_credentials
-from flows.run_log import quiet_run_logs, reject_run, tag_run
+from flows.opd_distill import cancelled_line, failed_run, storage_credentials
+from flows.run_log import cancel_run, quiet_run_logs, reject_run, tag_run
 from kiln_core.errors import Rejection
 
 
@@ -136,7 +136,6 @@ def recipe_step(step: dict[str, Any], recipe: str, student: str, storage_root: s
         The run summary (``PipelineResult.summary()``).
     """
     from prefect import get_run_logger
-    from prefect.states import Cancelled
 
     from kiln_core.engine import run_pipeline
     from tasks.recipe import prepare_step_task
@@ -157,10 +156,9 @@ def recipe_step(step: dict[str, Any], recipe: str, student: str, storage_root: s
     get_run_logger().info("steps[%s] %s: %s; adapter %s; receipt %s; gate %s", step.get("index"), adapter,
                           result.status, result.adapter, result.receipt, (summary.get("gate") or {}).get("outcome"))
     if result.status == "cancelled":
-        return Cancelled(message=f"training cancelled at step {result.steps}; checkpoint {result.latest_checkpoint}")
+        return cancel_run(cancelled_line(result))
     if result.status != "success":
-        raise RunFailed(result.failure_reason or "training_failed",
-                        f"training failed ({result.failure_reason}): {result.failure_message}; receipt {result.receipt}")
+        return failed_run(result, adapter)
     return summary
 
 

@@ -69,11 +69,11 @@ def _score_on_ray(ray, examples, out_uri, student, student_dir, teacher_dir, tea
     from kiln_core.contracts.stage_refs import ScoredRef
     from kiln_core.storage import localize_directory
     from kiln_core.training.distributed.ray_launcher import ray_session
-    from tasks.ray_fan_out import ray_task_runner
+    from tasks.ray_fan_out import prefect_worker_env, ray_task_runner
     from tasks.score_shards import score_set_with_tasks
 
     runner = ray_task_runner(ray)  # prefect-ray missing: refused before Ray starts
-    with ray_session(ray, 1), runner:
+    with ray_session(ray, 1, worker_env=prefect_worker_env(ray)), runner:
         result, workers = score_set_with_tasks(
             examples, task_runner=runner, student_dir=student_dir,
             teacher_dir=teacher_dir and localize_directory(teacher_dir),

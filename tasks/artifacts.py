@@ -195,14 +195,23 @@ def loss_curve_markdown(adapter: str, losses: Sequence[float]) -> str:
             f"{len(losses)} steps")
 
 
-def receipt_rows(receipt: Any) -> list[dict[str, str]]:
+def receipt_rows(receipt: Any, failure_reason: str | None = None) -> list[dict[str, str]]:
     """The receipt numbers a person checks first, as (field, value) rows (a typed ``TrainReceipt``).
 
     Digests are shortened to 16 hex digits; the full values stay in ``train_receipt.json``.
+
+    Args:
+        receipt: The run's ``TrainReceipt``.
+        failure_reason: The run's own code for a failure (``TrainRef.failure_reason``), which the log and the
+            run's final state name; the receipt file keeps Kiln's closed enum (``training_diverged`` is written
+            as Kiln's ``training_error``), and the table names both then.
     """
     hyper = receipt.hyperparameters
     loss = receipt.opd.final_opd_loss
-    status = receipt.status + (f" ({receipt.failure_reason})" if receipt.failure_reason else "")
+    reason = failure_reason or receipt.failure_reason
+    if reason and receipt.failure_reason and reason != receipt.failure_reason:
+        reason = f"{reason}; Kiln's failure_reason {receipt.failure_reason}"
+    status = receipt.status + (f" ({reason})" if reason else "")
     return table_rows({
         "status": status,
         "steps": f"{receipt.data.examples_trained} of {receipt.data.total_steps}",

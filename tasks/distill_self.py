@@ -31,11 +31,12 @@ def prepare_distill_self_task(request: DistillSelfRequest, student: str, storage
     """
     from kiln_core.post_eval import SuiteRegistry, validate_post_eval_config
     from kiln_core.recipes.distill_self import prepare_distill_self
+    from kiln_core.wording import counted
 
     if request.post_eval is not None:  # its suite is installed: before the teacher runs (the engine checks it again)
         validate_post_eval_config(request.post_eval, SuiteRegistry.for_storage_root(storage_root))
     # print, not get_run_logger: the flow logs prints (log_prints), and the plain function runs without a run
-    print(f"distill self ({request.mode}): {len(request.prompts)} prompts, teacher "
+    print(f"distill self ({request.mode}): {counted(len(request.prompts), 'prompt')}, teacher "
           f"{teacher or f'the bare base model {student}'}")
     spec = prepare_distill_self(request, student_dir=student, out_root=storage_root, base_adapter=base_adapter,
                                 recipe=recipe, step=step, teacher=teacher)

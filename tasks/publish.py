@@ -23,7 +23,7 @@ def record_artifacts(train: TrainRef, adapter: str, published: PublishRef | None
         description=f"training loss of {adapter} per optimizer step",
     )
     create_table_artifact(
-        receipt_rows(receipt),
+        receipt_rows(receipt, train.failure_reason),
         key=artifact_key("receipt", adapter),
         description=f"train_receipt.json of {adapter}, the numbers to check first",
     )

@@ -26,7 +26,7 @@ from kiln_core.contracts.opd_config import ConfigError
 from kiln_core.contracts.spec_blocks import DistributedOptions, RayOptions
 from kiln_core.storage import is_local_uri
 
-__all__ = ["FanOut", "plan_fan_out", "ray_task_runner", "runner_failure"]
+__all__ = ["FanOut", "plan_fan_out", "ray_task_runner", "runner_failure", "prefect_worker_env"]
 
 
 
@@ -90,6 +90,26 @@ def ray_task_runner(options: RayOptions):
         raise ConfigError(f"admitting or scoring shards on Ray needs prefect-ray ({error}); {RAY_INSTALL_HINT}",
                           "distributed.engine", code="ray_package_missing") from None
     return RayTaskRunner(address=options.address)
+
+
+def prefect_worker_env(options: RayOptions) -> dict[str, str]:
+    """The Prefect settings a flow's tasks in Ray workers need: the API this flow run reports to, and this
+    process's own ``PREFECT_*`` settings (kiln-flows' offline ones among them). Without the API's address a
+    worker started a temporary API server of its own, one per worker, each logging "Failed to send
+    telemetry" at ERROR. A temporary API on this machine's loopback is reachable from a ``local`` Ray
+    instance only; a cluster's workers keep their own settings then (give them ``PREFECT_API_URL``).
+    """
+    import os
+
+    from prefect.client.orchestration import get_client
+
+    env = {name: value for name, value in os.environ.items()
+           if (name.startswith("PREFECT_") and not name.startswith("PREFECT__")) or name == "DO_NOT_TRACK"}
+    with get_client(sync_client=True) as client:
+        api_url = str(client.api_url)
+    if options.is_local or not any(host in api_url for host in ("://127.0.0.1", "://localhost", "://[::1]")):
+        env["PREFECT_API_URL"] = api_url.rstrip("/")
+    return env
 
 
 def runner_failure(error: BaseException, shard: str, doing: str = "admitting") -> BaseException:

@@ -14,6 +14,7 @@ from contextlib import ExitStack
 from kiln_core.contracts.pipeline import PipelineSpec, TeacherSource
 from kiln_core.contracts.stage_refs import CorpusRef, GateRef, InputsRef, ManifestRef, PublishRef, TrainPlan, TrainRef
 from kiln_core.engine.training import training_settings
+from kiln_core.wording import counted
 
 
 def _log():
@@ -39,9 +40,10 @@ class PrefectStages:
     def manifest(self, teacher: TeacherSource, storage_root: str, max_top_k: int) -> ManifestRef:
         from tasks.manifest import fetch_manifest
 
-        _log().info("manifest: pinning teacher %s (%s)", teacher.label(), teacher.kind)
+        # Names in quotes: a teacher directory is often called "teacher" ("pinning teacher teacher" said nothing)
+        _log().info("manifest: pinning the %s teacher %r", teacher.kind, teacher.path or teacher.alias)
         manifest = fetch_manifest(teacher, storage_root, max_top_k)
-        _log().info("manifest: teacher %s pinned at identity revision %s", manifest.teacher, manifest.identity_revision)
+        _log().info("manifest: teacher %r pinned at identity revision %s", manifest.teacher, manifest.identity_revision)
         return manifest
 
     def score(self, spec: PipelineSpec, manifest: ManifestRef, student_dir: str) -> str:
@@ -49,7 +51,7 @@ class PrefectStages:
         from tasks.cache import run_cached
         from tasks.score import score_task
 
-        _log().info("score: scoring %s with teacher %s", spec.examples, manifest.teacher)
+        _log().info("score: scoring %s with teacher %r", spec.examples, manifest.teacher)
         scored, state = run_cached(score_task, score_arguments(spec, manifest, student_dir),
                                    storage_root=spec.storage_root, recompute={"replace": True})
         how = ("reused (Prefect cache, verified)" if state.name == "Cached"
@@ -115,10 +117,11 @@ class PrefectStages:
         """prefect-ray's task runner on the run's cluster, joined once for the flow run (``ray_session``: a
         ``local`` instance is started here and stopped when the stages close, after training used it)."""
         from kiln_core.training.distributed.ray_launcher import ray_session
-        from tasks.ray_fan_out import ray_task_runner
+        from tasks.ray_fan_out import prefect_worker_env, ray_task_runner
 
         runner = ray_task_runner(options)  # prefect-ray missing: refused before Ray starts
-        self._cluster.enter_context(ray_session(options, self.spec.distributed.world_size))
+        self._cluster.enter_context(ray_session(options, self.spec.distributed.world_size,
+                                                worker_env=prefect_worker_env(options)))
         return runner
 
     def verify(self, corpus: CorpusRef) -> CorpusRef:
@@ -135,8 +138,9 @@ class PrefectStages:
         from tasks.prompts import check_prompts_task
 
         prompts = check_prompts_task(spec.prompts, manifest, spec.config, student_dir)
-        get_run_logger().info("prompts %s: %d prompts, %d samples per prompt, top-K %d", prompts.dataset_sha256,
-                              prompts.examples, prompts.samples_per_prompt, prompts.effective_top_k)
+        get_run_logger().info("prompts %s: %s, %s per prompt, top-K %d", prompts.dataset_sha256,
+                              counted(prompts.examples, "prompt"), counted(prompts.samples_per_prompt, "sample"),
+                              prompts.effective_top_k)
         return prompts
 
     def train(self, plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir: str) -> TrainRef:
@@ -148,8 +152,16 @@ class PrefectStages:
         else:
             from tasks.train import train_task
 
-            trained = train_task.with_options(retries=options.train_retries)(
-                plan, corpus, manifest, student_dir, options.progress_every_seconds, options.cancel_poll_seconds)
+            state = train_task.with_options(retries=options.train_retries)(
+                plan, corpus, manifest, student_dir, options.progress_every_seconds, options.cancel_poll_seconds,
+                return_state=True)
+            if state.is_cancelled():  # the flow run's cancellation stopped training: its receipt says how far
+                from kiln_core.engine.runs import cancelled_run
+                from kiln_core.storage import resolve
+
+                trained = cancelled_run(resolve(plan.run_uri), plan.adapter)
+            else:
+                trained = state.result()  # a failed task raises its error, as a direct call does
         loss = "n/a" if trained.final_loss is None else f"{trained.final_loss:.4f}"
         _log().info("train: %s after %d steps, final loss %s%s", trained.status, trained.steps, loss,
                     " (already finished: reused)" if trained.reused else "")
@@ -191,6 +203,7 @@ class PrefectStages:
     def ended(self, trained: TrainRef, spec: PipelineSpec) -> None:
         from tasks.publish import record_artifacts
 
-        _log().warning("publish: nothing published; receipt %s says %s (%s)", trained.receipt_uri, trained.status,
-                       trained.failure_reason or "no reason given")
+        # The reason is the run's final line (flows.run_log.fail_run); said here too, it would be told twice.
+        _log().warning("publish: nothing published (training %s); receipt %s",
+                       "was cancelled" if trained.status == "cancelled" else trained.status, trained.receipt_uri)
         record_artifacts(trained, spec.adapter, None)

@@ -12,10 +12,15 @@ A cancel from the UI reaches a run a worker (or ``kiln-flows serve``) started in
 being set to ``Cancelling`` is polled every ``cancel_poll_seconds``: training then stops the same way.
 And the worker tells the run that a cancel is coming, waits up to a second for the acknowledgement
 that only Prefect's own SIGTERM handler gives, and sends SIGTERM. So in such a run SIGTERM is left to
-Prefect (``worker_owns_sigterm``): it stops training at once, the receipt says ``cancelled``, the run
-ends Cancelled, and a retry resumes from the newest committed checkpoint. Taking SIGTERM over there
-made the acknowledgement fail; the unannounced SIGTERM that followed a second later then ended a run
-whose training the poll had already stopped as Crashed.
+Prefect (``worker_owns_sigterm``): it stops training at once, the receipt says ``cancelled`` and names
+the checkpoint kept, the run ends Cancelled, and a retry resumes from the newest committed checkpoint.
+Taking SIGTERM over there made the acknowledgement fail; the unannounced SIGTERM that followed a second
+later then ended a run whose training the poll had already stopped as Crashed.
+
+Prefect's termination signal is an exception; left to propagate out of the task, it ends the task
+Crashed ("Crash detected!", an orange task run) although nothing crashed. When the flow run is being
+cancelled, the task ends ``Cancelled`` instead (never Completed: a Retry of the flow run would then take
+the cancelled result from the cache instead of resuming), and the flow ends the run Cancelled in words.
 """
 
 from __future__ import annotations
@@ -36,27 +41,43 @@ def worker_owns_sigterm() -> bool:
     return bool(os.environ.get("PREFECT__FLOW_RUN_ID"))
 
 
-def _cancel_poller(every_seconds: float) -> Callable[[], bool]:
-    """True once the current flow run is CANCELLING (checked at most every ``every_seconds``)."""
+def _flow_run_cancelling() -> bool:
+    """True when the current flow run is being cancelled (or was); False outside a run or when the API
+    cannot say."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.objects import StateType
     from prefect.runtime import flow_run
 
-    last = [0.0]
     flow_run_id = flow_run.get_id()
+    if flow_run_id is None:
+        return False
+    try:
+        with get_client(sync_client=True) as client:
+            state = client.read_flow_run(flow_run_id).state
+    except Exception:
+        return False  # an API hiccup must not stop training
+    return state is not None and state.type in (StateType.CANCELLING, StateType.CANCELLED)
+
+
+def _cancel_poller(every_seconds: float) -> Callable[[], bool]:
+    """True once the current flow run is CANCELLING (checked at most every ``every_seconds``)."""
+    last = [0.0]
 
     def should_cancel() -> bool:
-        if flow_run_id is None or time.monotonic() - last[0] < every_seconds:
+        if time.monotonic() - last[0] < every_seconds:
             return False
         last[0] = time.monotonic()
-        try:
-            with get_client(sync_client=True) as client:
-                state = client.read_flow_run(flow_run_id).state
-        except Exception:
-            return False  # an API hiccup must not stop training
-        return state is not None and state.type == StateType.CANCELLING
+        return _flow_run_cancelling()
 
     return should_cancel
+
+
+def cancelled_by_prefect(error: BaseException) -> bool:
+    """Whether ``error`` is Prefect's termination signal of a cancel (the flow run is Cancelling), rather
+    than a SIGTERM from elsewhere (a container stop), which Prefect itself records as a crash."""
+    from prefect.exceptions import TerminationSignal
+
+    return isinstance(error, TerminationSignal) and _flow_run_cancelling()
 
 
 class TrainingLog:
@@ -142,7 +163,8 @@ def train_task(
     progress_every_seconds: float = 5.0,
     cancel_poll_seconds: float = 2.0,
 ) -> TrainRef:
-    """Train (or resume training) the run of ``plan`` and return where its outputs are.
+    """Train (or resume training) the run of ``plan`` and return where its outputs are; a ``Cancelled``
+    state when the flow run's cancellation stopped it (``PrefectStages.train`` reads the run back).
 
     Example:
         ```python
@@ -160,9 +182,17 @@ def train_task(
         reporter.update(step, total, loss, rollout=rollout)
         log.progress(step, total, loss)
 
-    result = train(plan, corpus, manifest, student_dir, on_progress=on_progress,
-                   should_cancel=_cancel_poller(cancel_poll_seconds), on_step_committed=log.step_committed,
-                   stop_on_sigterm=not worker_owns_sigterm())
+    try:
+        result = train(plan, corpus, manifest, student_dir, on_progress=on_progress,
+                       should_cancel=_cancel_poller(cancel_poll_seconds), on_step_committed=log.step_committed,
+                       stop_on_sigterm=not worker_owns_sigterm())
+    except BaseException as error:
+        if not cancelled_by_prefect(error):
+            raise
+        # Training recorded the cancel (receipt `cancelled`, the checkpoint kept); the flow reads it back.
+        from prefect.states import Cancelled
+
+        return Cancelled(message="training stopped by the flow run's cancellation")
     # On-policy progress counts candidates (empty rollouts consume one without a step): a finished run is 100 %.
     done = result.total_steps if corpus.kind == "prompts" and result.status == "success" else result.steps
     reporter.update(done or 0, result.total_steps or result.steps, result.final_loss, force=True)

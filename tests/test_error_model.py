@@ -288,7 +288,10 @@ def test_run_rejects_missing_inputs_with_exit_2(prefect_harness, corpus_dir, tin
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(UNREADABLE_HOOK)
-    env = {"PREFECT_API_URL": prefect.settings.PREFECT_API_URL.value(), "PYTHONPATH": str(hook)}
+    # the hook first, then the tree under test (a worktree run from another checkout's environment)
+    env = {"PREFECT_API_URL": prefect.settings.PREFECT_API_URL.value(),
+           "PYTHONPATH": os.pathsep.join([str(hook), str(Path(__file__).resolve().parents[1]),
+                                          *filter(None, [os.environ.get("PYTHONPATH")])])}
     if broken == "corpus":
         spec["corpus"] = str(tmp_path / "missing.jsonl")
     elif broken == "unreadable-corpus":

@@ -50,7 +50,7 @@ def test_every_config_field_shows_once_where_it_acts(schema):
     assert not config & sampling
     assert config | sampling | {"training_mode"} == set(OpdConfig.model_fields) >= set(SAMPLING_FIELDS)
     assert len(OpdConfig.model_fields) >= 29
-    for name in SAMPLING_FIELDS:  # one source: the same description in both places it could come from
+    for name in set(SAMPLING_FIELDS) - {"samples_per_prompt"}:  # one source: the same description in both places
         assert definitions["OnPolicySampling"]["properties"][name]["description"] == OpdConfig.model_fields[name].description
 
 
@@ -96,8 +96,9 @@ def test_the_optimizer_is_one_kind_dropdown_with_every_setting_optional(schema):
     assert optimizer["properties"]["kind"]["default"] == "muon"
     settings = {name: prop for name, prop in optimizer["properties"].items() if name != "kind"}
     assert set(settings) == {"momentum", "nesterov", "ns_iters", "weight_decay", "beta1", "beta2", "eps"}
-    # no defaults (a default of one optimizer would be sent along with another), and each says whose it is
-    assert [name for name, prop in settings.items() if "default" in prop] == []
+    # no value as default (a default of one optimizer would be sent along with another): null, which a form
+    # sends as "not set"; and each says whose it is
+    assert [name for name, prop in settings.items() if prop.get("default", "absent") is not None] == []
     # unset settings open on "None" (a bool switch opened on "bool" would send false for every optimizer)
     assert [name for name, prop in settings.items() if prop["anyOf"][0] != {"type": "null"}] == []
     assert settings["beta1"]["description"].startswith("adam_w only: ")
@@ -107,7 +108,9 @@ def test_the_optimizer_is_one_kind_dropdown_with_every_setting_optional(schema):
 
 
 @pytest.mark.parametrize("definition, field", [("OpdConfig", "top_k"), ("OpdConfig", "learning_rate"),
-                                               ("OpdConfig", "lora_alpha"), ("OnPolicySampling", "samples_per_prompt")])
+                                               ("OpdConfig", "lora_alpha"), ("OpdConfig", "checkpoint_interval"),
+                                               ("OnPolicySampling", "samples_per_prompt"),
+                                               ("OnPolicySampling", "sampler_segments")])
 def test_numbers_that_must_be_positive_say_so(schema, definition, field):
     """Kiln refuses 0 at submit; the form refuses it inline (``exclusiveMinimum: 0``)."""
     from prefect.utilities.schema_tools import validate
@@ -115,23 +118,135 @@ def test_numbers_that_must_be_positive_say_so(schema, definition, field):
     prop = schema["definitions"][definition]["properties"][field]
     numeric = [option for option in prop.get("anyOf", [prop]) if option.get("type") in ("number", "integer")]
     assert len(numeric) == 1 and numeric[0]["exclusiveMinimum"] == 0 and "minimum" not in numeric[0]
+    from kiln_core.contracts.form_choices import complete_for_form
+    from kiln_core.contracts.pipeline import PipelineSpec
+
     config = {"top_k": 16, field: 0} if definition == "OpdConfig" else {}
     source = {"kind": "prompts", "prompts": "/p", "sampling": {field: 0}} if definition != "OpdConfig" \
         else {"kind": "corpus", "corpus": "/c"}
-    spec = {**BASE, "source": source, "config": config}
+    spec = complete_for_form({**BASE, "source": source, "config": config}, PipelineSpec.model_json_schema())
     with pytest.raises(Exception, match="less than or equal to the minimum of 0"):
         validate({"spec": spec}, schema, raise_on_error=True, ignore_required=False)
+
+
+def _number_fields(schema):
+    """(object, field name, property, the object's required list) for every number field of the form."""
+    for where, node in _walk(schema):
+        for name, prop in (node.get("properties") or {}).items():
+            if isinstance(prop, dict) and any(branch.get("type") in ("number", "integer")
+                                              for branch in prop.get("anyOf", [prop])):
+                yield where, name, prop, node.get("required") or []
+
+
+def test_every_number_field_is_required_so_a_value_the_form_dropped_is_refused(schema):
+    """Prefect's V1 number boxes refuse the letter e: ``1e-5`` typed into Learning Rate becomes "1-5", the form
+    leaves the field out, and the run used to train at the optimizer's default. Every number field is
+    required: the form refuses the gap under the field, and so does the server (a run through the API names
+    each number; null is Kiln's default where the field takes one)."""
+    from prefect.utilities.schema_tools import validate
+
+    from tests.integration.conftest import pipeline_spec
+
+    fields = list(_number_fields(schema))
+    optional = [f"{where}.{name}" for where, name, _, required in fields
+                if name not in required and not name.startswith("thinking_budget")]
+    assert optional == [] and len(fields) >= 40
+    # each has a default (null for "not set"), so a form opens with it and sends it
+    assert [f"{where}.{name}" for where, name, prop, required in fields if name in required and "default" not in prop
+            and {"type": "null"} in prop.get("anyOf", [])] == []
+    inputs = {"teacher": "/t", "student": "/s", "storage_root": "/r"}
+    spec = pipeline_spec(inputs, "/c.jsonl", "a")
+    validate({"spec": spec}, schema, raise_on_error=True, ignore_required=False)
+    dropped = {**spec, "config": {key: value for key, value in spec["config"].items() if key != "learning_rate"}}
+    with pytest.raises(Exception, match="'learning_rate' is a required property"):
+        validate({"spec": dropped}, schema, raise_on_error=True, ignore_required=False)
+
+
+def test_what_a_form_holds_for_a_field_left_out_is_its_default():
+    """A field the form shows but a spec leaves out is filled as the form holds it: its default (25 for the
+    checkpoint interval, never null, which turns checkpoints off), null where null is the default."""
+    from kiln_core.contracts.form_choices import complete_for_form
+    from kiln_core.contracts.pipeline import PipelineSpec, parse_spec
+
+    spec = complete_for_form({**BASE, "source": {"kind": "corpus", "corpus": "/c"}, "config": {"top_k": 16},
+                              "eval": {"corpus": "/h", "every_steps": 5}}, PipelineSpec.model_json_schema())
+    assert spec["config"]["checkpoint_interval"] == 25 and spec["config"]["learning_rate"] is None
+    assert spec["eval"]["flat_window"] == 50
+    assert parse_spec(spec) == parse_spec({**BASE, "corpus": "/c", "config": {"top_k": 16},
+                                           "eval": {"corpus": "/h", "every_steps": 5}})
+
+
+def test_the_deployments_default_parameters_pass_the_servers_check(schema):
+    """A Quick run of ``opd-distill/nightly`` sends deployments/prefect.yaml's defaults as they are: they must
+    name every field the schema requires."""
+    from pathlib import Path
+
+    import yaml
+    from prefect.utilities.schema_tools import validate
+
+    from kiln_core.contracts.pipeline import parse_spec
+
+    root = Path(__file__).resolve().parents[1]
+    deployments = yaml.safe_load((root / "deployments" / "prefect.yaml").read_text(encoding="utf-8"))["deployments"]
+    [nightly] = [deployment for deployment in deployments if deployment["entrypoint"] == "flows.opd_distill.opd_distill"]
+    validate(nightly["parameters"], schema, raise_on_error=True, ignore_required=False)
+    parse_spec(nightly["parameters"]["spec"])
+
+
+def test_the_forms_samples_per_prompt_is_what_the_run_uses():
+    """Kiln's 4 is its auto-scaling value (64 per prompt below 50 prompts): the form shows it empty, says what
+    empty runs, and a number typed there is the run's."""
+    from kiln_core.contracts.opd_config import effective_samples_per_prompt
+    from kiln_core.contracts.pipeline import parse_spec
+    from kiln_core.contracts.sources import OnPolicySampling
+
+    prop = OnPolicySampling.model_json_schema()["properties"]["samples_per_prompt"]
+    assert prop["default"] is None and "64 per prompt below 50 prompts" in prop["description"]
+    auto = parse_spec({**BASE, "source": {"kind": "prompts", "prompts": "/p", "sampling": {"samples_per_prompt": None}}})
+    assert effective_samples_per_prompt(auto.config, 2) == 64
+    assert parse_spec(auto.form_defaults()).config == auto.config
+    assert auto.form_defaults()["source"]["sampling"]["samples_per_prompt"] is None
+    typed = parse_spec({**BASE, "source": {"kind": "prompts", "prompts": "/p", "sampling": {"samples_per_prompt": 8}}})
+    assert effective_samples_per_prompt(typed.config, 2) == 8
+    yaml_view = parse_spec({**BASE, "prompts": "/p", "config": {"samples_per_prompt": 4}})
+    assert yaml_view.source.sampling.samples_per_prompt is None and yaml_view.config == auto.config
 
 
 def test_the_learning_rate_is_a_number_field(schema):
     """Letters typed into it are refused (a number input), never passed on as text."""
     from prefect.utilities.schema_tools import validate
 
+    from kiln_core.contracts.form_choices import complete_for_form
+    from kiln_core.contracts.pipeline import PipelineSpec
+
     prop = schema["definitions"]["OpdConfig"]["properties"]["learning_rate"]
     assert [option["type"] for option in prop["anyOf"]] == ["number", "null"]
-    spec = {**BASE, "source": {"kind": "corpus", "corpus": "/c"}, "config": {"learning_rate": "3e-4x"}}
+    spec = complete_for_form({**BASE, "source": {"kind": "corpus", "corpus": "/c"}, "config": {"learning_rate": "3e-4x"}},
+                             PipelineSpec.model_json_schema())
     with pytest.raises(Exception, match="'3e-4x' is not valid"):
         validate({"spec": spec}, schema, raise_on_error=True, ignore_required=False)
+
+
+def test_descriptions_render_the_same_in_both_uis(schema):
+    """V1 renders descriptions as HTML, so ``<adapter>`` vanishes; V2 shows them as text, so backticks stay
+    raw. A description holds neither."""
+    import re
+
+    texts = [(where, node["description"]) for where, node in _walk(schema) if isinstance(node.get("description"), str)]
+    assert len(texts) >= 60
+    assert [where for where, text in texts if "`" in text or re.search(r"<[^>]*>", text)] == []
+
+
+def test_every_switch_shows_a_human_name(schema):
+    """An optional group is a switch between the group and None, labelled with the group's title in both UIs:
+    a class name (PostEvalConfig) is not a name a person reads."""
+    import re
+
+    definitions = schema["definitions"]
+    labels = {definitions[branch["$ref"].rsplit("/", 1)[-1]]["title"]
+              for _, node in _walk(schema) for branch in node.get("anyOf", []) if "$ref" in branch}
+    assert len(labels) >= 8
+    assert [label for label in labels if re.fullmatch(r"([A-Z][a-z0-9]+){2,}", label)] == []
 
 
 def test_descriptions_are_plain_text_and_groups_have_titles(schema):
@@ -263,13 +378,19 @@ def test_the_prompts_tab_takes_the_held_out_watch_and_the_quality_gate():
     assert spec.quality_gate.thresholds() == {"max_reverse_kl": 2.0}
 
 
-def test_a_dumped_spec_is_what_the_server_accepts(schema):
+def test_a_spec_as_the_form_holds_it_is_what_the_server_accepts(schema):
+    """``form_defaults`` names every field the form requires, the ones a dump leaves out included: the
+    optimizers' other settings, the Ray fields of a torchrun block."""
     from prefect.utilities.schema_tools import validate
 
     from kiln_core.contracts.pipeline import parse_spec
 
-    spec = parse_spec({**BASE, "corpus": "/c.jsonl", "config": CONFIG})
-    validate({"spec": spec.model_dump(mode="json", by_alias=True)}, schema, raise_on_error=True, ignore_required=False)
+    spec = parse_spec({**BASE, "corpus": "/c.jsonl", "config": CONFIG, "distributed": {"nproc": 2}})
+    dumped = spec.model_dump(mode="json", by_alias=True)
+    assert "momentum" not in dumped["config"]["optimizer"] and "workers" not in dumped["distributed"]
+    defaults = spec.form_defaults()
+    validate({"spec": defaults}, schema, raise_on_error=True, ignore_required=False)
+    assert parse_spec(defaults) == spec
 
 
 @pytest.mark.parametrize("spec, field, message", [

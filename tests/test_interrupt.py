@@ -202,7 +202,7 @@ def test_ctrl_c_in_demo_ends_the_demo_cancelled_in_one_line(tmp_path):
     assert out.decode() == ""  # how a run ended that did not complete goes to stderr, in one line
     ended = [line for line in stderr.splitlines() if line.startswith("demo run ended")]
     assert ended == [f"demo run ended CANCELLED: training cancelled at step {HOLD_STEP}; "
-                     f"checkpoint demo-checkpoint-step-{HOLD_STEP:08d}.kiln-checkpoint"]
+                     f"checkpoint demo-checkpoint-step-{HOLD_STEP:08d}.kiln-checkpoint kept (a retry resumes from it)"]
     assert "Flow run 'demo' - Finished in state Cancelled(" in stderr
     [run] = [p for p in (demo["out"] / "runs" / "demo").iterdir() if p.is_dir()]
     receipt = json.loads((run / "train_receipt.json").read_text())

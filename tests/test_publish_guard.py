@@ -294,29 +294,51 @@ def test_on_policy_training_goes_through_the_guard(tiny_student, tiny_teacher, t
 
 
 def test_the_flow_logs_the_settings_and_fails_with_training_diverged(tiny_student, corpus_dir, tmp_path, prefect_harness):
+    """The flow run ends Failed with one line naming the code, told once at ERROR (what the UI's "Error and
+    above" shows), no traceback and no "unexpected exception"; its artifacts name the same code as the log."""
     import logging
 
+    from prefect.artifacts import Artifact
+
     from flows.opd_distill import opd_distill
+    from flows.run_log import quiet_run_logs
     from kiln_core.contracts.pipeline import parse_spec
 
     class Collect(logging.Handler):
         def __init__(self) -> None:
             super().__init__(logging.INFO)
-            self.messages: list[str] = []
+            self.records: list[logging.LogRecord] = []
 
         def emit(self, record: logging.LogRecord) -> None:
-            self.messages.append(record.getMessage())
+            self.records.append(record)
 
     spec = parse_spec({"teacher": {"kind": "manifest_file", "path": str(corpus_dir / "teacher-manifest.jsonl")},
                        "corpus": str(corpus_dir / "corpus.jsonl"), "student": str(tiny_student),
                        "storage_root": str(tmp_path), "adapter": "flow-run",
                        "config": {**CONFIG, "learning_rate": 1e10, "optimizer": {"kind": "adam_w"}}})
-    flow_log = Collect()
-    logging.getLogger("prefect.flow_runs").addHandler(flow_log)  # the flow run's logger (the UI's log)
+    quiet_run_logs()  # installed by the flow itself; here too so that the handler below sees filtered records
+    log = Collect()
+    loggers = [logging.getLogger(name) for name in ("prefect.flow_runs", "prefect.task_runs", "prefect.engine")]
+    for logger in loggers:  # the flow run's loggers (the UI's log)
+        logger.addHandler(log)
     try:
         state = opd_distill(spec, return_state=True)
     finally:
-        logging.getLogger("prefect.flow_runs").removeHandler(flow_log)
-    assert state.is_failed() and "[training_diverged]" in state.message, state.message
+        for logger in loggers:
+            logger.removeHandler(log)
+    assert state.is_failed() and state.message.startswith("failed (training_diverged): the publish guard refused"), \
+        state.message
     assert not (tmp_path / "runs" / "flow-run" / "latest.json").exists()
-    assert "train: optimizer adam_w, learning rate 1e+10, top-K 16, seed 3, publish guard on" in flow_log.messages
+    messages = [record.getMessage() for record in log.records]
+    assert "train: optimizer adam_w, learning rate 1e+10, top-K 16, seed 3, publish guard on" in messages
+    telling = [record for record in log.records if "training_diverged" in record.getMessage()]
+    assert [(record.levelname, record.getMessage()[:60]) for record in telling] == [
+        ("ERROR", "Finished in state Failed('failed (training_diverged): the pu")], messages
+    assert not [record for record in log.records if record.exc_info or "unexpected exception" in record.getMessage()]
+    # the receipt table says what the log says (Kiln's closed enum in the file says training_error)
+    receipt = Artifact.get("receipt-flow-run")
+    assert "failed (training_diverged; Kiln's failure_reason training_error)" in str(receipt.data), receipt.data
+    failed = Artifact.get("failed-flow-run")  # the rejection's shape: heading, code, rule; and what was kept
+    assert failed.type == "markdown" and failed.data.startswith("### Failed: nothing was published\n\n"
+                                                                 "**training_diverged**\n\nthe publish guard"), failed.data
+    assert "Receipt: `" in failed.data and "train_receipt.json" in failed.data

@@ -71,6 +71,39 @@ def test_off_policy_request_example_trains_and_publishes(tmp_path):
     assert receipt["opd"]["top_k"] == request["config"]["top_k"]
 
 
+def follow_the_corpus_comment(spec: str) -> str:
+    """deployments/example-pipeline.yaml as its ``corpus:`` comment says to edit it for Example 1's corpus: the
+    commented-out ``teacher:`` and ``corpus:`` lines replace the teacher block and the ``examples:`` line."""
+    lines = spec.splitlines()
+    replacements = [line[2:] for line in lines if line.startswith(("# teacher:", "# corpus:"))]
+    assert replacements, "the example spec's comment names no corpus (and teacher) to use"
+    kept, in_teacher = [], False
+    for line in lines:
+        if line.startswith("teacher:"):
+            in_teacher = True
+            continue
+        if in_teacher and line.startswith((" ", "\t")):
+            continue
+        in_teacher = False
+        if not line.startswith("examples:"):
+            kept.append(line)
+    return "\n".join(replacements + kept) + "\n"
+
+
+def test_the_example_spec_trains_on_example_1s_corpus_as_its_comment_says(tmp_path):
+    """The README's Example 1 corpus under deployments/example-pipeline.yaml's own commented ``corpus:`` line:
+    scored by the teacher registered as ``tiny-teacher``, it is pinned to that alias (a ``local_dir`` teacher
+    is another identity: ``identity_mismatch``), and the comment says so."""
+    spec = follow_the_corpus_comment((REPO / "deployments" / "example-pipeline.yaml").read_text(encoding="utf-8"))
+    (tmp_path / "pipeline.yaml").write_text(spec, encoding="utf-8")
+    block = readme_block("kiln-flows train --request offpolicy-request.json")
+    done = run_after_demo(block + "\nkiln-flows run pipeline.yaml\n", tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    receipt = published_receipt(tmp_path / "kiln-data", "example")
+    corpus = tmp_path / "teacher-data.jsonl"
+    assert receipt["training_data"]["sha256"] == "sha256:" + hashlib.sha256(corpus.read_bytes()).hexdigest()
+
+
 def test_on_policy_request_example_is_small_and_trains(tmp_path):
     block = readme_block("kiln-flows train --request onpolicy-request.json")
     done = run_after_demo(block, tmp_path)
@@ -94,3 +127,5 @@ def test_distill_self_example_trains_with_the_privileged_teacher_and_lists_recip
     assert receipt["status"] == "success" and receipt["data"]["examples_trained"] == request["config"]["epochs"]
     assert (receipt["recipe"]["kind"], receipt["recipe"]["mode"]) == ("distill_self", "conciseness")
     assert "merge-my-loras" in done.stdout  # recipe list --all shows Kiln's built-ins, each with why it cannot run
+    told = done.stdout + done.stderr
+    assert "1 prompt," in told and "1 prompts" not in told  # the request has one prompt

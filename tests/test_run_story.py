@@ -256,28 +256,89 @@ def test_serve_puts_its_limit_and_the_schedules_time_zone_on_the_deployment(monk
     served = {}
     monkeypatch.setattr(flows.local_api, "start_local_api", lambda: None)
     monkeypatch.setattr(prefect, "serve", lambda *deployments, **options: served.update(deployments=deployments, **options))
-    args = argparse.Namespace(name="local", cron="0 2 * * *", timezone=None, spec=None, limit=3)
+    args = argparse.Namespace(name="local", cron="0 2 * * *", timezone=None, spec=None, spec_path=None, _spec_required=False, limit=3)
     assert serve_command.run(args) == 0
     [deployment] = served["deployments"]
     assert served["limit"] == 3
     assert deployment.concurrency_limit == 3  # what the deployment page shows instead of "∞"
     [schedule] = deployment.schedules
     assert schedule.schedule.timezone == "UTC" and schedule.schedule.cron == "0 2 * * *"
-    # the deployment page's description says when, with the time zone (not only the schedule's edit dialog)
-    assert "cron `0 2 * * *` in time zone UTC" in deployment.description
-    args = argparse.Namespace(name="local", cron="30 1 * * 1", timezone="Europe/Berlin", spec=None, limit=1)
+    # the deployment page says when, with the time zone (both UIs show the schedule as "At 02:00 AM" only):
+    # in the description and as a tag, which both show on the deployment page itself
+    assert "cron `0 2 * * *` in time zone UTC" in deployment.description and "tz:UTC" in deployment.tags
+    args = argparse.Namespace(name="local", cron="30 1 * * 1", timezone="Europe/Berlin", spec=None, spec_path=None,
+                              _spec_required=False, limit=1)
     assert serve_command.run(args) == 0
     assert "cron `30 1 * * 1` in time zone Europe/Berlin" in served["deployments"][0].description
+    assert "tz:Europe/Berlin" in served["deployments"][0].tags
+    args = argparse.Namespace(name="local", cron=None, timezone=None, spec=None, spec_path=None, _spec_required=False,
+                              limit=1)
+    assert serve_command.run(args) == 0
+    assert not [tag for tag in served["deployments"][0].tags if tag.startswith("tz:")]  # no schedule, no zone
+
+
+def test_every_scheduled_deployment_shows_its_time_zone_on_its_page():
+    """deployments/prefect.yaml: both UIs show a cron schedule as "At 02:00 AM" (the zone only in its edit
+    dialog, or a tooltip); each scheduled deployment carries ``tz:<zone>``, a tag both show on its page."""
+    from pathlib import Path
+
+    import yaml
+
+    root = Path(__file__).resolve().parents[1]
+    deployments = yaml.safe_load((root / "deployments" / "prefect.yaml").read_text(encoding="utf-8"))["deployments"]
+    scheduled = [deployment for deployment in deployments if deployment.get("schedules")]
+    assert len(scheduled) >= 2
+    for deployment in scheduled:
+        zones = {schedule.get("timezone", "UTC") for schedule in deployment["schedules"]}
+        assert {f"tz:{zone}" for zone in zones} <= set(deployment["tags"]), deployment["name"]
 
 
 def test_the_demos_hint_links_the_run_when_it_went_to_a_server():
-    from prefect.settings import PREFECT_UI_URL, temporary_settings
-
     from flows.commands.demo import _run_url
 
-    with temporary_settings(updates={PREFECT_UI_URL: "http://ui.example:4200"}):
-        assert _run_url("1234", server_start=None) == "http://ui.example:4200/runs/flow-run/1234"
-        assert _run_url("1234", server_start=3.2) is None  # the temporary API is gone when the demo exits
+    assert _run_url("1234", None, "http://ui.example:4200/v2") == "http://ui.example:4200/v2/runs/flow-run/1234"
+    assert _run_url("1234", 3.2, "http://ui.example:4200/v2") is None  # the temporary API is gone when the demo exits
+
+
+@pytest.mark.parametrize("default_ui, expected", [("v2", "/v2"), ("v1", "")])
+def test_printed_links_open_the_ui_the_servers_root_opens(default_ui, expected, monkeypatch):
+    """Prefect 3.9's root opens its new UI (``/v2``) while the links it prints (``PREFECT_UI_URL``, derived from
+    the API's address) open the old one: within ``links_to_the_default_ui`` they follow what the server says
+    its root opens (``/ui-settings``), and the address printed is the UI's, never ``…/api``."""
+    import json
+    import os
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL, temporary_settings
+    from prefect.utilities.urls import url_for
+
+    from flows.local_api import links_to_the_default_ui
+
+    class UiSettings(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            body = json.dumps({"default_ui": default_ui, "v1_base_url": "/", "v2_base_url": "/v2"}).encode()
+            self.send_response(200 if self.path == "/ui-settings" else 404)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), UiSettings)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    root = f"http://127.0.0.1:{server.server_address[1]}"
+    monkeypatch.setenv("PREFECT_UI_URL", "")  # recorded, so the value the context sets is undone after the test
+    monkeypatch.delenv("PREFECT_UI_URL")
+    try:
+        with temporary_settings(updates={PREFECT_API_URL: f"{root}/api", PREFECT_UI_URL: None}):
+            with links_to_the_default_ui() as ui:
+                assert ui == root + expected
+                assert url_for("flow-run", obj_id="1234") == f"{root}{expected}/runs/flow-run/1234"
+                assert os.environ["PREFECT_UI_URL"] == root + expected  # the runs it starts print the same
+    finally:
+        server.shutdown()
 
 
 def test_the_demos_closing_hint_depends_on_where_the_run_went(capsys):
@@ -332,8 +393,42 @@ def test_a_rejection_is_told_once_in_the_run_log():
 
 
 def test_a_rejection_line_names_the_code_the_place_and_the_rule():
-    from flows.run_log import rejection_line
+    from flows.run_log import end_line
     from kiln_core.errors import Rejection
 
-    assert rejection_line(Rejection("token_count_mismatch", "3 tokens, 4 logprobs", line=3, file="c.jsonl")) == \
+    assert end_line(Rejection("token_count_mismatch", "3 tokens, 4 logprobs", line=3, file="c.jsonl")) == \
         "rejected (token_count_mismatch) c.jsonl line 3: 3 tokens, 4 logprobs"
+
+
+def test_a_run_ended_by_kiln_flows_is_told_at_error_without_the_engines_traceback(monkeypatch):
+    """Prefect logs a flow run's "Finished in state Failed(...)" at INFO whatever the state: a rejected or
+    failed run's one line is raised to ERROR (the UI's "Error and above" shows it); the engine's
+    "exited with unexpected exception" after the flow returned its Failed or Cancelled state is dropped."""
+    import logging
+
+    from prefect.exceptions import CancelledRun
+
+    import flows.run_log as run_log
+    from flows.run_log import quiet_run_logs
+
+    quiet_run_logs()
+    monkeypatch.setattr(run_log, "_ENDED_RUNS", {"flow-1"})
+    kept: list[tuple[str, str]] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            kept.append((record.levelname, record.getMessage()))
+
+    handler = Keep()
+    flow_logger = logging.getLogger("prefect.flow_runs")
+    flow_logger.addHandler(handler)
+    try:
+        line = "Finished in state Failed('rejected (file_not_found) spec.source.corpus: /c does not exist')"
+        flow_logger.info(line, extra={"flow_run_id": "flow-1"})
+        flow_logger.info("Finished in state Failed('boom')", extra={"flow_run_id": "flow-2"})  # not ended by us
+        cancelled = CancelledRun("training cancelled at step 2; checkpoint c kept (a retry resumes from it)")
+        flow_logger.error("Engine execution exited with unexpected exception", exc_info=(CancelledRun, cancelled, None),
+                          extra={"flow_run_id": "flow-1"})
+    finally:
+        flow_logger.removeHandler(handler)
+    assert kept == [("ERROR", line), ("INFO", "Finished in state Failed('boom')")]

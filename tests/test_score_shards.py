@@ -298,8 +298,11 @@ def test_cli_scores_a_set_that_admit_takes_as_a_directory_and_as_its_index(
         assert admitted["set_sha256"] == result["set_sha256"]
 
     code, stdout, _ = run_cli(capsys, "score", examples_file, "--teacher", tiny_teacher, "--student", tiny_student,
-                              "--top-k", TOP_K, "--out", out, "--shard-size", SHARD_SIZE, "--device", "cpu", "--quiet")
+                              "--top-k", TOP_K, "--out", out, "--shard-size", SHARD_SIZE, "--device", "cpu")
     assert code == 0 and "3 shards (3 finished by an earlier run)" in stdout
+    code, stdout, _ = run_cli(capsys, "score", examples_file, "--teacher", tiny_teacher, "--student", tiny_student,
+                              "--top-k", TOP_K, "--out", out, "--shard-size", SHARD_SIZE, "--device", "cpu", "--quiet")
+    assert code == 0 and stdout == ""  # --quiet: nothing but warnings and errors
 
 
 def test_score_corpus_flow_shards_and_names_the_index(tmp_path, examples_file, tiny_teacher, tiny_student,

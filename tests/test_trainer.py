@@ -166,10 +166,12 @@ def test_cancellation_publishes_a_checkpoint_and_a_cancelled_receipt(tiny_studen
     seen = []
     result = run(tiny_student, tmp_path, config, on_progress=lambda s, t, loss: seen.append(s), should_cancel=lambda: len(seen) >= 3)
     assert result.status == "cancelled" and result.steps == 3
-    assert result.failure_reason == "cancelled" and result.failure_message == CANCEL_MESSAGE
+    # the receipt says it was cancelled and which checkpoint a retry resumes from
+    kept = f"{CANCEL_MESSAGE}; checkpoint demo-checkpoint-step-00000003.kiln-checkpoint kept (a retry resumes from it)"
+    assert result.failure_reason == "cancelled" and result.failure_message == kept
     assert result.latest_checkpoint == "demo-checkpoint-step-00000003.kiln-checkpoint"
     r = receipt(tmp_path)
-    assert (r["status"], r["failure_reason"], r["failure_message"]) == ("failed", "cancelled", CANCEL_MESSAGE)
+    assert (r["status"], r["failure_reason"], r["failure_message"]) == ("failed", "cancelled", kept)
     assert r["adapters"]["output"] == {"path": None, "adapter_model_sha256": None, "adapter_model_bytes": None}
     assert not (tmp_path / "adapter").exists()
     resumed = resume_from_latest(tiny_student, tmp_path, config)
@@ -206,7 +208,9 @@ def test_a_termination_signal_raised_mid_run_writes_a_cancelled_receipt_and_prop
         run(tiny_student, tmp_path, config, on_progress=progress)
     r = receipt(tmp_path)
     assert (r["status"], r["failure_reason"]) == ("failed", "cancelled")
-    assert r["failure_message"] == "TerminationSignal: SIGTERM"
+    # not "TerminationSignal: SIGTERM": what stopped it, and the checkpoint a retry resumes from
+    assert r["failure_message"] == ("training cancelled after step 3 by TerminationSignal (SIGTERM); checkpoint "
+                                    "demo-checkpoint-step-00000002.kiln-checkpoint kept (a retry resumes from it)")
     assert not (tmp_path / "adapter").exists()
     assert latest_checkpoint(resolve(str(tmp_path)), ADAPTER) == "demo-checkpoint-step-00000002.kiln-checkpoint"
     resumed = resume_from_latest(tiny_student, tmp_path, config)

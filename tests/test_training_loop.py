@@ -35,6 +35,7 @@ class _World:
 class _Checkpoints:
     def __init__(self, events: list[str], progress: LoopProgress):
         self.events, self.progress = events, progress
+        self.published = None  # CheckpointPublisher's: the newest checkpoint of the run, None before the first
 
     def publish(self) -> str:
         self.events.append(f"checkpoint {self.progress.global_step}")
@@ -82,7 +83,8 @@ def test_a_cancel_checkpoints_first_and_is_not_checked_after_the_last_step():
     boundary, progress = _boundary(events, interval=None, cancel_at=3)
     with pytest.raises(StopTraining) as stopped:
         _run(boundary, progress, events, total=5)
-    assert (stopped.value.reason, stopped.value.message) == ("cancelled", CANCEL_MESSAGE)
+    assert (stopped.value.reason, stopped.value.message) == ("cancelled", f"{CANCEL_MESSAGE}; checkpoint step-3 kept "
+                                                                          "(a retry resumes from it)")
     assert events[-2:] == ["committed 3", "checkpoint 3"]
     events.clear()
     boundary, progress = _boundary(events, interval=None, cancel_at=5)

@@ -6,7 +6,11 @@
   names that file.
 * ``--registry ROOT_URI`` — a storage root that is only read, for its teacher registry (``manifest``,
   ``score``); ``--root`` is its hidden alias.
-* ``--json`` and ``--quiet`` — one wording in every command's help (``JSON_HELP``, ``QUIET_HELP``).
+* ``--json`` and ``--quiet`` — one wording and one meaning in every command (``JSON_HELP``, ``QUIET_HELP``):
+  ``--quiet`` prints nothing but warnings and errors, a success included (no report on stdout), so a
+  script reads the exit code; ``--json`` wins over it.
+* ``PIPELINE.yaml`` or ``--spec PIPELINE.yaml`` — a pipeline spec file, either spelling, in ``run`` and
+  ``serve`` alike (``add_spec_argument``).
 * ``--dtype fp32|bf16`` — the dtype of a model the command loads (``--precision`` and the long
   names ``float32``/``bfloat16`` are accepted as hidden aliases).
 """
@@ -17,7 +21,8 @@ import argparse
 
 DEFAULT_ROOT = "./kiln-data"
 JSON_HELP = "print JSON on stdout instead of text (an error too: one object with status and code); messages go to stderr"
-QUIET_HELP = "no progress bar, report or info lines; warnings and errors still print"
+QUIET_HELP = ("print nothing but warnings and errors: no progress bar, info lines or report (the exit code says "
+              "how it ended)")
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 _LONG = {long: short for short, long in DTYPES.items()}
 
@@ -65,6 +70,30 @@ def add_json_argument(parser) -> None:
 def add_quiet_argument(parser) -> None:
     """``--quiet`` (dest ``quiet``), worded as in every other command."""
     parser.add_argument("--quiet", action="store_true", help=QUIET_HELP)
+
+
+def add_spec_argument(parser, *, required: bool) -> None:
+    """A PipelineSpec file as ``PIPELINE.yaml`` or ``--spec PIPELINE.yaml`` (dest ``spec``; ``spec_file`` reads it)."""
+    parser.add_argument("spec_path", metavar="PIPELINE.yaml", nargs="?",
+                        help="PipelineSpec file (YAML or JSON)" + ("" if required else "; the deployment's defaults"))
+    parser.add_argument("--spec", metavar="PIPELINE.yaml", help="the same, as an option")
+    parser.set_defaults(_spec_required=required)
+
+
+def spec_file(args: argparse.Namespace) -> str | None:
+    """The spec file ``add_spec_argument`` took, given once (positional or ``--spec``).
+
+    Raises:
+        Rejection: ``invalid_option`` — given twice, or not at all where it is required (exit 2, one line).
+    """
+    from kiln_core.errors import Rejection
+
+    given = [path for path in (args.spec_path, args.spec) if path is not None]
+    if len(given) > 1:
+        raise Rejection("invalid_option", f"give the spec file once: {given[0]} or --spec {given[1]}", field="--spec")
+    if not given and args._spec_required:
+        raise Rejection("invalid_option", "give a PipelineSpec file: PIPELINE.yaml or --spec PIPELINE.yaml", field="--spec")
+    return given[0] if given else None
 
 
 def dtype_name(value: str) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from flows.commands._options import add_json_argument, add_out_argument
+from flows.commands._options import add_json_argument, add_out_argument, add_quiet_argument
 
 NAME = "admit"
 HELP = "Admit a teacher-scored JSONL corpus or a set of shards (validate, and materialize with --out)."
@@ -22,6 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=_positive_int, default=1, metavar="N",
                         help="shards admitted at once, each in its own process (a set of shards only; default 1)")
     add_json_argument(parser)
+    add_quiet_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -41,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.json:
         print(json.dumps(result.to_json(), ensure_ascii=False))
-    else:
+    elif not args.quiet:
         where = result.materialized or "(validated only; pass --out to materialize)"
         reused = " (already materialized)" if result.reused else ""
         print(
@@ -67,6 +68,8 @@ def _run_set(args: argparse.Namespace) -> int:
     )
     if args.json:
         print(json.dumps(result.to_json(), ensure_ascii=False))
+        return 0
+    if args.quiet:
         return 0
     totals = result.totals()
     print(f"admitted set {result.set_sha256}: {totals['shards']} shards, {totals['examples']} examples, "

@@ -14,7 +14,7 @@ import os
 import sys
 import time
 
-from flows.commands._options import add_json_argument, add_out_argument, require_at_least
+from flows.commands._options import add_json_argument, add_out_argument, add_quiet_argument, require_at_least
 
 NAME = "demo"
 HELP = "Run the full pipeline on tiny local models (no downloads) and show what it produced."
@@ -25,6 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--examples", type=int, help="examples to score and train on (default 16; --real: 96 prompts)")
     parser.add_argument("--epochs", type=int, help="training epochs (default 3; --real: 2)")
     add_json_argument(parser)
+    add_quiet_argument(parser)
     parser.add_argument("--real", action="store_true",
                         help="run on SmolLM2-135M-Instruct and its half-depth student instead of tiny models")
     parser.add_argument("--heldout", type=int, default=24, help="--real: held-out prompts to evaluate on")
@@ -40,7 +41,9 @@ def run(args: argparse.Namespace) -> int:
     args.resume_hint = lambda: same_command(args)  # the demo's pipeline resumes by itself (flows.cli, Ctrl-C)
     offline_settings()
     hide_rejection_tracebacks()
-    if not args.json:
+    if args.quiet:
+        os.environ["PREFECT_LOGGING_LEVEL"] = "WARNING"  # Prefect's info lines, as `run --quiet`
+    elif not args.json:
         os.environ.setdefault("KILN_FLOWS_PROGRESS", "1")  # a training progress bar on stderr
     started = time.perf_counter()
     if args.real:
@@ -49,9 +52,11 @@ def run(args: argparse.Namespace) -> int:
     from prefect import get_client
 
     from flows.demo import demo
+    from flows.local_api import links_to_the_default_ui
 
-    state = demo(workdir=args.out, examples=16 if args.examples is None else args.examples,
-                 epochs=3 if args.epochs is None else args.epochs, return_state=True)
+    with links_to_the_default_ui() as ui:
+        state = demo(workdir=args.out, examples=16 if args.examples is None else args.examples,
+                     epochs=3 if args.epochs is None else args.epochs, return_state=True)
     wall = time.perf_counter() - started
     if state.is_failed():
         state.result(raise_on_failure=True)  # the flow's own exception: its code and exit status (the CLI's guard)
@@ -61,9 +66,10 @@ def run(args: argparse.Namespace) -> int:
     overhead = _prefect_overhead(get_client, state.state_details.flow_run_id)
     if overhead is not None and server_start is not None:
         overhead = round(overhead + server_start, 2)  # the temporary API's start is Prefect's too
-    # With --json, stdout carries exactly one JSON object: the report goes to stderr.
-    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
-        _report(summary, wall, overhead, server_start, _run_url(state.state_details.flow_run_id, server_start))
+    # With --json, stdout carries exactly one JSON object: the report goes to stderr; --quiet: no report.
+    if not args.quiet or args.json:
+        with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+            _report(summary, wall, overhead, server_start, _run_url(state.state_details.flow_run_id, server_start, ui))
     if args.json:
         print(json.dumps({**summary, "wall_seconds": round(wall, 2), "prefect_overhead_seconds": overhead,
                           "prefect_server_start_seconds": None if server_start is None else round(server_start, 2)}))
@@ -88,7 +94,8 @@ def _run_real(args: argparse.Namespace, started: float) -> int:
     if not state.is_completed():
         return _ended(args, state, what="demo --real")
     result = state.result()
-    print(report(result, wall), file=sys.stderr if args.json else sys.stdout)
+    if not args.quiet or args.json:
+        print(report(result, wall), file=sys.stderr if args.json else sys.stdout)
     if args.json:
         print(summary_json(result, wall))
     return 0
@@ -163,15 +170,12 @@ def _prefect_overhead(get_client, flow_run_id) -> float | None:
     return round(wall(pipeline) - sum(wall(stage) for stage in stages), 2)
 
 
-def _run_url(flow_run_id, server_start: float | None) -> str | None:
-    """The run's page in the UI when the demo ran against a configured server, else None (the
-    temporary API this command started is gone once it exits)."""
-    if server_start is not None or flow_run_id is None:
+def _run_url(flow_run_id, server_start: float | None, ui: str | None) -> str | None:
+    """The run's page in the UI (``ui``: the base URL ``links_to_the_default_ui`` chose) when the demo ran
+    against a configured server, else None (the temporary API this command started is gone once it exits)."""
+    if server_start is not None or flow_run_id is None or not ui:
         return None
-    from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL
-
-    ui = PREFECT_UI_URL.value() or (PREFECT_API_URL.value() or "").removesuffix("/api")
-    return f"{ui.rstrip('/')}/runs/flow-run/{flow_run_id}" if ui else None
+    return f"{ui.rstrip('/')}/runs/flow-run/{flow_run_id}"
 
 
 def _report(summary: dict, wall: float, overhead: float | None, server_start: float | None,

@@ -75,5 +75,5 @@ def run(args: argparse.Namespace) -> int:
         rows = ", ".join(f"{s.adapter}: {s.rows} rows of {s.prompts} prompts" for s in spec.recipe.sources)
         print(f"corpus {spec.corpus} ({spec.recipe.sampling['method']}; {rows})", file=sys.stderr, flush=True)
     result = run_pipeline(spec, LocalStages(), device=args.device, precision=args.dtype)
-    print_result(result, request.name, as_json=args.json)
+    print_result(result, request.name, as_json=args.json, quiet=args.quiet)
     return exit_code(result)

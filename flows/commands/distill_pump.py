@@ -80,5 +80,5 @@ def run(args: argparse.Namespace) -> int:
                               device=args.device)
     finally:
         bar.close()
-    print_result(result, f"{spec.adapter} (distill pump, {spec.recipe.mode})", as_json=args.json)
+    print_result(result, f"{spec.adapter} (distill pump, {spec.recipe.mode})", as_json=args.json, quiet=args.quiet)
     return exit_code(result)

@@ -60,13 +60,14 @@ def run(args: argparse.Namespace) -> int:
     from kiln_core.engine.pipeline import LocalStages, run_pipeline
     from kiln_core.post_eval import SuiteRegistry, validate_post_eval_config
     from kiln_core.recipes.distill_self import prepare_distill_self
+    from kiln_core.wording import counted
 
     if request.post_eval is not None:  # its suite is installed: before the teacher runs (the engine checks it again)
         validate_post_eval_config(request.post_eval, SuiteRegistry.for_storage_root(args.out))
 
     say = (lambda text: None) if (args.quiet or args.json) else (lambda text: print(text, file=sys.stderr, flush=True))
     teacher = args.teacher or f"the bare base model {args.student}"
-    say(f"distill self ({request.mode}): {len(request.prompts)} prompts, teacher {teacher}")
+    say(f"distill self ({request.mode}): {counted(len(request.prompts), 'prompt')}, teacher {teacher}")
     spec = prepare_distill_self(request, student_dir=args.student, out_root=args.out, base_adapter=args.base_adapter,
                                 teacher=args.teacher, device=args.device,
                                 dtype=DTYPES[args.dtype] if args.dtype else None)
@@ -76,5 +77,5 @@ def run(args: argparse.Namespace) -> int:
         result = run_pipeline(spec, LocalStages(on_progress=bar.update), device=args.device, precision=args.dtype)
     finally:
         bar.close()
-    print_result(result, f"{request.name} (distill self, {request.mode})", as_json=args.json)
+    print_result(result, f"{request.name} (distill self, {request.mode})", as_json=args.json, quiet=args.quiet)
     return exit_code(result)

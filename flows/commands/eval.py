@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import argparse
 
-from flows.commands._options import add_json_argument
+from flows.commands._options import add_json_argument, add_quiet_argument
 
 NAME = "eval"
 HELP = "Evaluate a student (and adapter) on a held-out teacher-scored corpus: KL, top-1 agreement, NLL."
@@ -42,6 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="answer length limit (default 64)")
     parser.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
     add_json_argument(parser)
+    add_quiet_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -53,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     result = evaluate(args)
     if args.json:
         print(json.dumps(result, ensure_ascii=False))
-    else:
+    elif not args.quiet:
         print(format_report(result))
     return 0
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import argparse
 
-from flows.commands._options import add_json_argument, add_quiet_argument
+from flows.commands._options import add_json_argument, add_quiet_argument, add_spec_argument, spec_file
 import json
 import os
 import shlex
@@ -32,7 +32,7 @@ HELP = "Run the distillation pipeline described by a PipelineSpec YAML file, in 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("pipeline", metavar="PIPELINE.yaml", help="PipelineSpec file (YAML or JSON)")
+    add_spec_argument(parser, required=True)  # PIPELINE.yaml or --spec PIPELINE.yaml, as `serve` takes it
     add_json_argument(parser)
     add_quiet_argument(parser)
 
@@ -42,9 +42,9 @@ def run(args: argparse.Namespace) -> int:
     from kiln_core.contracts.spec_file import load_spec
     from kiln_core.errors import EXIT_FAILED, EXIT_HELD_BACK, EXIT_OK
 
-    spec = load_spec(args.pipeline)  # a rejection (exit 2) goes to the CLI's guard, before Prefect loads
+    spec = load_spec(spec_file(args))  # a rejection (exit 2) goes to the CLI's guard, before Prefect loads
     # A pipeline run resumes from its newest checkpoint by itself: the same command is the resume command.
-    args.resume_hint = lambda: shlex.join(["kiln-flows", "run", args.pipeline])
+    args.resume_hint = lambda: shlex.join(["kiln-flows", "run", spec_file(args)])
 
     from flows.local_api import hide_rejection_tracebacks, offline_settings, start_local_api
 
@@ -55,9 +55,11 @@ def run(args: argparse.Namespace) -> int:
     elif not args.json:
         os.environ.setdefault("KILN_FLOWS_PROGRESS", "1")  # a training progress bar on stderr
     start_local_api()
+    from flows.local_api import links_to_the_default_ui
     from flows.opd_distill import opd_distill
 
-    state = opd_distill(spec, return_state=True)
+    with links_to_the_default_ui():  # Prefect's "View at …" line opens the UI the server's root opens
+        state = opd_distill(spec, return_state=True)
     if state.is_completed():
         summary = state.result()
         gate = summary.get("gate") or {}

@@ -92,10 +92,6 @@ def run(args: argparse.Namespace) -> int:
         return _run_on_ray(args)
     sharded = args.shard_size is not None
     progress = None if args.quiet else (_SetProgressLine() if sharded else _ProgressBar())
-    if args.quiet:
-        from transformers.utils import logging as transformers_logging
-
-        transformers_logging.disable_progress_bar()  # the weight-loading bar too
     try:
         pinned = read_manifest_file(args.teacher_manifest) if args.teacher_manifest else None
         result = score_examples(
@@ -120,6 +116,8 @@ def run(args: argparse.Namespace) -> int:
             progress.close()
     if args.json:
         print(json.dumps(result.model_dump(mode="json"), ensure_ascii=False))
+    elif args.quiet:
+        pass
     elif sharded:
         print(
             f"scored {result.examples} examples, {result.action_tokens} action tokens with teacher "
@@ -159,6 +157,10 @@ def _run_on_ray(args: argparse.Namespace) -> int:
         return 2
     shard_size = None if args.shard_size is None else parse_shard_size(args.shard_size)
     ray_options(args.ray, shard_size, args.examples, args.out)  # refused before Prefect starts
+    from flows.local_api import offline_settings, start_local_api
+
+    offline_settings()  # as `run`: no telemetry (its errors were logged at ERROR), an API Ctrl-C does not kill
+    start_local_api()
     teacher = _teacher_source(args)
     if "registry_root" in teacher:  # the flow reads its registry under its storage root
         teacher["storage_root"] = teacher.pop("registry_root")

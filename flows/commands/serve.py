@@ -21,6 +21,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from flows.commands._options import add_spec_argument, spec_file
+
 NAME = "serve"
 HELP = "Serve the opd-distill flow from this process (UI runs, schedules) with a spec as defaults."
 
@@ -29,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--name", default="local", help="deployment name: opd-distill/NAME (default local)")
     parser.add_argument("--cron", default=None, help='cron schedule, e.g. "0 2 * * *" (default: no schedule)')
     parser.add_argument("--timezone", default=None, help="IANA time zone of --cron (default UTC)")
-    parser.add_argument("--spec", metavar="PIPELINE.yaml", default=None, help="PipelineSpec file used as the default parameters")
+    add_spec_argument(parser, required=False)  # --spec PIPELINE.yaml or PIPELINE.yaml, as `run` takes it
     parser.add_argument("--limit", type=int, default=1, help="most runs at once (default 1)")
 
 
@@ -43,8 +45,9 @@ def run(args: argparse.Namespace) -> int:
         print("error: --timezone applies to --cron", file=sys.stderr)
         return 2
     parameters = None
-    if args.spec:
-        spec = load_spec(args.spec)  # a rejection (exit 2) goes to the CLI's guard
+    path = spec_file(args)
+    if path:
+        spec = load_spec(path)  # a rejection (exit 2) goes to the CLI's guard
         # The form's view, without what its training-data choice decides (training mode, sampling): a
         # run from the form with another kind of source must not inherit the file's values for them.
         parameters = {"spec": spec.form_defaults()}
@@ -56,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     from prefect import serve
     from prefect.deployments.runner import EntrypointType
     from prefect.schedules import Cron
-    from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL
+    from prefect.settings import PREFECT_API_URL
 
     from flows.opd_distill import opd_distill
 
@@ -66,20 +69,23 @@ def run(args: argparse.Namespace) -> int:
         name=args.name,
         schedules=schedules,
         parameters=parameters,
-        tags=["kiln-flows", "served"],
+        # Both UIs show the schedule as "At 02:00 AM", its zone only in the edit dialog: the zone as a tag is
+        # on the deployment page in both.
+        tags=["kiln-flows", "served"] + ([f"tz:{args.timezone or 'UTC'}"] if args.cron else []),
         # The same cap as the runner's --limit, on the deployment itself: the server enforces it (runs
         # queue) and the deployment page shows it instead of "∞".
         concurrency_limit=args.limit,
-        # The deployment page shows the description up front; the schedule's time zone is otherwise only
-        # in the schedule's edit dialog.
-        description=_description(args.cron, args.timezone or "UTC", args.spec),
+        description=_description(args.cron, args.timezone or "UTC", path),
         # The package is installed: each run imports `flows.opd_distill` in a fresh
         # `python -m prefect.engine` process. (`opd_distill.serve()` would instead ship the in-memory
         # flow to the child, where the postponed `PipelineSpec` annotation cannot be resolved.)
         entrypoint_type=EntrypointType.MODULE_PATH,
     )
-    _print_hint(args.name, PREFECT_API_URL.value(), PREFECT_UI_URL.value(), schedules is not None)
-    serve(deployment, limit=args.limit, pause_on_shutdown=True)
+    from flows.local_api import links_to_the_default_ui
+
+    with links_to_the_default_ui() as ui:  # Prefect's own links too: the deployment's, each run's "View at"
+        _print_hint(args.name, PREFECT_API_URL.value(), ui, schedules is not None)
+        serve(deployment, limit=args.limit, pause_on_shutdown=True)
     return 0
 
 
@@ -91,10 +97,15 @@ def _description(cron: str | None, timezone: str, spec_file: str | None) -> str:
 
 
 def _print_hint(name: str, api_url: str | None, ui_url: str | None, scheduled: bool) -> None:
+    """What is served and where a browser finds it: the UI's address, never the API's (``…/api`` opens
+    "Page not found" in a browser)."""
+    from flows.local_api import ui_root
+
     deployment = f"opd-distill/{name}"
     if api_url:
-        where = f"{ui_url}/deployments" if ui_url else api_url
-        print(f"serving {deployment} against {api_url}\n  UI: {where} → {name} → Run → Custom run", flush=True)
+        ui = (ui_url or ui_root(None, api_url) or "").rstrip("/")
+        print(f"serving {deployment} on the Prefect server at {ui_root(ui_url, api_url)}\n"
+              f"  UI: {ui}/deployments → {name} → Run → Custom run", flush=True)
         return
     print(
         f"warning: serving {deployment} on a temporary local API (PREFECT_API_URL is not set): no UI"

@@ -238,7 +238,7 @@ def run(args: argparse.Namespace) -> int:
         raise
     finally:
         bar.close()
-    print_result(result, args.adapter, as_json=args.json)
+    print_result(result, args.adapter, as_json=args.json, quiet=args.quiet)
     if result.status != "success" and result.latest_checkpoint and not args.json:
         print(f"  resume with: {resume_command(args, result.latest_checkpoint)}", file=sys.stderr)
     return exit_code(result)
@@ -292,15 +292,18 @@ def _resume_after_interrupt(args: argparse.Namespace, plan) -> str | None:
     return resume_command(args, newest_checkpoint(plan.run_uri, plan.adapter))
 
 
-def print_result(result, label: str, *, as_json: bool) -> None:
+def print_result(result, label: str, *, as_json: bool, quiet: bool = False) -> None:
     """How a training command ends its output: the summary as one JSON line (``--json``), else what was trained
-    and where (and the gate's verdict), or on stderr why it failed and its newest checkpoint."""
+    and where (and the gate's verdict), or on stderr why it failed and its newest checkpoint. With ``--quiet`` a
+    success (exit 0) prints nothing; an adapter the gate held back (exit 4) is still told, with its evidence."""
     import json
     import sys
 
     if as_json:
         print(json.dumps(result.summary(), ensure_ascii=False))
     elif result.status == "success":
+        if quiet and not result.held_back:
+            return
         verb = "already trained" if result.reused else "trained"
         print(f"{verb} {label}: {result.steps} steps, final loss {result.final_loss:.6f}\n"
               f"  adapter: {result.adapter}\n  receipt: {result.receipt}\n  latest.json: {result.latest or 'not moved'}")
@@ -309,7 +312,9 @@ def print_result(result, label: str, *, as_json: bool) -> None:
 
             print("\n".join(describe_gate(result.gate)))
     else:
-        print(f"{result.status} ({result.failure_reason}): {result.failure_message}\n"
+        # "cancelled: …", not "cancelled (cancelled): …": the reason only when it says more than the status
+        reason = f" ({result.failure_reason})" if result.failure_reason not in (None, result.status) else ""
+        print(f"{result.status}{reason}: {result.failure_message}\n"
               f"  latest checkpoint: {result.latest_checkpoint}\n  receipt: {result.receipt}", file=sys.stderr)
 
 

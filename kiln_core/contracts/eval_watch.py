@@ -35,7 +35,8 @@ class EvalWatch(BaseModel):
 
     # Each field's docstring is its one-line description in the run form (use_attribute_docstrings);
     # docs/eval-watch.md explains the rules at length.
-    model_config = ConfigDict(strict=True, extra="forbid", frozen=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True, use_attribute_docstrings=True,
+                              title="Held-out watch during training")
 
     corpus: str = Field(min_length=1)
     """Held-out teacher-scored JSONL (path or URI): same teacher and vocabulary, no prompt shared with training."""

@@ -1,23 +1,36 @@
-"""How the run form shows a choice: a tagged choice (the optimizer, Stable-OPD) as one object of fields.
+"""How the run form shows a choice, and how it keeps the numbers typed into it.
 
-Prefect's default UI (V1) renders a JSON-schema ``oneOf`` as a raw JSON editor; both of its UIs render a
-plain object with a dropdown as fields. These helpers shape the schema (``flat_choice_schema``,
-``mark_positive``) and read the form's value back into the branch's own keys (``normalize_flat_choice``).
-Parsing a Kiln request never goes through them: only the form's schema and a pipeline spec do.
+* A tagged choice (the optimizer, Stable-OPD) is one object of fields: Prefect's default UI (V1) renders
+  a JSON-schema ``oneOf`` as a raw JSON editor; both of its UIs render a plain object with a dropdown as
+  fields. ``flat_choice_schema`` shapes it, ``normalize_flat_choice`` reads the form's value back into
+  the branch's own keys.
+* Numbers Kiln requires above zero are ``exclusiveMinimum: 0`` (``mark_positive``), so a form refuses 0.
+* Every number field of the spec's form is ``required`` (``require_numbers``). A form leaves out a number
+  it cannot read: V1's number boxes refuse the letter e, so ``1e-5`` typed there becomes "1-5" and is
+  dropped, and a cleared box is dropped in both UIs. Left optional, the run would train with the
+  default in its place and say nothing; required, the form refuses it under the field, and so does the
+  server for a run started through the API (``null`` still means Kiln's default where a field has one).
+
+Parsing a Kiln request never goes through these: only the form's schema and a pipeline spec do.
 """
 
 from __future__ import annotations
 
-from typing import Any, get_args
+from typing import Any, Callable, get_args
 
 from pydantic import BaseModel
 
 __all__ = ["POSITIVE_FIELDS", "flat_choice_schema", "normalize_flat_choice", "mark_positive", "config_from_form",
-           "spec_form_schema"]
+           "spec_form_schema", "require_numbers", "complete_for_form"]
 
 # Numbers Kiln's submit rules require to be above zero (kiln_core.contracts.opd_submit): the form's
-# schema says so too (`exclusiveMinimum: 0`), so both Prefect UIs refuse 0 or a negative value inline.
-POSITIVE_FIELDS = ("top_k", "samples_per_prompt", "learning_rate", "lora_alpha")
+# schema says so too (`exclusiveMinimum: 0`), so a Prefect UI refuses 0 or a negative value under the field.
+POSITIVE_FIELDS = ("top_k", "samples_per_prompt", "learning_rate", "lora_alpha", "checkpoint_interval",
+                   "sampler_segments")
+
+# Numbers whose absence means something else than null (Kiln's eval generation: an absent thinking budget
+# is the server's default, null is unlimited): a form may leave them out.
+ABSENT_IS_NOT_NULL = frozenset({"thinking_budget_tokens", "thinking_budget_ms"})
 
 
 def mark_positive(prop: dict[str, Any]) -> None:
@@ -28,6 +41,90 @@ def mark_positive(prop: dict[str, Any]) -> None:
             branch["exclusiveMinimum"] = 0
 
 
+def _is_number(prop: dict[str, Any]) -> bool:
+    return any(branch.get("type") in ("number", "integer") for branch in prop.get("anyOf", [prop]))
+
+
+def require_numbers(schema: dict[str, Any], resolve: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+    """Make every number field of ``schema`` and of the objects it holds ``required`` (in place).
+
+    A nullable number without a default gets ``default: null``, so a form opens it empty and sends null
+    for it; the deployment's default parameters must name every required field (``form_defaults``).
+
+    Args:
+        schema: An object schema (a model's, or a flat choice's).
+        resolve: Turns a ``{"$ref": ...}`` into the definition it names (the JSON-schema handler's
+            ``resolve_ref_schema``), so that nested models are reached.
+    """
+    seen: set[int] = set()
+
+    def visit(node: dict[str, Any]) -> None:
+        if "$ref" in node:
+            node = resolve(node)
+        if id(node) in seen:
+            return
+        seen.add(id(node))
+        properties = node.get("properties", {})
+        required = node.setdefault("required", []) if properties else []
+        for name, prop in properties.items():
+            if _is_number(prop) and name not in ABSENT_IS_NOT_NULL:
+                if name not in required:
+                    required.append(name)
+                if "anyOf" in prop and "default" not in prop and {"type": "null"} in prop["anyOf"]:
+                    prop["default"] = None
+            for branch in prop.get("anyOf", [prop]):
+                if "$ref" in branch or "properties" in branch:
+                    visit(branch)
+        if properties and not required:
+            node.pop("required")
+
+    visit(schema)
+
+
+def complete_for_form(value: Any, schema: dict[str, Any]) -> Any:
+    """``value`` (a spec as JSON) with every required field the form schema names and the value leaves out
+    filled in: the schema's default, else null where the field takes null (a field with neither is left out). A deployment's default
+    parameters are what the form opens with and what a Quick run sends; the server checks them against
+    the same ``required`` lists.
+
+    Args:
+        value: The JSON value of one schema node (an object is walked field by field).
+        schema: The node's schema; ``$ref``s are resolved against ``schema["$defs"]`` of the root given to
+            the first call.
+
+    Example:
+        >>> schema = {"type": "object", "required": ["lr"], "properties": {"lr": {"anyOf": [
+        ...     {"type": "number"}, {"type": "null"}], "default": None}}}
+        >>> complete_for_form({}, schema)
+        {'lr': None}
+    """
+    definitions = schema.get("$defs", {})
+
+    def resolve(node: dict[str, Any]) -> dict[str, Any]:
+        return definitions[node["$ref"].rsplit("/", 1)[-1]] if "$ref" in node else node
+
+    def walk(item: Any, node: dict[str, Any]) -> Any:
+        node = resolve(node)
+        if not isinstance(item, dict):
+            return item
+        objects = [resolve(branch) for branch in node.get("anyOf", [node]) if "properties" in resolve(branch)]
+        if not objects:
+            return item
+        node = objects[0]
+        filled = dict(item)
+        for name, prop in node["properties"].items():
+            if name in filled:
+                filled[name] = walk(filled[name], prop)
+            elif name in node.get("required", []):
+                if "default" in prop:
+                    filled[name] = prop["default"]
+                elif {"type": "null"} in prop.get("anyOf", []):
+                    filled[name] = None
+        return filled
+
+    return walk(value, schema)
+
+
 def _tag_of(model: type[BaseModel], tag: str) -> str:
     """The one value a branch's ``Literal`` tag field takes."""
     return get_args(model.model_fields[tag].annotation)[0]
@@ -35,7 +132,7 @@ def _tag_of(model: type[BaseModel], tag: str) -> str:
 
 def flat_choice_schema(tag: str, branches: tuple[type[BaseModel], ...], *, title: str, description: str) -> dict[str, Any]:
     """The JSON schema of a tagged choice (``{"kind": "adam_w", "beta1": 0.9}``) as ONE object: a ``tag``
-    dropdown plus every branch's settings, each optional, without defaults, its description prefixed by
+    dropdown plus every branch's settings, each nullable and null by default, its description prefixed by
     the branches it belongs to. Prefect's default UI (V1) renders a ``oneOf`` as a raw JSON editor; both
     of its UIs render this as fields. ``normalize_flat_choice`` reads such a value back.
 
@@ -60,8 +157,8 @@ def flat_choice_schema(tag: str, branches: tuple[type[BaseModel], ...], *, title
                 # (Muon's nesterov) opened on "bool" would send false for every optimizer; on "None" it sends
                 # nothing. A value the defaults give (adam_w's beta1) opens on its type.
                 setting = {key: item for key, item in prop.items() if key not in ("default", "title", "description")}
-                properties[name] = {"anyOf": [{"type": "null"}, setting], "title": prop.get("title", name),
-                                    "description": prop.get("description", "")}
+                properties[name] = {"anyOf": [{"type": "null"}, setting], "default": None,
+                                    "title": prop.get("title", name), "description": prop.get("description", "")}
     for name, kinds in owners.items():
         properties[name]["description"] = f"{' and '.join(kinds)} only: {properties[name].get('description', '')}"
     return {"type": "object", "title": title, "description": description, "properties": properties}

@@ -215,6 +215,10 @@ class OpdConfig(BaseModel):
         properties = handler.resolve_ref_schema(schema).get("properties", {})
         for name in ("training_mode", *SAMPLING_FIELDS):
             properties.pop(name, None)
+        # Prefect's V1 form cannot type an exponent (its number box drops the e); say how to type a small rate.
+        learning_rate = properties.get("learning_rate")
+        if learning_rate is not None:
+            learning_rate["description"] += " Prefect's V1 form takes no exponent: type 0.00001 there, not 1e-5."
         properties["optimizer"] = flat_choice_schema(
             "kind", (MuonOptimizer, AdamWOptimizer, SgdOptimizer), title="Optimizer",
             description="Optimizer and its settings: muon (Kiln's default), adam_w or sgd. Fill in only the chosen "

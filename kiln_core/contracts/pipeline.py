@@ -38,7 +38,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic.json_schema import SkipJsonSchema
 
 from kiln_core.contracts.eval_watch import EvalWatch
-from kiln_core.contracts.form_choices import config_from_form, spec_form_schema
+from kiln_core.contracts.form_choices import (complete_for_form, config_from_form, require_numbers,
+                                             spec_form_schema)
 from kiln_core.contracts.names import NAME_RULE, is_valid_name
 from kiln_core.contracts.opd_config import SAMPLING_FIELDS, OpdConfig
 from kiln_core.contracts.quality_gate import QualityGate
@@ -136,8 +137,8 @@ class PipelineSpec(BaseModel):
         default=None,
         title="Promotion gate (Kiln post_eval)",
         description="Kiln's post-training eval (suite, data_scope, generation, min_accuracy, include_baseline). "
-        "With min_accuracy, only a promoted adapter moves runs/<adapter>/latest.json; a losing one is renamed "
-        "<adapter>.failed (docs/post-eval.md).",
+        "With min_accuracy, only a promoted adapter moves runs/ADAPTER/latest.json; a losing one is renamed "
+        "ADAPTER.failed (docs/post-eval.md).",
         json_schema_extra={"position": 9},
     )
     quality_gate: QualityGate | None = Field(
@@ -168,6 +169,14 @@ class PipelineSpec(BaseModel):
         description="Set by the recipe commands and flows (distill self/merge/pump, recipe run), never by hand: "
         "recorded in the run's receipt as its `recipe` block and in Kiln's receipt.json beside the adapter.",
     )
+
+    @classmethod
+    def __get_pydantic_json_schema__(cls, core_schema, handler):
+        # The run form's schema: every number field is required, so a number a form could not read (and
+        # left out) is refused under its field instead of running with the default (form_choices).
+        schema = handler(core_schema)
+        require_numbers(handler.resolve_ref_schema(schema), handler.resolve_ref_schema)
+        return schema
 
     @field_validator("config", mode="before")
     @classmethod
@@ -261,7 +270,8 @@ class PipelineSpec(BaseModel):
         for name in SAMPLING_FIELDS:
             if (self.source is not None and self.source.kind == "prompts") or config.get(name) == defaults[name]:
                 config.pop(name, None)
-        return data
+        # Every field the form requires (its numbers), so a Quick run's parameters pass the server's check.
+        return complete_for_form(data, PipelineSpec.model_json_schema(by_alias=True))
 
     def _check_gates(self) -> None:
         """Kiln's submit-time ``post_eval`` rules, and the watch's one-process rule, before any work."""
@@ -292,7 +302,7 @@ class PipelineSpec(BaseModel):
             raise ValueError("`source`: give the training data once, as `source` or as `corpus`/`examples`/`prompts`")
         setattr(self, self.source.kind, self.source.path)
         if self.source.kind == "prompts":
-            self.config = self.config.model_copy(update=dict(self.source.sampling))
+            self.config = self.config.model_copy(update=self.source.sampling.config_values())
 
     def _on_policy_consistent(self) -> "PipelineSpec":
         """The rules of a ``prompts`` spec that need no file: mode, one process, Kiln's config rules. The

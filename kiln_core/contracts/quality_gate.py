@@ -32,12 +32,12 @@ __all__ = ["QualityGate"]
 class QualityGate(BaseModel):
     """Thresholds on the new adapter's held-out distillation metrics."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, title="Quality gate (held-out metrics)")
 
     corpus: str = Field(
         min_length=1,
         description="Held-out teacher-scored JSONL (path or URI), scored by the training teacher, sharing no "
-        "prompt with the training corpus (admitted with `kiln-flows eval`'s rules).",
+        "prompt with the training corpus (admitted with the rules of kiln-flows eval).",
     )
     max_reverse_kl: float | None = Field(
         default=None, ge=0.0, description="The distilled student's mean top-K reverse KL must be at most this."

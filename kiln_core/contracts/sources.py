@@ -25,7 +25,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_serializer, model_validator
 
 from kiln_core.contracts.form_choices import POSITIVE_FIELDS, flat_choice_schema, mark_positive, normalize_flat_choice
-from kiln_core.contracts.opd_config import SAMPLING_FIELDS, OpdConfig, StableOpdAuto, StableOpdManual, StableOpdOff
+from kiln_core.contracts.opd_config import (DEFAULT_SAMPLES_PER_PROMPT, SAMPLING_FIELDS, OpdConfig, StableOpdAuto,
+                                            StableOpdManual, StableOpdOff)
 
 SOURCE_KINDS = ("corpus", "examples", "prompts")
 
@@ -56,15 +57,33 @@ class _SamplingForm(BaseModel):
         if isinstance(value, dict) and isinstance(value.get("stable_opd"), dict):
             value = {**value, "stable_opd": normalize_flat_choice(value["stable_opd"], "mode", STABLE_OPD_MODES,
                                                                   where="stable_opd", default="off")}
+        if isinstance(value, dict) and value.get("samples_per_prompt") == DEFAULT_SAMPLES_PER_PROMPT:
+            value = {**value, "samples_per_prompt": None}  # Kiln's 4 is its auto-scaling: the form's empty
         return value
 
+    def config_values(self) -> dict[str, Any]:
+        """These settings as ``OpdConfig``'s fields (empty samples per prompt is Kiln's 4: auto-scaling)."""
+        values = dict(self)
+        if values["samples_per_prompt"] is None:
+            values["samples_per_prompt"] = DEFAULT_SAMPLES_PER_PROMPT
+        return values
+
+
+# Kiln's samples_per_prompt defaults to 4 and reads 4 as "scale up for few prompts" (64 below 50 prompts), so
+# a form showing 4 would not show what runs: the form shows it empty, with the rule in words.
+_SAMPLES_PER_PROMPT = Field(
+    default=None, ge=0, title="Samples Per Prompt",
+    description="Rollouts per prompt. Empty: Kiln's auto-scaling, 64 per prompt below 50 prompts, 16 below 200, 4 "
+    "from 200 (Kiln reads 4 the same way); another number is used as it is. The run's log says how many it used.")
 
 # The sampling settings of OpdConfig, field for field (same types, rules, defaults and descriptions).
 OnPolicySampling = create_model(
     "OnPolicySampling",
     __base__=_SamplingForm,
     __doc__="How the student's rollouts are sampled and weighted (on-policy prompts only).",
-    **{name: (OpdConfig.model_fields[name].annotation, OpdConfig.model_fields[name]) for name in SAMPLING_FIELDS},
+    **{name: (OpdConfig.model_fields[name].annotation, OpdConfig.model_fields[name]) for name in SAMPLING_FIELDS
+       if name != "samples_per_prompt"},
+    samples_per_prompt=(int | None, _SAMPLES_PER_PROMPT),
 )
 
 

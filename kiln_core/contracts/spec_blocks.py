@@ -30,7 +30,7 @@ class TeacherSource(BaseModel):
     kind: Literal["kiln_server", "local_registry", "local_dir", "manifest_file"] = Field(
         default="local_registry",
         description="kiln_server: fetch the manifest from a running Kiln server; local_registry: a teacher "
-        "registered with `kiln-flows teachers register`; local_dir: a Hugging Face teacher directory; "
+        "registered with kiln-flows teachers register; local_dir: a Hugging Face teacher directory; "
         "manifest_file: a file whose first line is the pinned manifest. Default: local_registry.",
         json_schema_extra={"position": 0},
     )
@@ -90,7 +90,7 @@ class RunOptions(BaseModel):
     )
     storage_block: str | None = Field(
         default=None,
-        description="Prefect Secret block (secret/<name>) holding fsspec options per protocol, e.g. "
+        description="Prefect Secret block (secret/NAME) holding fsspec options per protocol, e.g. "
         "{\"s3\": {\"key\": ..., \"secret\": ...}}, used by this run's storage calls only; credentials never "
         "go in the spec itself. Default: empty (the environment's credentials).",
     )

@@ -235,3 +235,20 @@ def finished_run(run: Location, adapter: str) -> TrainRef | None:
                     latest_checkpoint=newest_checkpoint(run, adapter), final_loss=receipt.opd.final_opd_loss,
                     steps=receipt.data.examples_trained, total_steps=receipt.data.total_steps,
                     loss_history=list(receipt.loss_history), reused=True)
+
+
+def cancelled_run(run: Location, adapter: str) -> TrainRef:
+    """How a run that was stopped by an exception it recorded (a termination signal in a worker's run)
+    ended, read back from its ``cancelled`` receipt and its newest committed checkpoint.
+
+    Raises:
+        ReceiptError: ``receipt_missing``/``receipt_invalid`` — training wrote no readable receipt.
+    """
+    from kiln_core.training.receipt import read_receipt
+
+    receipt = read_receipt(run)
+    return TrainRef(run_uri=run.uri, status="cancelled", adapter_uri=None, receipt_uri=run.child(RECEIPT_FILE).uri,
+                    latest_checkpoint=newest_checkpoint(run, adapter), final_loss=receipt.opd.final_opd_loss,
+                    steps=receipt.data.examples_trained, total_steps=receipt.data.total_steps,
+                    loss_history=list(receipt.loss_history), failure_reason=receipt.failure_reason,
+                    failure_message=receipt.failure_message)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from kiln_core.training.distributed.world import World
-from kiln_core.training.lifecycle import CANCEL_MESSAGE, CheckpointPublisher
+from kiln_core.training.lifecycle import CheckpointPublisher, cancel_message
 from kiln_core.training.progress import Clock, LoopProgress
 from kiln_core.training.step import StopTraining
 from kiln_core.training.student import Student
@@ -77,7 +77,7 @@ class StepBoundary:
             StopTraining: ``cancelled``.
         """
         if self.stop_requested():
-            raise StopTraining("cancelled", CANCEL_MESSAGE)
+            raise StopTraining("cancelled", cancel_message(self.checkpoints.published))
 
     def after_step(self, student: Student, *, steps_left: bool, report: Callable[[], None] | None = None) -> None:
         """The end-of-step work after ``progress.global_step`` committed steps, in the module's order.
@@ -105,5 +105,4 @@ class StepBoundary:
             self.checkpoints.publish()
             raise halt
         if steps_left and self.stop_requested():
-            self.checkpoints.publish()
-            raise StopTraining("cancelled", CANCEL_MESSAGE)
+            raise StopTraining("cancelled", cancel_message(self.checkpoints.publish()))

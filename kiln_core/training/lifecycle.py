@@ -37,10 +37,22 @@ from kiln_core.training.step import StopTraining
 from kiln_core.training.student import Student, load_student
 from kiln_core.training.time_bound import TrainingTooLong
 
-__all__ = ["CANCEL_MESSAGE", "TrainResult", "CheckpointPublisher", "new_progress", "start_student", "outcome_recorded",
+__all__ = ["CANCEL_MESSAGE", "cancel_message", "TrainResult", "CheckpointPublisher", "new_progress", "start_student", "outcome_recorded",
            "write_checkpoint", "run_status", "result_fields", "deterministic", "stop_signals"]
 
 CANCEL_MESSAGE = "training cancelled by user (stop requested at OPD step boundary)"
+
+
+def cancel_message(checkpoint: str | None, how: str = CANCEL_MESSAGE) -> str:
+    """A cancelled receipt's ``failure_message``: how the run stopped, then the checkpoint a retry resumes from.
+
+    Example:
+        >>> cancel_message("a-checkpoint-step-00000004.kiln-checkpoint")
+        'training cancelled by user (stop requested at OPD step boundary); checkpoint a-checkpoint-step-00000004.kiln-checkpoint kept (a retry resumes from it)'
+    """
+    if checkpoint is None:
+        return f"{how}; no checkpoint was committed yet (a retry starts over)"
+    return f"{how}; checkpoint {checkpoint} kept (a retry resumes from it)"
 
 
 class TrainResult(BaseModel):
@@ -125,6 +137,10 @@ def outcome_recorded(plan: RunPlan, outcome: RunOutcome, progress: LoopProgress,
     except BaseException as error:
         outcome.failure_reason = _failure_reason(error)
         outcome.failure_message = f"{type(error).__name__}: {error}"
+        if outcome.failure_reason == "cancelled":  # stopped at once: say by what, and what a retry resumes from
+            how = f"training cancelled after step {progress.global_step} by {type(error).__name__}" + (
+                f" ({error})" if str(error) else "")
+            outcome.failure_message = cancel_message(ckpt.latest_checkpoint(plan.run_dir, plan.adapter_name), how)
         finish_run(plan, outcome, progress, clock)
         raise
 

@@ -98,7 +98,22 @@ def pipeline_inputs(tmp_path_factory, tiny_student, tiny_teacher, teacher_manife
 
 def pipeline_spec(inputs: dict[str, Path], corpus: Path, adapter: str, *, epochs: int = 1,
                   checkpoint_interval: int = 2) -> dict[str, Any]:
-    """A ``PipelineSpec`` as JSON, exactly what the UI form submits for the ``spec`` parameter."""
+    """A ``PipelineSpec`` as JSON, exactly what the UI form submits for the ``spec`` parameter: every field
+    the form requires (its numbers) included, as the form sends them."""
+    return as_the_form_sends(_sparse_spec(inputs, corpus, adapter, epochs, checkpoint_interval))
+
+
+def as_the_form_sends(spec: dict[str, Any]) -> dict[str, Any]:
+    """``spec`` with every field the form shows and requires (its numbers) that it leaves out, as the form
+    holds them: null, or the field's default."""
+    from kiln_core.contracts.form_choices import complete_for_form
+    from kiln_core.contracts.pipeline import PipelineSpec
+
+    return complete_for_form(spec, PipelineSpec.model_json_schema(by_alias=True))
+
+
+def _sparse_spec(inputs: dict[str, Path], corpus: Path, adapter: str, epochs: int,
+                 checkpoint_interval: int) -> dict[str, Any]:
     return {
         "teacher": {"kind": "local_dir", "path": str(inputs["teacher"])},
         "source": {"kind": "corpus", "corpus": str(corpus)},

@@ -3,17 +3,19 @@
 The run is created through the API call the UI's Custom run form makes, training happens in the
 worker's flow-run subprocess, and the outputs are checked on disk. A second run is cancelled the way
 the UI's Cancel button does it, after its first checkpoint: the run must end Cancelled with a
-published checkpoint and a ``failed``/``cancelled`` receipt (Kiln's convention).
+published checkpoint and a ``failed``/``cancelled`` receipt (Kiln's convention) naming the checkpoint
+kept, and its log and task runs show a cancel, not a crash.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
-from .conftest import pipeline_spec
+from .conftest import as_the_form_sends, pipeline_spec
 from .server import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -33,6 +35,11 @@ def _committed_checkpoints(storage_root: Path, adapter: str) -> list[str]:
     for run_dir in sorted((storage_root / "runs" / adapter).glob("*/")):
         found += [str(run_dir / name) for _, name in committed_checkpoints(resolve(str(run_dir)), adapter)]
     return found
+
+
+def _logs(live_server, flow_run_id: str) -> list[dict]:
+    body = {"logs": {"flow_run_id": {"any_": [flow_run_id]}}, "limit": 200, "sort": "TIMESTAMP_ASC"}
+    return live_server.api("POST", "/logs/filter", json=body)
 
 
 def test_deployment_runs_from_ui_parameters_and_schedules(live_server, deployment, worker, pipeline_inputs):
@@ -101,6 +108,21 @@ def test_cancel_from_ui_publishes_checkpoint_and_cancelled_receipt(live_server, 
     _, receipt = _receipt(storage_root, adapter)
     assert receipt["status"] == "failed", receipt
     assert receipt["failure_reason"] == "cancelled", receipt
+    # The receipt and the run's final state say which checkpoint a retry resumes from (not "TerminationSignal: ").
+    kept = re.search(r"checkpoint (\S+\.kiln-checkpoint) kept \(a retry resumes from it\)", receipt["failure_message"])
+    assert kept and any(path.endswith(kept.group(1)) for path in checkpoints), receipt["failure_message"]
+    assert kept.group(1) in final["state"]["message"], final["state"]
+    # A cancel is not a crash: no "Crash detected!", no Crashed task (the UI's orange), no traceback.
+    tasks = live_server.api("POST", "/task_runs/filter", json={"flow_runs": {"id": {"any_": [run["id"]]}}})
+    [train] = [task for task in tasks if task["name"].startswith("train-")]
+    assert train["state"]["type"] == "CANCELLED", train["state"]
+    assert not [task["name"] for task in tasks if task["state"]["type"] == "CRASHED"]
+    lines = wait_for(lambda: [entry for entry in _logs(live_server, run["id"])
+                              if entry["message"].startswith("Finished in state Cancelled")], timeout=60,
+                     what="the run's final log line") and _logs(live_server, run["id"])
+    noisy = [entry["message"][:200] for entry in lines if entry["level"] >= 40 or "Crash" in entry["message"]
+             or "Traceback" in entry["message"] or "unexpected exception" in entry["message"]]
+    assert noisy == [], noisy
     assert not (storage_root / "runs" / adapter / "latest.json").exists(), "a cancelled run must not publish latest.json"
     # Training stopped early: far fewer than the 180 steps three epochs of 60 examples would take.
     steps = (receipt.get("data") or {}).get("examples_trained")
@@ -149,9 +171,9 @@ def test_kiln_flows_serve_creates_deployment_and_runs_it(live_server, pipeline_i
         prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": text},
                                                              {"role": "assistant", "content": ""}]}) + "\n"
                                    for text in ("What is two plus two?", "Name a colour.")), encoding="utf-8")
-        on_policy = {**defaults, "adapter": f"{adapter}-prompts",
-                     "source": {"kind": "prompts", "corpus": None, "prompts": str(prompts),
-                                "sampling": {"samples_per_prompt": 2, "max_tokens": 4}}}
+        on_policy = as_the_form_sends({**defaults, "adapter": f"{adapter}-prompts",
+                                       "source": {"kind": "prompts", "corpus": None, "prompts": str(prompts),
+                                                  "sampling": {"samples_per_prompt": 2, "max_tokens": 4}}})
         runs["prompts"] = live_server.create_run(deployment, {"spec": on_policy}, name="itest-served-prompts")
         for kind, run in runs.items():
             final = live_server.wait_for_state(run["id"], {"COMPLETED", "FAILED", "CRASHED"}, timeout=600)
@@ -178,8 +200,8 @@ def test_an_on_policy_run_from_the_form_trains_and_publishes(live_server, deploy
                                for text in ("What is two plus two?", "Name a colour.")), encoding="utf-8")
     adapter = "itest-on-policy"
     spec = pipeline_spec(pipeline_inputs, pipeline_inputs["short_corpus"], adapter, checkpoint_interval=2)
-    spec["source"] = {"kind": "prompts", "prompts": str(prompts),
-                      "sampling": {"samples_per_prompt": 2, "max_tokens": 4}}
+    spec = as_the_form_sends({**spec, "source": {"kind": "prompts", "prompts": str(prompts),
+                                                 "sampling": {"samples_per_prompt": 2, "max_tokens": 4}}})
     run = live_server.create_run(deployment, {"spec": spec}, name="itest-ui-on-policy")
 
     final = live_server.wait_for_state(run["id"], {"COMPLETED", "FAILED", "CRASHED"}, timeout=600)

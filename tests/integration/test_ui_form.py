@@ -1,14 +1,23 @@
 """The Prefect UI as a user sees it, in headless Chromium against a real server and worker.
 
 * The Custom run form of ``opd-distill/nightly`` renders ``PipelineSpec`` as fields (no JSON editor)
-  in both of Prefect's UIs: the default one (V1, ``/deployments/…``) and the new one (V2, ``/v2/…``),
-  with help text on every config field; the prompts kind of the training data submits an on-policy
-  spec; the learning rate takes no letters; 0 is refused where Kiln needs a positive number.
+  in both of Prefect's UIs: the old one (V1, ``/deployments/…``) and the one the root opens (V2,
+  ``/v2/…``), with help text on every config field that reads the same in both (no raw backticks, no
+  vanished ``<placeholders>``) and switches named in words; the prompts kind of the training data
+  submits an on-policy spec; the learning rate takes no letters and reaches the run as typed
+  (``1e-5`` in V2; V1's number box cannot take an exponent and the form refuses the gap under the field
+  instead of running with the default); samples per prompt shows empty for Kiln's auto-scaling; 0 is
+  refused where Kiln needs a positive number.
 * A run's page tells the story in its Logs tab (stages, training steps, checkpoints, summary) and its
   artifacts render: the loss-curve chart is an image with a non-zero size, the receipt is one compact
   table, the outputs list starts with adapter, receipt and ``latest.json``.
-* A rejected spec fails its run with one line naming the field as the form does, once, with no
-  traceback and no "unexpected exception", the adapter tag and a ``rejected-<adapter>`` artifact.
+* A rejected spec fails its run with one line naming the field as the form does, once, at ERROR (the
+  UI's "Error and above" filter shows it), with no traceback and no "unexpected exception", the adapter
+  tag and a ``rejected-<adapter>`` artifact. A run that trains and fails (the publish guard refuses a
+  diverged run) is told the same way, with a ``failed-<adapter>`` artifact, and its receipt table names
+  the code its log names.
+* Every link kiln-flows and Prefect print opens the UI the server's root opens, never ``…/api``; the
+  deployment page shows the schedule's time zone.
 
 Screenshots of each page are kept under the test's temporary directory (the path is printed).
 """
@@ -214,28 +223,36 @@ def test_custom_run_form_renders_spec_and_submits_edits(live_server, deployment,
     # The PipelineSpec renders as nested groups, each titled, with help text from the field docstrings,
     # and no JSON editor: the training data and the optimizer are a Kind dropdown plus fields.
     labels = {element.text.strip() for element in browser.find_elements(By.TAG_NAME, "label")}
+    # Number fields are required (a value the form cannot read is refused, never replaced by a default), so
+    # they carry no "(Optional)".
     for expected in ("Teacher (Optional)", "Kind (Optional)", "Path (Optional)", "Training data", "Corpus (Optional)",
                      "Examples (Optional)", "Prompts (Optional)", "Student", "Storage Root (Optional)", "Adapter",
-                     "Training config (Kiln OpdConfig) (Optional)", "Top K (Optional)", "Learning Rate (Optional)",
-                     "Optimizer (Optional)", "Beta1 (Optional)", "Momentum (Optional)", "ECHO (Optional)",
+                     "Training config (Kiln OpdConfig) (Optional)", "Top K", "Learning Rate",
+                     "Optimizer (Optional)", "Beta1", "Momentum", "ECHO (Optional)",
                      "Distributed training (Optional)"):
         assert expected in labels, f"form label {expected!r} missing; labels: {sorted(labels)}"
     assert not any(label.startswith("Field") for label in labels), sorted(labels)
     assert _no_json_editor(browser) == []
     # Off-policy (the yaml's examples): no sampling setting is on the form until the prompts kind asks for it.
-    sampling = {"Samples Per Prompt (Optional)", "Temperature (Optional)", "Top P (Optional)",
-                "Max Tokens (Optional)", "Training Mode (Optional)"}
+    sampling = {"Samples Per Prompt", "Temperature", "Top P", "Max Tokens", "Training Mode (Optional)"}
     assert not sampling & labels, sampling & labels
     form_text = _text(browser)
     assert "Output adapter name: 1-128 characters" in form_text and "adam_w only: " in form_text
     assert "``" not in form_text and "(?!" not in form_text  # no raw reST markup, no regular expression
-    top_k = browser.find_element(By.XPATH, "//label[normalize-space()='Top K (Optional)']")
+    # Descriptions read as written: no raw backticks (V2 shows them), placeholders that survive V1's HTML
+    assert "`" not in form_text and "registered with kiln-flows teachers register" in form_text
+    assert "only a promoted adapter moves runs/ADAPTER/latest.json" in form_text
+    # Optional groups switch between the group and None, named by the group's title, not a class name
+    tabs = {tab.text.strip() for tab in browser.find_elements(By.XPATH, "//button[@role='tab']")}
+    assert {"Promotion gate (Kiln post_eval)", "Quality gate (held-out metrics)", "Held-out watch during training"} <= tabs
+    assert not {"PostEvalConfig", "QualityGate", "EvalWatch"} & tabs, sorted(tabs)
+    top_k = browser.find_element(By.XPATH, "//label[normalize-space()='Top K']")
     browser.execute_script("arguments[0].scrollIntoView({block: 'start'});", top_k)
     browser.save_screenshot(str(screenshots / "v2-form-config-group.png"))
-    for label, help_text in (("Top K (Optional)", "Teacher tokens per position the loss compares"),
-                             ("Lora Rank (Optional)", "Kiln default: 16"),
-                             ("Checkpoint Interval (Optional)", "every this many optimizer steps"),
-                             ("Epochs (Optional)", "Passes over the corpus")):
+    for label, help_text in (("Top K", "Teacher tokens per position the loss compares"),
+                             ("Lora Rank", "Kiln default: 16"),
+                             ("Checkpoint Interval", "every this many optimizer steps"),
+                             ("Epochs", "Passes over the corpus")):
         assert help_text in _help_text(browser, label), (label, _help_text(browser, label))
 
     # The teacher kind Literal is a dropdown offering the kinds, set to the yaml's default.
@@ -262,11 +279,15 @@ def test_custom_run_form_renders_spec_and_submits_edits(live_server, deployment,
     prompts_box = WebDriverWait(browser, 30).until(lambda d: _row_input(d, "Prompts (Optional)"))
     prompts_box.send_keys("./kiln-data/prompts.jsonl")
     _toggle(browser, "Sampling (prompts only) (Optional)", "Sampling (prompts only)")
-    WebDriverWait(browser, 30).until(lambda d: d.find_elements(By.XPATH, "//label[normalize-space()='Temperature (Optional)']"))
+    WebDriverWait(browser, 30).until(lambda d: d.find_elements(By.XPATH, "//label[normalize-space()='Temperature']"))
     on_policy = {element.text.strip() for element in browser.find_elements(By.TAG_NAME, "label")}
     browser.execute_script("arguments[0].scrollIntoView({block: 'start'});", prompts_box)
     browser.save_screenshot(str(screenshots / "v2-form-prompts-source.png"))
     assert sampling - {"Training Mode (Optional)"} <= on_policy, sorted(on_policy)
+    # Samples per prompt shows what runs: no number (Kiln's auto-scaling, 64 per prompt for a few prompts), not 4
+    samples = _row_input(browser, "Samples Per Prompt")
+    assert samples is None or samples.get_attribute("value") == ""
+    assert "64 per prompt below 50 prompts" in _help_text(browser, "Samples Per Prompt")
 
     def type_into(label: str, text: str):
         """Edit a field the way a person does (select all, type); the value the field keeps."""
@@ -279,29 +300,35 @@ def test_custom_run_form_renders_spec_and_submits_edits(live_server, deployment,
         return field.get_attribute("value")
 
     # Letters do not go into the learning rate: it is a number field (what a person typed is not dropped
-    # silently into a text parameter), and a number does.
-    assert type_into("Learning Rate (Optional)", "abc") in ("", None)
-    assert type_into("Learning Rate (Optional)", "0.0003") == "0.0003"
+    # silently into a text parameter); a small number in exponent form does, as typed.
+    assert type_into("Learning Rate", "abc") in ("", None)
+    assert type_into("Learning Rate", "1e-5") == "1e-5"
     before = {run["id"] for run in live_server.runs_of(deployment["id"])}
     assert type_into("Adapter", EDITED_ADAPTER) == EDITED_ADAPTER
 
     # Top K 0 is refused under the field (exclusiveMinimum 0), and no run is created.
-    assert type_into("Top K (Optional)", "0") == "0"
+    assert type_into("Top K", "0") == "0"
     [submit] = browser.find_elements(By.XPATH, "//button[@type='submit' and normalize-space()='Submit']")
     _click_clear_of_toasts(browser, submit)
-    WebDriverWait(browser, 30).until(lambda d: "minimum of 0" in _help_text(d, "Top K (Optional)"))
-    browser.execute_script("arguments[0].scrollIntoView({block: 'center'});", _row_input(browser, "Top K (Optional)"))
+    WebDriverWait(browser, 30).until(lambda d: "minimum of 0" in _help_text(d, "Top K"))
+    browser.execute_script("arguments[0].scrollIntoView({block: 'center'});", _row_input(browser, "Top K"))
     browser.save_screenshot(str(screenshots / "v2-form-top-k-zero.png"))
     time.sleep(2)
     assert browser.current_url.endswith("/run") and _created_runs(live_server, deployment, before) == []
-    assert type_into("Top K (Optional)", "16") == "16"
+    # A cleared number is refused under its field too, never sent as "use the default"
+    assert type_into("Top K", "") == ""
+    _click_clear_of_toasts(browser, submit)
+    WebDriverWait(browser, 30).until(lambda d: "'top_k' is a required property" in _help_text(d, "Top K"))
+    browser.save_screenshot(str(screenshots / "v2-form-top-k-cleared.png"))
+    assert _created_runs(live_server, deployment, before) == []
+    assert type_into("Top K", "16") == "16"
 
     run = _submit_until_created(browser, live_server, deployment, before, screenshots, "v2")
     try:
         time.sleep(1)
         browser.save_screenshot(str(screenshots / "v2-submitted.png"))
         spec = run["parameters"]["spec"]
-        assert spec["adapter"] == EDITED_ADAPTER and spec["config"]["learning_rate"] == 0.0003
+        assert spec["adapter"] == EDITED_ADAPTER and spec["config"]["learning_rate"] == 1e-5
         assert spec["source"]["kind"] == "prompts" and spec["source"]["prompts"] == "./kiln-data/prompts.jsonl"
         # Everything not edited came through unchanged from the deployment's defaults.
         defaults = deployment["parameters"]["spec"]
@@ -335,10 +362,17 @@ def test_default_ui_form_renders_fields_and_submits_the_prompts_kind(live_server
               browser.find_elements(By.CSS_SELECTOR, ".schema-form-property__label")}
     for expected in ("Teacher (Optional)", "Training data", "Kind (Optional)", "Corpus (Optional)",
                      "Examples (Optional)", "Prompts (Optional)", "Sampling (prompts only) (Optional)", "Adapter",
-                     "Training config (Kiln OpdConfig) (Optional)", "Learning Rate (Optional)",
-                     "Optimizer (Optional)", "Beta1 (Optional)", "Momentum (Optional)", "Run options (Optional)"):
+                     "Training config (Kiln OpdConfig) (Optional)", "Learning Rate",
+                     "Optimizer (Optional)", "Beta1", "Momentum", "Run options (Optional)"):
         assert expected in labels, f"V1 form label {expected!r} missing; labels: {sorted(labels)}"
     assert _no_json_editor(browser) == []
+    # V1 renders descriptions as HTML: a <placeholder> would vanish ("runs//latest.json"); none is left
+    form_text = _text(browser)
+    assert "only a promoted adapter moves runs/ADAPTER/latest.json" in form_text and "runs//" not in form_text
+    assert "`" not in form_text and "registered with kiln-flows teachers register" in form_text
+    buttons = {button.text.strip() for button in browser.find_elements(By.TAG_NAME, "button")}
+    assert {"Promotion gate (Kiln post_eval)", "Quality gate (held-out metrics)"} <= buttons, sorted(buttons)
+    assert not {"PostEvalConfig", "QualityGate", "EvalWatch"} & buttons
 
     training_data = _v1_property(browser, "Training data")
     kind = Select(next(select for select in training_data.find_elements(By.TAG_NAME, "select")
@@ -355,31 +389,50 @@ def test_default_ui_form_renders_fields_and_submits_the_prompts_kind(live_server
     _v1_toggle(browser, "Prompts (Optional)", "str")
     prompts_box = WebDriverWait(browser, 30).until(lambda d: _v1_input(d, "Prompts (Optional)"))
     prompts_box.send_keys("./kiln-data/prompts.jsonl")
+    _v1_toggle(browser, "Sampling (prompts only) (Optional)", "Sampling (prompts only)")
+    # Samples per prompt shows what runs: no number (Kiln's auto-scaling, 64 per prompt for a few prompts), not 4
+    samples = WebDriverWait(browser, 30).until(lambda d: _v1_property(d, "Samples Per Prompt"))
+    assert "64 per prompt below 50 prompts" in samples.text
+    assert [field.get_attribute("value") for field in samples.find_elements(By.TAG_NAME, "input")] in ([], [""])
     browser.execute_script("arguments[0].scrollIntoView({block: 'start'});", training_data)
     browser.save_screenshot(str(screenshots / "v1-form-prompts-source.png"))
+    _v1_toggle(browser, "Sampling (prompts only) (Optional)", "None")
 
-    learning_rate = _v1_input(browser, "Learning Rate (Optional)")
-    assert learning_rate.get_attribute("type") == "number"
-    browser.execute_script("arguments[0].scrollIntoView({block: 'center'});", learning_rate)
-    learning_rate.click()
-    learning_rate.send_keys(Keys.CONTROL, "a")
-    learning_rate.send_keys(Keys.BACKSPACE)
-    learning_rate.send_keys("abc")
-    assert learning_rate.get_attribute("value") == ""  # letters are not taken
-    learning_rate.send_keys("0.0003")
-    assert learning_rate.get_attribute("value") == "0.0003"
+    def type_into(text: str) -> str:
+        learning_rate = _v1_input(browser, "Learning Rate")
+        assert learning_rate.get_attribute("type") == "number"
+        browser.execute_script("arguments[0].scrollIntoView({block: 'center'});", learning_rate)
+        learning_rate.click()
+        learning_rate.send_keys(Keys.CONTROL, "a")
+        learning_rate.send_keys(Keys.BACKSPACE)
+        learning_rate.send_keys(text)
+        return learning_rate.get_attribute("value")
+
+    assert type_into("abc") == ""  # letters are not taken
+    # V1's number box drops the letter e ("1e-5" shows "1-5", which it cannot read): the form leaves the field
+    # out, and a left-out number is refused under its field, never run with the optimizer's default.
+    assert type_into("1e-5") == ""
+    before = {run["id"] for run in live_server.runs_of(deployment["id"])}
+    [submit] = browser.find_elements(By.XPATH, "//button[@type='submit' and normalize-space()='Submit']")
+    _click_clear_of_toasts(browser, submit)
+    WebDriverWait(browser, 30).until(
+        lambda d: "'learning_rate' is a required property" in _v1_property(d, "Learning Rate").text)
+    browser.execute_script("arguments[0].scrollIntoView({block: 'center'});", _v1_input(browser, "Learning Rate"))
+    browser.save_screenshot(str(screenshots / "v1-form-learning-rate-exponent-refused.png"))
+    time.sleep(2)
+    assert _created_runs(live_server, deployment, before) == []
+    assert type_into("0.00001") == "0.00001"  # the same number in the form V1 takes
     optimizer = _v1_property(browser, "Optimizer (Optional)")
     browser.execute_script("arguments[0].scrollIntoView({block: 'start'});", optimizer)
     browser.save_screenshot(str(screenshots / "v1-form-optimizer.png"))
 
-    before = {run["id"] for run in live_server.runs_of(deployment["id"])}
     run = _submit_until_created(browser, live_server, deployment, before, screenshots, "v1")
     try:
         time.sleep(1)
         browser.save_screenshot(str(screenshots / "v1-submitted.png"))
         spec = run["parameters"]["spec"]
         assert spec["source"]["kind"] == "prompts" and spec["source"]["prompts"] == "./kiln-data/prompts.jsonl"
-        assert spec["config"]["learning_rate"] == 0.0003
+        assert spec["config"]["learning_rate"] == 1e-5
         parsed = parse_spec(spec)
         assert (parsed.config.training_mode, parsed.prompts, parsed.examples) == ("on_policy", "./kiln-data/prompts.jsonl", None)
         assert parsed.config.optimizer == parse_spec(deployment["parameters"]["spec"]).config.optimizer
@@ -489,6 +542,8 @@ def test_run_page_tells_the_story_and_its_artifacts_render(live_server, deployme
     final = live_server.wait_for_state(run["id"], {"COMPLETED"}, timeout=600)
     assert final["state"]["type"] == "COMPLETED", f"{final['state']}\n{live_server.tails()}"
     assert final["name"] == "typed-in-the-form" and f"adapter:{adapter}" in final["tags"]
+    # the deployment's schedule zone is the deployment's tag, not the run's (it hid the adapter tag behind "+1")
+    assert not [tag for tag in final["tags"] if tag.startswith("tz:")], final["tags"]
 
     # The Logs tab tells the story: each stage, training steps with loss, rate and ETA, the
     # checkpoint, the receipt, one summary line -- and no per-stage "Finished in state Completed()".
@@ -540,9 +595,13 @@ def _table(artifact: dict) -> list[dict]:
     return json.loads(data) if isinstance(data, str) else data
 
 
+def _log_entries(live_server, flow_run_id: str) -> list[dict]:
+    body = {"logs": {"flow_run_id": {"any_": [flow_run_id]}}, "limit": 200, "sort": "TIMESTAMP_ASC"}
+    return live_server.api("POST", "/logs/filter", json=body)
+
+
 def _log_lines(live_server, flow_run_id: str) -> list[str]:
-    body = {"logs": {"flow_run_id": {"any_": [flow_run_id]}}, "limit": 200}
-    return [entry["message"] for entry in live_server.api("POST", "/logs/filter", json=body)]
+    return [entry["message"] for entry in _log_entries(live_server, flow_run_id)]
 
 
 def test_a_rejected_spec_fails_the_run_in_one_line(live_server, deployment, worker, pipeline_inputs, browser,
@@ -579,6 +638,9 @@ def test_a_rejected_spec_fails_the_run_in_one_line(live_server, deployment, work
         telling = [line for line in lines if needle in line]
         assert len(telling) == 1, lines
         assert not [line for line in lines if "unexpected exception" in line or "Traceback" in line], lines
+        # told at ERROR, the one error of the run: the UI's "Error and above" filter shows exactly it
+        errors = [entry["message"] for entry in _log_entries(live_server, run["id"]) if entry["level"] >= 40]
+        assert errors == telling, errors
 
     run = runs["itest-ui-rejected"]
     text = _wait_for_text(browser, f"{live_server.url}/runs/flow-run/{run['id']}", ("Finished in state Failed",))
@@ -587,3 +649,93 @@ def test_a_rejected_spec_fails_the_run_in_one_line(live_server, deployment, work
     text = _wait_for_text(browser, f"{live_server.url}/v2/runs/flow-run/{run['id']}?tab=Logs", ("Finished in state Failed",))
     browser.save_screenshot(str(screenshots / "v2-run-page-rejected.png"))
     assert "spec.source.corpus:" in text and "Traceback" not in text and "unexpected exception" not in text
+
+
+def test_a_run_the_publish_guard_refuses_is_told_once_with_its_code(live_server, deployment, worker, pipeline_inputs,
+                                                                    browser, screenshots):
+    """``learning_rate: 1e10`` trains and diverges; the guard refuses to publish it. The run ends Failed with
+    one line naming ``training_diverged``, at ERROR, once (no traceback, no "Engine execution exited with
+    unexpected exception"), a ``failed-<adapter>`` artifact shaped like a rejection's, and a receipt table
+    that names the same code (the receipt file keeps Kiln's ``training_error``)."""
+    adapter = "itest-ui-diverged"
+    spec = pipeline_spec(pipeline_inputs, pipeline_inputs["short_corpus"], adapter)
+    spec["config"]["learning_rate"] = 1e10
+    run = live_server.create_run(deployment, {"spec": spec}, name="itest-ui-diverged")
+    final = live_server.wait_for_state(run["id"], {"FAILED", "CRASHED", "COMPLETED"}, timeout=600)
+    message = final["state"]["message"]
+    assert final["state"]["type"] == "FAILED" and message.startswith("failed (training_diverged): the publish guard"), \
+        message
+    wait_for(lambda: [line for line in _log_lines(live_server, run["id"]) if "Finished in state" in line], timeout=60,
+             what="the run's final log line")
+    entries = _log_entries(live_server, run["id"])
+    telling = [entry for entry in entries if "training_diverged" in entry["message"]]
+    assert [entry["level"] for entry in telling] == [40], [entry["message"][:120] for entry in telling]
+    assert [entry["message"] for entry in entries if entry["level"] >= 40] == [telling[0]["message"]]
+    assert not [entry for entry in entries if "Traceback" in entry["message"] or "unexpected exception" in entry["message"]]
+    artifacts = _artifacts_of(live_server, run["id"])
+    failed = artifacts.get(f"failed-{adapter}")
+    assert failed is not None and failed["type"] == "markdown", sorted(artifacts)
+    assert failed["data"].startswith("### Failed: nothing was published\n\n**training_diverged**\n\n")
+    status = next(row for row in _table(artifacts[f"receipt-{adapter}"]) if row["field"] == "status")
+    assert status["value"] == "failed (training_diverged; Kiln's failure_reason training_error)", status
+
+    for ui, name in (("", "v1"), ("/v2", "v2")):
+        text = _wait_for_text(browser, f"{live_server.url}{ui}/runs/flow-run/{run['id']}" + ("?tab=Logs" if ui else ""),
+                              ("Finished in state Failed",))
+        browser.save_screenshot(str(screenshots / f"{name}-run-page-diverged.png"))
+        assert text.count("training_diverged") >= 1 and "Traceback" not in text and "unexpected exception" not in text
+    browser.get(f"{live_server.url}/v2/artifacts/artifact/{failed['id']}")
+    wait_for(lambda: "nothing was published" in _text(browser), timeout=60, what="the failed artifact")
+    browser.save_screenshot(str(screenshots / "v2-artifact-failed.png"))
+
+
+def test_printed_links_open_the_ui_the_root_opens_and_the_schedules_zone_shows(live_server, deployment, browser,
+                                                                                 screenshots, pipeline_inputs,
+                                                                                 tmp_path):
+    """The root opens Prefect 3.9's new UI (``/v2``); the links ``kiln-flows serve`` and ``kiln-flows run``
+    print (theirs and Prefect's "View at") open it too, not the old one, and none is the ``…/api``
+    address (a browser shows "Page not found" there). The deployment page shows the schedule's zone."""
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    import yaml
+
+    browser.get(live_server.url + "/")
+    wait_for(lambda: "/v2/" in browser.current_url, timeout=60, what="the root to open a UI")
+    kiln_flows = str(Path(sys.executable).with_name("kiln-flows"))
+    proc = live_server.spawn("serve-links", [kiln_flows, "serve", "--name", "itest-links", "--cron", "0 4 * * *",
+                                             "--timezone", "Asia/Tokyo", "--limit", "1"],
+                             live_server.client_env(), cwd=tmp_path)
+    try:
+        wait_for(lambda: live_server.find_deployment("opd-distill", "itest-links"), timeout=180, interval=2,
+                 what="the served deployment")
+        time.sleep(3)  # Prefect prints its own link once the deployment exists
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+    printed = (live_server.logs / "serve-links.log").read_text(encoding="utf-8", errors="replace")
+    # a spec refused by its first task: the flow starts (and Prefect prints "View at …"), then exits 2 at once
+    spec = pipeline_spec(pipeline_inputs, pipeline_inputs["storage_root"] / "missing.jsonl", "itest-links")
+    spec_file = tmp_path / "refused.yaml"
+    spec_file.write_text(yaml.safe_dump(spec), encoding="utf-8")
+    done = subprocess.run([kiln_flows, "run", str(spec_file)], cwd=tmp_path, env=live_server.client_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stdout + done.stderr
+    printed += done.stdout + done.stderr
+    links = sorted(set(re.findall(r"https?://[^\s'\"]+", printed)))
+    assert links and not [link for link in links if "/api" in link], (links, printed[-2000:])
+    assert [link for link in links if "/runs/flow-run/" in link] and [link for link in links if "/deployments" in link]
+    for index, link in enumerate(links):
+        browser.get(link.rstrip(".,)"))
+        wait_for(lambda: len(_text(browser)) > 200, timeout=60, what=f"{link} to render")
+        browser.save_screenshot(str(screenshots / f"printed-link-{index}.png"))
+        assert "/v2/" in browser.current_url, (link, browser.current_url)
+        assert "Page not found" not in _text(browser), link
+
+    served = live_server.find_deployment("opd-distill", "itest-links")
+    for ui, name in (("", "v1"), ("/v2", "v2")):
+        text = _wait_for_text(browser, f"{live_server.url}{ui}/deployments/deployment/{served['id']}", ("Schedules",))
+        browser.save_screenshot(str(screenshots / f"{name}-deployment-page-zone.png"))
+        assert "Asia/Tokyo" in text, text[-2000:]

@@ -22,10 +22,12 @@ class PostEvalConfig(BaseModel):
     """What to evaluate after training, and whether the result may gate the adapter."""
 
     # Each field's docstring is its one-line description in the run form (use_attribute_docstrings).
-    model_config = ConfigDict(strict=True, extra="ignore", frozen=True, use_attribute_docstrings=True)
+    # The title names the run form's switch (a class name would be shown otherwise).
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True, use_attribute_docstrings=True,
+                              title="Promotion gate (Kiln post_eval)")
 
     suite: str
-    """Name of an eval suite registered under <eval_root>/suites/<name>/."""
+    """Name of an eval suite registered with kiln-flows eval-suites register (kept under the storage root, in .eval/suites/NAME)."""
     data_scope: Literal["held-out", "train-set-eval"] = "held-out"
     """held-out (default): training data overlapping the suite is rejected; train-set-eval: a diagnostic that may overlap and never gates."""
     generation: EvalGenerationParams | None = Field(default=None, title="Generation override")

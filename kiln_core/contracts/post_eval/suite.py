@@ -39,8 +39,10 @@ class _Serde(BaseModel):
 class EvalGenerationParams(_Serde):
     """Decode settings of one eval completion (defaults tuned for verifiable, greedy evaluation)."""
 
-    # Each field's docstring is its one-line description in the run form (use_attribute_docstrings).
-    model_config = ConfigDict(strict=True, extra="ignore", frozen=True, use_attribute_docstrings=True)
+    # Each field's docstring is its one-line description in the run form (use_attribute_docstrings); the
+    # title names the form's switch.
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True, use_attribute_docstrings=True,
+                              title="Generation override")
 
     temperature: float = 0.0
     """Sampling temperature; 0 (default) = greedy."""

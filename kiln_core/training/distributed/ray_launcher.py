@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import socket
 import tempfile
@@ -39,12 +40,12 @@ from kiln_core.contracts.spec_blocks import RayOptions
 from kiln_core.errors import EnvironmentFailure
 from kiln_core.storage import is_local_uri
 from kiln_core.training.distributed.launcher import DistributedJob, _rebuild_rejection
-from kiln_core.training.distributed.ray_worker import train_loop_per_worker
+from kiln_core.training.distributed.ray_worker import quiet_worker, train_loop_per_worker
 from kiln_core.training.distributed.world import ClusterFacts, check_shared_storage
 from kiln_core.training.trainer import TrainResult
 
-__all__ = ["RayFailure", "RAY_INSTALL_HINT", "CONNECT_TIMEOUT_SECONDS", "import_ray", "check_cluster_storage",
-           "check_capacity", "ray_session", "launch_on_ray"]
+__all__ = ["RayFailure", "RAY_INSTALL_HINT", "CONNECT_TIMEOUT_SECONDS", "WORKER_QUIET_ENV", "import_ray",
+           "check_cluster_storage", "check_capacity", "ray_session", "launch_on_ray"]
 
 RAY_INSTALL_HINT = "pip install 'kiln-flows[ray]'"
 CONNECT_TIMEOUT_SECONDS = 20.0
@@ -134,12 +135,36 @@ def _explicit_address(address: str) -> str:
     return address
 
 
+# What the run's Ray workers print besides the run's own lines, switched off in their environment: each
+# rank's own "Loading weights" bar (one per rank, each prefixed by Ray: the driver draws the run's bar).
+WORKER_QUIET_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TOKENIZERS_PARALLELISM": "false"}
+# On a Ray instance this run starts on its own machine: Ray Train's node-preemption watcher (nothing to watch
+# on one machine; it logged an error when the instance stopped under it).
+LOCAL_INSTANCE_ENV = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
+
+
+class _DefaultTokenAuthNotice(logging.Filter):
+    """Drops Ray's notice that a local instance it starts has token authentication on (its default, which the
+    run keeps): a warning in every run that asks nothing of the user."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Token authentication is enabled for this Ray cluster")
+
+
 @contextmanager
-def ray_session(options: RayOptions, workers: int, *, timeout: float = CONNECT_TIMEOUT_SECONDS) -> Iterator[ClusterFacts]:
+def ray_session(options: RayOptions, workers: int, *, timeout: float = CONNECT_TIMEOUT_SECONDS,
+                worker_env: dict[str, str] | None = None) -> Iterator[ClusterFacts]:
     """Connected to the run's cluster: a local instance started for the run (and stopped after it), or the
     cluster at ``options.address``; yields what the receipt records about it.
 
     A session already connected in this process (``ray.init`` by the caller) is used as it is and left open.
+
+    Args:
+        options: The run's Ray block.
+        workers: The ranks the run asks for.
+        timeout: Seconds connecting may take.
+        worker_env: Environment variables every task and actor of the run gets (``runtime_env``), on top of
+            ``WORKER_QUIET_ENV`` (e.g. the Prefect API a flow's Ray tasks report to).
 
     Raises:
         RayFailure: ``ray_cluster_unreachable`` within about ``timeout`` seconds.
@@ -150,12 +175,18 @@ def ray_session(options: RayOptions, workers: int, *, timeout: float = CONNECT_T
         yield facts
         return
     _probe(_explicit_address(options.address), timeout)
+    env = {**WORKER_QUIET_ENV, **(worker_env or {})}
     if options.is_local:
         # One CPU per worker; the machine's cores, so a run asking for more is refused by check_capacity.
         init = dict(num_cpus=max(1, os.cpu_count() or 1), include_dashboard=False)
+        env.update(LOCAL_INSTANCE_ENV)
+        notice = logging.getLogger("ray._private.authentication.authentication_token_setup")
+        if not any(isinstance(f, _DefaultTokenAuthNotice) for f in notice.filters):
+            notice.addFilter(_DefaultTokenAuthNotice())
     else:
         init = dict(address=options.address)
-    _init(ray, init, options.address)
+    runtime_env = {"env_vars": env, "worker_process_setup_hook": f"{quiet_worker.__module__}.{quiet_worker.__name__}"}
+    _init(ray, {**init, "runtime_env": runtime_env}, options.address)
     try:
         yield facts
     finally:

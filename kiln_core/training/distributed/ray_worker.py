@@ -11,6 +11,7 @@ raised: Ray would restart the group for it.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from typing import Any, Callable
 
@@ -18,7 +19,28 @@ from kiln_core.errors import Rejection
 from kiln_core.training.distributed.launcher import DistributedJob
 from kiln_core.training.distributed.world import ClusterFacts, RankFailure, World
 
-__all__ = ["train_loop_per_worker"]
+__all__ = ["train_loop_per_worker", "quiet_worker"]
+
+
+class _StateApiNotice(logging.Filter):
+    """Drops Ray Train's placement-group cleaner's "State API may be temporarily unavailable", repeated every
+    few seconds of a run on a Ray instance started without its dashboard (kiln-flows' ``local``): the State API
+    lives in the dashboard, and the cleaner only matters when the controller dies."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "State API may be temporarily unavailable" not in record.getMessage()
+
+
+def quiet_worker() -> None:
+    """Ray's ``worker_process_setup_hook`` of a kiln-flows run (``ray_launcher.ray_session``): each worker process
+    keeps to the run's own lines. Libraries' deprecation notices about their own internals (transformers'
+    ``is_gradient_checkpointing`` on every rank) and the cleaner's notice above are dropped."""
+    import warnings
+
+    for category in (FutureWarning, DeprecationWarning):
+        warnings.filterwarnings("ignore", category=category,
+                                module=r"(transformers|peft|huggingface_hub|torch|accelerate)(\.|$)")
+    logging.getLogger("ray.train.v2._internal.execution.controller.placement_group_cleaner").addFilter(_StateApiNotice())
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
