@@ -204,7 +204,7 @@ def test_train_shows_no_library_future_warning(tiny_student, tmp_path):
 def test_on_policy_start_line_names_the_effective_candidate_count_and_an_eta():
     from types import SimpleNamespace
 
-    from flows.commands.train import on_policy_start_line
+    from flows.commands._progress import on_policy_start_line
     from kiln_core.contracts.opd_config import OpdConfig
 
     first = SimpleNamespace(rollouts_sampled=64, rollouts_reused=0, elapsed_s=160.0)

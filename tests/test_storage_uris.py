@@ -183,3 +183,19 @@ def test_opd_distill_flow_with_a_file_uri_storage_root(prefect_harness, tiny_tea
     assert again["receipt"] == summary["receipt"] and again["final_loss"] == summary["final_loss"]
     assert os.stat(run_dir / "adapter" / "adapter_model.safetensors").st_mtime_ns == mtime
     assert list(cwd.iterdir()) == []
+
+
+def test_a_storage_root_is_checked_in_process_before_any_work(tmp_path):
+    """``check_storage_root`` itself (the CLI subprocess tests are in tests/test_newcomer_cli.py)."""
+    from kiln_core.storage_root import check_storage_root
+    from kiln_core.storage_settings import StorageRejection
+
+    assert check_storage_root(str(tmp_path / "new" / "root")).is_local
+    assert not (tmp_path / "new").exists()  # checked, not created
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(StorageRejection) as in_the_way:
+        check_storage_root(str(tmp_path / "file" / "root"), field="--out")
+    assert (in_the_way.value.code, in_the_way.value.field) == ("out_not_directory", "--out")
+    with pytest.raises(StorageRejection) as typo:
+        check_storage_root("s3:/bucket/kiln")
+    assert typo.value.code == "invalid_uri" and "s3://bucket/kiln" in typo.value.message

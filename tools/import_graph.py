@@ -47,7 +47,8 @@ FORBIDDEN_IN_ENGINE = ("prefect",)
 KILN_CORE_LAYERS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("root", ("kiln_core",),
      "the version and a lazy export table: imports nothing of kiln_core, so any module may read __version__"),
-    ("floor", ("errors", "canonical", "serde_json", "strict_json", "storage_settings", "storage", "data", "wording"),
+    ("floor", ("errors", "canonical", "serde_json", "strict_json", "storage_settings", "storage", "storage_root", "data",
+               "wording"),
      "errors and exit codes, byte-exact JSON (Kiln compact, serde_json) and hashes, strict JSON, storage, "
      "wording helpers: no domain, used by every layer"),
     ("contracts", ("contracts",),

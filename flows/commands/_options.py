@@ -32,7 +32,7 @@ def add_out_argument(parser, *, default: str | None = DEFAULT_ROOT, help: str | 
     """``--out ROOT_URI`` (dest ``out``), plus hidden ``aliases`` such as ``--root``.
 
     A root the command ``writes`` into is checked before the command runs (``flows.cli.run_command``,
-    ``kiln_core.storage.check_storage_root``): a malformed URI, a missing fsspec package or bucket, a file in
+    ``kiln_core.storage_root.check_storage_root``): a malformed URI, a missing fsspec package or bucket, a file in
     the way or a read-only directory is refused before any work, never written somewhere else."""
     text = help or f"storage root, a local path or fsspec URI (default {default})"
     parser.add_argument("--out", dest="out", default=default, metavar="ROOT_URI", help=text)
@@ -46,11 +46,11 @@ def check_written_root(args: argparse.Namespace) -> None:
     """Refuse the storage root the command writes into (``add_out_argument``) before the command runs.
 
     Raises:
-        StorageRejection, StorageFailure: what ``kiln_core.storage.check_storage_root`` refuses, naming ``--out``.
+        StorageRejection, StorageFailure: what ``kiln_core.storage_root.check_storage_root`` refuses, naming ``--out``.
     """
     flag = getattr(args, "written_root_flag", None)
     if flag is not None and getattr(args, "out", None) is not None:
-        from kiln_core.storage import check_storage_root
+        from kiln_core.storage_root import check_storage_root
 
         check_storage_root(args.out, field=flag)
 

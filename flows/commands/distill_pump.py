@@ -59,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
     """Check, prepare (teacher work) and train; rejections (exit 2) and failures (exit 3) go to the guard."""
     import sys
 
-    from flows.commands.train import _ProgressBar, exit_code, print_result
+    from flows.commands._progress import ProgressBar
+    from flows.commands.train import exit_code, print_result
 
     request = load_pump_request(args.request)  # before anything heavy is imported or read
 
@@ -72,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
 
     spec = prepare_distill_pump(request, student_dir=args.student, out_root=args.out, prompt_bank=args.prompt_bank,
                                 vllm_teacher=args.vllm_teacher, on_warning=warn)
-    bar = _ProgressBar(enabled=not (args.quiet or args.json), config=spec.config)
+    bar = ProgressBar(enabled=not (args.quiet or args.json), config=spec.config)
     on_train_start = None if args.quiet else (
         lambda settings: print(f"training {spec.adapter}: {settings}", file=sys.stderr, flush=True))
     try:

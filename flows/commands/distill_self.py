@@ -56,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
     for warning in request_warnings(request):
         print(f"warning: {warning}", file=sys.stderr)
 
-    from flows.commands.train import _ProgressBar, exit_code, print_result  # the same bar and exit codes as `kiln-flows train`
+    from flows.commands._progress import ProgressBar  # the same bar and exit codes as `kiln-flows train`
+    from flows.commands.train import exit_code, print_result
     from kiln_core.engine.pipeline import LocalStages, run_pipeline
     from kiln_core.post_eval import SuiteRegistry, validate_post_eval_config
     from kiln_core.recipes.distill_self import prepare_distill_self
@@ -72,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
                                 teacher=args.teacher, device=args.device,
                                 dtype=DTYPES[args.dtype] if args.dtype else None)
     say(f"teacher corpus: {spec.corpus}")
-    bar = _ProgressBar(enabled=not (args.quiet or args.json), config=spec.config)
+    bar = ProgressBar(enabled=not (args.quiet or args.json), config=spec.config)
     try:
         result = run_pipeline(spec, LocalStages(on_progress=bar.update), device=args.device, precision=args.dtype)
     finally:

@@ -145,7 +145,8 @@ def prepare(spec: PipelineSpec, stages_: Stages | None = None, *, resume: str | 
             gradient_checkpointing: bool = False, claim: Callable | None = None) -> PreparedRun:
     """Every stage before training: manifest, (score), fingerprint, admit, verify — or, for ``prompts``,
     the on-policy prompt checks — then plan (``claim``: called with the run directory, ``plan_run``)."""
-    from kiln_core.storage import check_storage_root, localize_directory
+    from kiln_core.storage import localize_directory
+    from kiln_core.storage_root import check_storage_root
 
     from kiln_core.engine.base_adapter import plan_base_adapter
     from kiln_core.identity.model_files import check_model_files

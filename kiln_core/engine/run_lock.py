@@ -320,12 +320,9 @@ class RunLock:
 def _missing_directories(path: str) -> list[str]:
     """The directories ``os.makedirs(path)`` would create, deepest first."""
     missing = []
-    while path and not os.path.isdir(path):
+    while path and not os.path.isdir(path) and path not in missing:  # ``dirname`` of a root is the root itself
         missing.append(path)
-        parent = os.path.dirname(path)
-        if parent == path:
-            break
-        path = parent
+        path = os.path.dirname(path)
     return missing
 
 
