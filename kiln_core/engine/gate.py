@@ -36,6 +36,7 @@ from typing import Any, Iterator
 
 from kiln_core.contracts.opd_config import OpdConfig
 from kiln_core.contracts.pipeline import PipelineSpec
+from kiln_core.contracts.settings import ResolvedSettings
 from kiln_core.contracts.stage_refs import CorpusRef, GateRef, HeldOutRef, ManifestRef, TrainRef
 from kiln_core.errors import EnvironmentFailure
 from kiln_core.storage import localize_directory, resolve
@@ -97,11 +98,11 @@ def _corpus_conversations(corpus_uri: str) -> Iterator[Any]:
                     yield conversation_from_opd_example(json.loads(line))
 
 
-def check_gate_inputs(spec: PipelineSpec, corpus: CorpusRef, manifest: ManifestRef,
+def check_gate_inputs(spec: PipelineSpec, settings: ResolvedSettings, corpus: CorpusRef, manifest: ManifestRef,
                       student_dir: str) -> HeldOutRef | None:
     """Refuse, before training, a gate that cannot run or a corpus it forbids; returns the quality gate's
-    corpus, admitted once for the run and materialized under the storage root (the gate reads it back), or
-    None without a quality gate.
+    corpus, admitted once for the run at its effective top-K and materialized under the storage root (the gate
+    reads it back), or None without a quality gate.
 
     Raises:
         PostEvalRejection: ``post_eval_suite_not_installed``, ``post_eval_overlap`` (Kiln's message).
@@ -119,7 +120,7 @@ def check_gate_inputs(spec: PipelineSpec, corpus: CorpusRef, manifest: ManifestR
         return None
     from kiln_core.evaluation.corpus import admit_eval_corpus, held_out_ref
 
-    return held_out_ref(admit_eval_corpus(spec.quality_gate.corpus, student_dir, top_k=spec.config.top_k,
+    return held_out_ref(admit_eval_corpus(spec.quality_gate.corpus, student_dir, effective_top_k=settings.top_k,
                                           teacher_manifest=manifest.manifest_line, out_root=spec.storage_root,
                                           **training_data(corpus, spec.config)))
 

@@ -31,6 +31,7 @@ from kiln_core.contracts.opd_config import ConfigError, OpdRequest, parse_opd_re
 from kiln_core.contracts.opd_submit import validate_request_for_offline_training
 from kiln_core.contracts.pipeline import DistributedOptions, PipelineSpec, TeacherSource, parse_spec
 from kiln_core.contracts.post_eval.config import PostEvalConfig, parse_post_eval_config, validate_post_eval_config
+from kiln_core.contracts.settings import check_one_process
 from kiln_core.contracts.unknown_keys import UnknownKey
 from kiln_core.engine.pipeline import LocalStages
 from kiln_core.post_eval.registry import SuiteRegistry
@@ -177,11 +178,9 @@ def spec_from_request(request_path: str, *, adapter: str, student_dir: str, out_
     validate_post_eval_config(post_eval, SuiteRegistry.for_storage_root(out_root) if post_eval else None)
     teacher = teacher_source(request.teacher, request_path, out_root)
     watch = parse_eval_watch(eval_watch) if eval_watch is not None else None
-    if request.prompts and ray is not None:
-        raise ConfigError("on-policy training runs in one process, not on Ray; remove --ray", "ray", code="unsupported")
-    if request.prompts and strategy != "ddp":
-        raise ConfigError(f"on-policy training runs in one process; --strategy {strategy} needs several",
-                          "distributed.strategy", code="unsupported_strategy")
+    if request.prompts:
+        check_one_process(ray=ray is not None, field="ray")
+        check_one_process(strategy=strategy, field="distributed.strategy")
     if request.prompts:
         return RequestRun(spec=_on_policy_spec(request, teacher, post_eval, watch, adapter=adapter,
                                                student_dir=student_dir, out_root=out_root, nproc=nproc,
@@ -226,8 +225,7 @@ def _on_policy_spec(request: OpdRequest, teacher: TeacherSource, post_eval: Post
         raise Rejection("remote_teacher_on_policy", 'OPD cannot use a remote teacher with training_mode="on_policy": '
                         f"{request.teacher!r} is a manifest file, not a registered local teacher "
                         "(`kiln-flows teachers register ALIAS DIR`)", field="teacher")
-    if nproc != 1:
-        raise ConfigError(f"on-policy training runs in one process; got --nproc {nproc}", "nproc", code="unsupported")
+    check_one_process(world_size=nproc, field="nproc")
     return parse_spec({
         "teacher": teacher, "prompts": write_inline_prompts(request.prompts, out_root), "student": student_dir,
         "storage_root": out_root, "adapter": adapter, "config": request.config, "post_eval": post_eval,

@@ -88,7 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     job = DistributedJob.model_validate_json(Path(args.job).read_text(encoding="utf-8")) if args.job else None
     device = job.plan.device if job else args.device
     backend = job.plan.backend if job else args.backend
-    strategy = job.plan.strategy if job else args.strategy
+    strategy = job.plan.settings.strategy if job else args.strategy
     try:
         world = init_world(backend, device, strategy)
     except Exception as error:  # noqa: BLE001 - reported like any other rejection

@@ -39,7 +39,7 @@ def record_adapter(outcome: RunOutcome, plan: RunPlan, student: Student, files: 
     if files is not None:
         outcome.adapter_sha256 = sha256_prefixed(files["adapter_model.safetensors"])
         outcome.adapter_bytes = len(files["adapter_model.safetensors"])
-    config = plan.config
+    config = plan.settings.config
     outcome.lora_delta_norms = lora_delta_norms(student, float(config.lora_alpha) / config.lora_rank)
 
 
@@ -54,7 +54,7 @@ def publish_final_adapter(plan: RunPlan, outcome: RunOutcome, student: Student, 
     with clock.phase("publish"):
         try:
             outcome.publish_guard = guard_before_publish(
-                enabled=plan.config.publish_guard, tensors=student.adapter_tensors(), loss_history=progress.loss_history,
+                enabled=plan.settings.config.publish_guard, tensors=student.adapter_tensors(), loss_history=progress.loss_history,
                 base_adapter=plan.base_adapter)
         except GuardTripped as tripped:
             message, outcome.publish_guard = tripped.args

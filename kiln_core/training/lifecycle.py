@@ -82,11 +82,12 @@ def start_student(plan: RunPlan, student_dir: str, progress: LoopProgress, *, gr
         ResumeError: the checkpoint's tensors do not fit this student.
         BaseAdapterError: ``base_adapter_mismatch`` — the base adapter's tensors do not fit this student.
     """
-    config = plan.config
+    settings = plan.settings
+    config = settings.config
     with clock.phase("setup"):
         student = load_student(student_dir, rank=config.lora_rank, alpha=config.lora_alpha, seed=plan.seed,
                                device=plan.device.type, precision=plan.precision,
-                               gradient_checkpointing=gradient_checkpointing, targets=plan.lora_targets)
+                               gradient_checkpointing=gradient_checkpointing, targets=settings.lora_targets)
         if plan.world.strategy == "fsdp" and plan.world.size > 1:
             # Shard the frozen base weights across the ranks; the LoRA parameters stay plain replicated
             # tensors, so everything below (resume, warm start, optimizer) is the same as under ddp.
@@ -95,7 +96,7 @@ def start_student(plan: RunPlan, student_dir: str, progress: LoopProgress, *, gr
             student.sharding = shard_student(student, plan.world).receipt_fields()
         if config.pack_sequences:
             student.check_packing()
-        optimizer = build_optimizer(config.optimizer, student.lora_parameters, plan.learning_rate)
+        optimizer = build_optimizer(config.optimizer, student.lora_parameters, settings.learning_rate)
         _seed_everything(plan.seed)
         loaded = plan.loaded
         if loaded is not None:

@@ -126,7 +126,7 @@ def run_training(plan: RunPlan, source: CandidateSource, *, student_dir: str, cl
             watch = HeldOutWatch.start(eval_watch, plan.loaded, outcome, student, progress, clock, on_eval)
         checkpoints = CheckpointPublisher(plan, student, optimizer, progress, clock,
                                           eval_curve=(lambda: watch.curve) if watch is not None else None)
-        boundary = StepBoundary(checkpoints, progress, clock, plan.world, plan.config.checkpoint_interval, signalled,
+        boundary = StepBoundary(checkpoints, progress, clock, plan.world, plan.settings.config.checkpoint_interval, signalled,
                                 should_cancel=should_cancel, on_step_committed=on_step_committed, watch=watch)
         source.open(student, outcome, clock)
         try:

@@ -25,12 +25,11 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Literal
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from kiln_core.canonical import canonical_sha256
 from kiln_core.contracts.eval_curve import EvalCurve
-from kiln_core.contracts.lora_targets import LoraTargets
-from kiln_core.contracts.opd_config import EchoConfig, OpdConfig
+from kiln_core.contracts.opd_config import EchoConfig
 from kiln_core.contracts.receipt import (
     FAILURE_REASONS,
     RECEIPT_FILE,
@@ -54,6 +53,7 @@ from kiln_core.contracts.receipt import (
     TrainReceipt,
     encode_receipt,
 )
+from kiln_core.contracts.settings import ResolvedSettings
 from kiln_core.errors import Rejection
 from kiln_core.storage import Location, resolve, write_bytes_atomic
 
@@ -71,13 +71,14 @@ class ReceiptError(Rejection):
     """A ``train_receipt.json`` that is missing or does not parse as ``TrainReceipt``."""
 
 
-@dataclass(frozen=True)
-class RunFacts:
-    """What is fixed before the first step: inputs, identities and the resolved configuration."""
+class RunFacts(BaseModel):
+    """What is fixed before the first step: inputs, identities and the run's settings."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     adapter_name: str
     student_dir: str
-    student_identity: dict[str, str]
+    student_identity: dict[str, str | None]
     shard_manifest: dict[str, Any]
     execution_provenance: dict[str, Any]
     precision_policy: dict[str, Any]
@@ -85,15 +86,10 @@ class RunFacts:
     """The corpus path as given; None for inline on-policy prompts."""
     dataset_sha256: str
     """``sha256:`` of the corpus bytes, or of the prompt list (on-policy)."""
-    config: OpdConfig
-    """The request's ``OpdConfig`` (our extensions included); the receipt's ``config`` is its JSON."""
-    effective_config: dict[str, Any]
-    """The checkpoint ``effective_config`` (Kiln's keys only)."""
+    settings: ResolvedSettings
+    """The run's settings (its LoRA targets resolved): the receipt's ``config``, hyperparameters, top-K, samples
+    per prompt and loss, and the digest of Kiln's effective config, all read from here."""
     seed: int
-    learning_rate: float
-    top_k: int
-    samples_per_prompt: int
-    sequences_per_step: int
     teacher_alias: str
     teacher_identity: dict[str, Any] | None
     teacher_identity_revision: str | None
@@ -110,8 +106,6 @@ class RunFacts:
     """Prompts dropped at tokenization (on-policy)."""
     base_adapter: dict[str, Any] | None = None
     """The warm start's receipt ``adapters.base`` (``{path, adapter_model_sha256, adapter_model_bytes}``), or None."""
-    lora_targets: LoraTargets | None = None
-    """The layers the LoRA adapts (the receipt's ``hyperparameters.lora_targets``)."""
 
 
 @dataclass
@@ -164,7 +158,8 @@ def build_receipt(facts: RunFacts, outcome: RunOutcome) -> TrainReceipt:
     failure_reason = KILN_FAILURE_REASON.get(outcome.failure_reason, outcome.failure_reason)
     if failure_reason is not None and failure_reason not in FAILURE_REASONS:
         raise ValueError(f"unknown failure_reason {outcome.failure_reason!r}")
-    config, identity = facts.config, facts.student_identity
+    settings, identity = facts.settings, facts.student_identity
+    config = settings.config
     echo = config.echo
     fired = outcome.final_env_ce is not None
     timings = outcome.phase_timings_ms
@@ -187,16 +182,16 @@ def build_receipt(facts: RunFacts, outcome: RunOutcome) -> TrainReceipt:
                                           sha256=facts.dataset_sha256),
         hyperparameters=HyperparameterReceipt(
             rank=config.lora_rank, alpha=float(config.lora_alpha), alpha_over_rank=config.lora_alpha / config.lora_rank,
-            learning_rate=facts.learning_rate, epochs=config.epochs, seed=facts.seed,
-            optimizer=config.optimizer.kind, sequences_per_step=facts.sequences_per_step,
-            lora_targets=facts.lora_targets),
+            learning_rate=settings.learning_rate, epochs=config.epochs, seed=facts.seed,
+            optimizer=config.optimizer.kind, sequences_per_step=config.sequences_per_step,
+            lora_targets=settings.lora_targets),
         opd=OpdReceipt(
             training_mode=config.training_mode, objective=config.objective, loss_granularity=LOSS_GRANULARITY,
             teacher_id=facts.teacher_alias, teacher_content_revision=facts.teacher_content_revision,
-            teacher_identity=facts.teacher_identity, top_k=facts.top_k, samples_per_prompt=facts.samples_per_prompt,
+            teacher_identity=facts.teacher_identity, top_k=settings.top_k, samples_per_prompt=settings.samples_per_prompt,
             action_tokens=outcome.token_counts.get("action_tokens", 0), env_tokens=outcome.token_counts.get("env_tokens", 0),
             echo_combined=fired, echo_lambda=echo.lambda_ if echo else None,
-            final_opd_loss=outcome.loss_history[-1] if outcome.loss_history else None, loss=config.loss,
+            final_opd_loss=outcome.loss_history[-1] if outcome.loss_history else None, loss=settings.loss,
             teacher_identity_revision=facts.teacher_identity_revision, rollout_backend=outcome.rollout_backend,
             teacher_backend=outcome.teacher_backend),
         echo=_echo_receipt(echo, outcome),
@@ -213,11 +208,11 @@ def build_receipt(facts: RunFacts, outcome: RunOutcome) -> TrainReceipt:
             execution_provenance=facts.execution_provenance, training_precision=facts.precision_policy,
             device=facts.device, peak_memory_mib=outcome.peak_memory_mib, peak_rss_mib=outcome.peak_rss_mib),
         config_hashes=ConfigHashesReceipt(model_config_hash=model_hash, tokenizer_config_hash=tokenizer_hash,
-                                          chat_template_hash=template_hash, effective_config=canonical_sha256(facts.effective_config)),
+                                          chat_template_hash=template_hash,
+                                          effective_config=canonical_sha256(settings.kiln_effective_config(facts.seed))),
         lora_delta_norms=[LoraDeltaNormSummary(**row) for row in outcome.lora_delta_norms],
         lora_grad_norms=[LoraGradNormSummary(**row) for row in outcome.lora_grad_norms],
-        config=dict(config.model_dump(mode="json", by_alias=True), top_k=facts.top_k,
-                    samples_per_prompt=facts.samples_per_prompt, seed=facts.seed),
+        config=settings.receipt_config(facts.seed).model_dump(mode="json", by_alias=True),
         loss_history=list(outcome.loss_history),
         phase_timings_ms={key: round(value, 3) for key, value in timings.items()},
         library_versions=dict(facts.library_versions),

@@ -284,6 +284,24 @@ def _provenance_problem(saved: dict[str, Any], current: dict[str, Any]) -> str |
     return None
 
 
+LEGACY_TOP_K_RECORDS = frozenset({"teacher_token_ce", "teacher_top_k_forward", "teacher_top_k_tail_forward"})
+"""Losses whose checkpoints kiln-flows recorded as ``teacher_top_k`` before issue 31. The manifest's Kiln
+``effective_config.loss`` names them exactly and is compared first, so such a record is still theirs."""
+
+
+def legacy_loss_record(loss: str) -> str:
+    """What ``kiln_flows_state.json`` said of ``loss`` before it recorded the loss trained by name: the tail
+    bucket by name, every other loss as ``teacher_top_k``. Kept where an identity computed from it must stay
+    stable (an on-policy run's rollout key, ``kiln_core.training.on_policy_plan``)."""
+    return "teacher_top_k_tail" if loss == "teacher_top_k_tail" else "teacher_top_k"
+
+
+def recorded_loss_matches(recorded: str, trained: str) -> bool:
+    """Whether a checkpoint state's ``loss`` is the loss ``trained``: by name, or the ``teacher_top_k`` that
+    kiln-flows recorded before issue 31 for the losses in ``LEGACY_TOP_K_RECORDS`` (and only them)."""
+    return recorded == trained or (recorded == "teacher_top_k" and trained in LEGACY_TOP_K_RECORDS)
+
+
 def validate_resume(loaded: LoadedCheckpoint, contract_for_seed: Callable[[int], RunContract],
                     requested_seed: int | None) -> RunContract:
     """Compare a loaded checkpoint with this run; return the run's contract under the checkpoint's seed.
@@ -355,7 +373,7 @@ def validate_resume(loaded: LoadedCheckpoint, contract_for_seed: Callable[[int],
     if ext.sequences_per_step != contract.sequences_per_step:
         raise fail("resume_sequences_per_step", f"checkpoint was written with sequences_per_step {ext.sequences_per_step}, "
                    f"this run asks for {contract.sequences_per_step}", EXTENSION_FILE)
-    if ext.loss != contract.loss:
+    if not recorded_loss_matches(ext.loss, contract.loss):
         raise fail("resume_loss", f"checkpoint trained loss {ext.loss!r}, this run asks for {contract.loss!r}", EXTENSION_FILE)
     if ext.lr_schedule != contract.lr_schedule:
         raise fail("resume_lr_schedule", f"checkpoint was written with learning-rate schedule {ext.lr_schedule}, "
