@@ -232,7 +232,7 @@ def _data_plan(student_dir: Path):
     from kiln_core.training import checkpoint as ckpt
     from kiln_core.training.data_identity import teacher_capabilities
     from kiln_core.training.plan import DataPlan, Schedule
-    from kiln_core.training.receipt import TRAINING_DATA_SOURCE
+    from kiln_core.contracts.training_record import TRAINING_DATA_SOURCE
 
     schedule = Schedule(1, 1, 1, 1)
     return DataPlan(schedule=schedule,

@@ -167,6 +167,11 @@ class PipelineSpec(BaseModel):
         description="Set by the recipe commands and flows (distill self/merge/pump, recipe run), never by hand: "
         "recorded in the run's receipt as its `recipe` block and in Kiln's receipt.json beside the adapter.",
     )
+    ignored_request_keys: SkipJsonSchema[tuple[str, ...]] = Field(
+        default=(), exclude=True,
+        description="Set by `kiln-flows train --kiln-lenient`, never by hand: the unknown request keys it ignored, "
+        "recorded in the run's receipt.",
+    )
 
     @field_validator("config", mode="before")
     @classmethod

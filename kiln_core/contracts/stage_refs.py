@@ -16,6 +16,8 @@ from kiln_core.contracts.eval_watch import EvalWatch
 from kiln_core.contracts.identity import TeacherIdentity, parse_manifest_line
 from kiln_core.contracts.lora_targets import LoraTargets
 from kiln_core.contracts.opd_config import OpdConfig
+from kiln_core.contracts.outcomes import PostEvalRecord, QualityGateRecord
+from kiln_core.contracts.recipe_record import RecipeRecord
 from kiln_core.contracts.settings import ResolvedSettings
 from kiln_core.contracts.spec_blocks import RayOptions, VllmBackends
 
@@ -144,6 +146,14 @@ class TrainPlan(_Ref):
     """Train on a Ray cluster (``distributed: {engine: ray}``) with ``settings.world_size`` workers; None:
     torchrun or this process. Not part of the run's identity (the world size is); absent from the JSON of
     other plans."""
+    recipe: RecipeRecord | None = Field(default=None, exclude_if=lambda value: value is None)
+    """The recipe that trains the adapter (``PipelineSpec.recipe``): known before training, recorded in the
+    receipt and in Kiln's ``receipt.json`` beside the adapter."""
+    ignored_request_keys: tuple[str, ...] = Field(default=(), exclude_if=lambda value: not value)
+    """Unknown request keys ``--kiln-lenient`` ignored (``PipelineSpec.ignored_request_keys``), for the receipt."""
+    gate_follows: bool = Field(default=False, exclude_if=lambda value: not value)
+    """A gate decides about the adapter after training (``post_eval``, ``quality_gate``): the trainer leaves the
+    receipt of a successful run to the gate stage (``kiln_core.training.records``)."""
 
     @model_validator(mode="after")
     def _watch_has_its_corpus(self) -> "TrainPlan":
@@ -214,17 +224,20 @@ class GateRef(_Ref):
     """The run directory now (``<adapter>.failed`` when a losing adapter was renamed)."""
     receipt_uri: str
     adapter_uri: str | None
-    post_eval: dict[str, Any] | None = None
+    post_eval: PostEvalRecord | None = None
     """The receipt's ``post_eval`` block (Kiln's field names)."""
-    quality_gate: dict[str, Any] | None = None
+    quality_gate: QualityGateRecord | None = None
     """The receipt's ``quality_gate`` block (ours)."""
     reused: bool = False
     """True when an earlier attempt already decided (the outcome is read back from the receipt)."""
 
     def summary(self) -> dict[str, Any]:
         """The ``gate`` object of ``kiln-flows train/run --json``."""
+        def block(record: BaseModel | None) -> dict[str, Any] | None:
+            return record.model_dump(mode="json") if record is not None else None
+
         return {"outcome": self.outcome, "verdict": self.verdict, "promoted": self.outcome == "promoted",
-                "post_eval": self.post_eval, "quality_gate": self.quality_gate}
+                "post_eval": block(self.post_eval), "quality_gate": block(self.quality_gate)}
 
 
 class PublishRef(_Ref):

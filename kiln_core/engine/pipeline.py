@@ -11,7 +11,9 @@ Every run that trained successfully gets ``replay.jsonl`` beside its adapter, th
 (``kiln_core.engine.replay_log``), so every published adapter can be a ``distill merge`` source.
 
 The gate runs when the spec has ``post_eval`` or ``quality_gate`` (``kiln_core.engine.gate``): only
-an adapter it promotes (or an informational eval's) is published to ``latest.json``. The held-out
+an adapter it promotes (or an informational eval's) is published to ``latest.json``. The run's
+``train_receipt.json`` is written once (``kiln_core.training.records.compose_receipt``): by the trainer when
+nothing follows training, else by the gate stage once it decided; ``latest.json`` then pins its digest. The held-out
 watch (``eval``) and both gates work the same for both sources; their overlap rules compare the
 held-out data with a corpus's examples or with the prompts (``kiln_core.engine.gate.training_data``).
 
@@ -37,7 +39,6 @@ from kiln_core.contracts.stage_refs import (CorpusRef, GateRef, HeldOutRef, Inpu
                                             PublishRef, TrainPlan, TrainRef)
 import kiln_core.engine.stages as stages
 from kiln_core.engine.publish import publish
-from kiln_core.engine.recipe_receipts import record_recipe
 from kiln_core.engine.replay_log import write_replay_log
 from kiln_core.engine.gate import check_gate_inputs, has_gate, run_gate, training_data
 from kiln_core.engine.run_lock import RunLock
@@ -175,7 +176,7 @@ def prepare(spec: PipelineSpec, stages_: Stages | None = None, *, resume: str | 
     held_out = admit_held_out(spec, settings, corpus, manifest, student_dir)
     plan = plan_run(spec, settings, corpus, manifest, student_dir, resume=resume, device=device, precision=precision,
                     gradient_checkpointing=gradient_checkpointing, base_adapter=base_adapter, held_out=held_out,
-                    claim=claim)
+                    claim=claim, gate_follows=has_gate(spec))
     return PreparedRun(spec=spec, manifest=manifest, corpus=corpus, plan=plan, student_dir=student_dir,
                        gate_corpus=gate_corpus)
 
@@ -260,8 +261,6 @@ def run_pipeline(spec: PipelineSpec, stages_: Stages | None = None, *, resume: s
         ready = prepare(spec, stages_, resume=resume, device=device, precision=precision,
                         gradient_checkpointing=gradient_checkpointing, claim=lock.acquire)
         trained = stages_.train(ready.plan, ready.corpus, ready.manifest, ready.student_dir)
-        if spec.recipe is not None and trained.status == "success" and not trained.reused:
-            record_recipe(trained, spec.recipe)  # before the gate: it may rename the run, latest.json pins the receipt
         write_replay_log(trained, ready.corpus)  # the prompts beside the adapter, for distill merge; before the gate
         gated = stages_.gate(trained, spec, ready) if trained.status == "success" and has_gate(spec) else None
         if gated is not None:  # a renamed run: its adapter and receipt are where the gate left them

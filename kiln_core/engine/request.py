@@ -4,7 +4,7 @@
    resume checkpoint's name — all before any work. An unknown key (``config.learnign_rate``) is refused
    with ``invalid_request``, naming it and the closest field; ``kiln_lenient`` (``--kiln-lenient``) ignores
    it as Kiln does, and then each ignored key is a warning and is recorded in the run's receipt
-   (``ignored_request_keys``);
+   (the spec's ``ignored_request_keys``, carried by the plan into the receipt);
 2. ``teacher`` is a file whose first line is the pinned manifest (relative to the request file), or
    an alias in the local registry under the storage root;
 3. ``dataset_path`` (relative paths are taken relative to the request file, so a request and its
@@ -54,11 +54,8 @@ class RequestRun:
     ignored_keys: tuple[str, ...] = ()
 
     def stages(self, **options) -> LocalStages:
-        """The ``LocalStages`` that run this request (``options``: theirs); with ignored keys, stages that
-        also record them in the receipt of the run they train."""
-        if not self.ignored_keys:
-            return LocalStages(**options)
-        return _RecordingStages(self.ignored_keys, **options)
+        """The ``LocalStages`` that run this request (``options``: theirs)."""
+        return LocalStages(**options)
 
 
 @dataclass(frozen=True)
@@ -101,33 +98,6 @@ def _ignored_warning(key: UnknownKey) -> str:
     """``ignored unknown request key `config.learnign_rate` (--kiln-lenient); did you mean `learning_rate`?``"""
     hint = f"; did you mean `{key.suggestion}`?" if key.suggestion else ""
     return f"ignored unknown request key `{key.path}` (--kiln-lenient, as Kiln does){hint}"
-
-
-class _RecordingStages(LocalStages):
-    """``LocalStages`` that also record the request keys ``--kiln-lenient`` ignored in the receipt of the run
-    they train: after training, before the gate and ``latest.json`` (whose digest covers the receipt). A run
-    found finished is left as it is: its receipt describes the request that trained it."""
-
-    def __init__(self, ignored_keys: tuple[str, ...], **options) -> None:
-        super().__init__(**options)
-        self.ignored_keys = ignored_keys
-
-    def train(self, plan, corpus, manifest, student_dir):
-        trained = super().train(plan, corpus, manifest, student_dir)
-        if not trained.reused:
-            record_ignored_keys(trained.run_uri, self.ignored_keys)
-        return trained
-
-
-def record_ignored_keys(run_uri: str, ignored_keys: tuple[str, ...]) -> None:
-    """Add ``ignored_request_keys`` to the run's ``train_receipt.json`` (none written: nothing to add)."""
-    from kiln_core.training.receipt import read_receipt, receipt_status, write_receipt
-
-    run = resolve(run_uri)
-    if receipt_status(run) is None:
-        return
-    receipt = read_receipt(run)
-    write_receipt(run, receipt.model_copy(update={"ignored_request_keys": list(ignored_keys)}))
 
 
 def spec_from_request(request_path: str, *, adapter: str, student_dir: str, out_root: str = "./kiln-data",
@@ -182,10 +152,10 @@ def spec_from_request(request_path: str, *, adapter: str, student_dir: str, out_
         check_one_process(ray=ray is not None, field="ray")
         check_one_process(strategy=strategy, field="distributed.strategy")
     if request.prompts:
-        return RequestRun(spec=_on_policy_spec(request, teacher, post_eval, watch, adapter=adapter,
-                                               student_dir=student_dir, out_root=out_root, nproc=nproc,
-                                               request_path=request_path, vllm=vllm),
-                          resume=resume, warnings=warnings, ignored_keys=ignored)
+        spec = _on_policy_spec(request, teacher, post_eval, watch, adapter=adapter, student_dir=student_dir,
+                               out_root=out_root, nproc=nproc, request_path=request_path, vllm=vllm)
+        return RequestRun(spec=spec.model_copy(update={"ignored_request_keys": ignored}), resume=resume,
+                          warnings=warnings, ignored_keys=ignored)
     spec = parse_spec({
         "teacher": teacher,
         "corpus": anchored_path(request.dataset_path or "", request_path),
@@ -199,7 +169,8 @@ def spec_from_request(request_path: str, *, adapter: str, student_dir: str, out_
         "vllm": vllm,  # refused (invalid_spec): a corpus is already scored
         "options": {"admit_workers": admit_workers},
     }, file=request_path)
-    return RequestRun(spec=spec, resume=resume, warnings=warnings, ignored_keys=ignored)
+    return RequestRun(spec=spec.model_copy(update={"ignored_request_keys": ignored}), resume=resume, warnings=warnings,
+                      ignored_keys=ignored)
 
 
 def _distributed_block(nproc: int, backend: str, ray: dict | None, strategy: str = "ddp") -> dict | None:

@@ -76,7 +76,7 @@ def plan_run(spec: PipelineSpec, settings: ResolvedSettings, corpus: CorpusRef, 
              student_dir: str, *, resume: str | None = "latest", device: str | None = None,
              precision: str | None = None, gradient_checkpointing: bool = False,
              base_adapter: BaseAdapter | None = None, held_out: HeldOutRef | None = None,
-             claim: Callable[[Location], None] | None = None) -> TrainPlan:
+             claim: Callable[[Location], None] | None = None, gate_follows: bool = False) -> TrainPlan:
     """The run directory, the seed and the resume point of a spec whose settings are resolved.
 
     ``base_adapter`` is the spec's resolved ``config.base_adapter`` when the caller already has it
@@ -84,6 +84,8 @@ def plan_run(spec: PipelineSpec, settings: ResolvedSettings, corpus: CorpusRef, 
     ``eval:`` corpus as ``prepare`` admitted it (required with ``spec.eval``). ``claim`` is called with
     the run directory as soon as it is known, before the resume rule looks inside it (``run_pipeline``
     takes the run lock there: another live run's checkpoints are not a reason to ask for a resume).
+    ``gate_follows``: the spec asks for a gate (``kiln_core.engine.gate.has_gate``), which composes the receipt
+    of a successful run once it decided.
 
     Raises:
         ResumeRequired: ``resume`` is None and the run directory already holds committed checkpoints.
@@ -115,7 +117,8 @@ def plan_run(spec: PipelineSpec, settings: ResolvedSettings, corpus: CorpusRef, 
                      seed=settings.seed_for(key), resume=resume, backend=distributed.backend if distributed else "auto",
                      ray=distributed.ray_options() if distributed else None, device=device, precision=precision,
                      gradient_checkpointing=gradient_checkpointing, eval_watch=spec.eval, held_out=held_out,
-                     base_adapter=base_adapter, vllm=spec.vllm)
+                     base_adapter=base_adapter, vllm=spec.vllm, recipe=spec.recipe,
+                     ignored_request_keys=spec.ignored_request_keys, gate_follows=gate_follows)
 
 
 def check_resume_name(value: str, storage_root: str, adapter: str) -> str:
@@ -158,18 +161,33 @@ def newest_checkpoint(run: Location | str, adapter: str) -> str | None:
 
 
 def finished_run(run: Location, adapter: str) -> TrainRef | None:
-    """A run whose adapter and successful receipt are committed is finished: it is not trained again.
+    """A run whose adapter is committed and whose training succeeded is finished: it is not trained again. Its
+    training record says so (``kiln_core.training.records``; the receipt may still be to compose, after the
+    gate), or — a run trained before the record existed — its successful receipt.
 
     Raises:
-        ReceiptError: ``receipt_invalid`` — a successful receipt that is not a ``TrainReceipt``.
+        ReceiptError: ``receipt_invalid`` — a successful receipt or a training record that does not parse.
     """
     from kiln_core.training.receipt import read_receipt, receipt_status
+    from kiln_core.training.records import read_training_record
 
     adapter_dir = run.child(ADAPTER_DIR)
-    if receipt_status(run) != "success" or not adapter_dir.child("adapter_config.json").exists():
+    if not adapter_dir.child("adapter_config.json").exists():
         return None
-    receipt = read_receipt(run)
+    record = read_training_record(run)
+    if record is not None:
+        outcome, facts = record.outcome, record.facts
+        if outcome.status != "success":
+            return None
+        final_loss, steps, total = (outcome.loss_history[-1] if outcome.loss_history else None, outcome.global_step,
+                                    facts.total_steps)
+        history = outcome.loss_history
+    elif receipt_status(run) == "success":
+        receipt = read_receipt(run)
+        final_loss, steps, total = receipt.opd.final_opd_loss, receipt.data.examples_trained, receipt.data.total_steps
+        history = receipt.loss_history
+    else:
+        return None
     return TrainRef(run_uri=run.uri, status="success", adapter_uri=adapter_dir.uri, receipt_uri=run.child(RECEIPT_FILE).uri,
-                    latest_checkpoint=newest_checkpoint(run, adapter), final_loss=receipt.opd.final_opd_loss,
-                    steps=receipt.data.examples_trained, total_steps=receipt.data.total_steps,
-                    loss_history=list(receipt.loss_history), reused=True)
+                    latest_checkpoint=newest_checkpoint(run, adapter), final_loss=final_loss, steps=steps,
+                    total_steps=total, loss_history=list(history), reused=True)

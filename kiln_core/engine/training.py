@@ -2,7 +2,8 @@
 
 ``train`` is what ``kiln-flows train`` and the pipeline's train task both run:
 
-1. a run whose adapter and successful receipt are committed is finished: its outputs are returned;
+1. a run whose adapter is committed and whose training succeeded is finished: its outputs are returned (and
+   its receipt composed, if a crash left it unwritten and no gate follows);
 2. ``plan.resume == "latest"`` becomes the newest committed checkpoint of the run directory, if any;
 3. with ``plan.settings.world_size == 1`` the trainer runs here (``kiln_core.training.trainer.train_opd``, with the
    held-out watch when ``plan.eval_watch`` is set; for ``prompts``, ``train_on_policy`` through
@@ -68,6 +69,10 @@ def train(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir
     run = resolve(plan.run_uri)
     finished = finished_run(run, plan.adapter) if plan.run_key == plan.inputs_key else None
     if finished is not None:
+        if not plan.gate_follows:  # a crash between the training record and the receipt left it to compose
+            from kiln_core.training.records import compose_receipt
+
+            compose_receipt(run)
         return finished
     if plan.resume == "latest":  # the trainers take a checkpoint basename or None
         plan = plan.model_copy(update={"resume": newest_checkpoint(run, plan.adapter)})

@@ -99,8 +99,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             if job is None:
                 job = _job_from_request(args, world)
             result = run_job(job, world, on_progress=progress)
-            if world.is_main and args.request and args.kiln_lenient:
-                _record_ignored_keys(args, job)
         except Exception as error:  # noqa: BLE001
             return _report(world, args.result, error)
         if world.is_main and args.result:
@@ -126,15 +124,6 @@ def _job_from_request(args: argparse.Namespace, world: World) -> DistributedJob:
 
     job = world.publish_on_main(prepare)
     return job if job is not None else prepare()
-
-
-def _record_ignored_keys(args: argparse.Namespace, job: DistributedJob) -> None:
-    """Rank 0 of a ``--request --kiln-lenient`` run: the ignored request keys go into the run's receipt."""
-    from kiln_core.engine.request import load_request, record_ignored_keys
-
-    ignored = load_request(args.request, kiln_lenient=True).ignored_keys
-    if ignored:
-        record_ignored_keys(job.plan.run_uri, ignored)
 
 
 def _progress_writer(path: str) -> Callable[[int, int, float], None]:

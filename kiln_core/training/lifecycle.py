@@ -32,7 +32,7 @@ from kiln_core.training.interrupt import stop_requests
 from kiln_core.training.optim import build_optimizer, load_optimizer_state, optimizer_state_tensors
 from kiln_core.training.plan import RunPlan
 from kiln_core.training.progress import Clock, LoopProgress
-from kiln_core.training.receipt import RunOutcome
+from kiln_core.contracts.training_record import RunOutcome
 from kiln_core.training.step import StopTraining
 from kiln_core.training.student import Student, load_student
 

@@ -41,7 +41,7 @@ from kiln_core.training.lifecycle import (
 )
 from kiln_core.training.plan import RunPlan
 from kiln_core.training.progress import Clock, LoopProgress
-from kiln_core.training.receipt import RunOutcome
+from kiln_core.contracts.training_record import RunOutcome
 from kiln_core.training.step import train_examples, train_step_distributed
 from kiln_core.training.student import Student
 from kiln_core.training.watch import EvalReport, HeldOutSlice, HeldOutWatch

@@ -50,7 +50,7 @@ from kiln_core.training.loop import StepGroup, run_training
 from kiln_core.training.on_policy_plan import RolloutPlan, plan_on_policy_run
 from kiln_core.training.plan import RunPlan
 from kiln_core.training.progress import Clock, LoopProgress
-from kiln_core.training.receipt import RunOutcome
+from kiln_core.contracts.training_record import RunOutcome
 from kiln_core.training.student import Student
 from kiln_core.training.watch import EvalReport, HeldOutSlice, check_watch
 

@@ -35,7 +35,9 @@ from kiln_core.training.data_identity import corpus_content_revision, teacher_ca
 from kiln_core.training.lora_targets import resolve_lora_targets
 from kiln_core.training.distributed.world import World
 from kiln_core.training.objectives import step_loss
-from kiln_core.training.receipt import TRAINING_DATA_SOURCE, RunFacts, library_versions, receipt_status
+from kiln_core.contracts.training_record import TRAINING_DATA_SOURCE, RunFacts
+from kiln_core.training.receipt import library_versions
+from kiln_core.training.records import training_finished
 from kiln_core.training.student import resolve_device, resolve_precision, student_identity
 
 __all__ = ["ADAPTER_DIR", "Schedule", "RunPlan", "DataPlan", "plan_off_policy_run", "resume_basename", "build_plan"]
@@ -98,6 +100,9 @@ class RunPlan:
     """The warm start (``config.base_adapter``) a fresh run loads before step 1; a resume never reloads it."""
     shards: ShardLayout | None = None
     """The corpus's shards when it is a set (checkpoints record the data cursor); None for one file."""
+    gate_follows: bool = False
+    """A gate decides about a successful run after training (``TrainPlan.gate_follows``): its stage composes the
+    receipt then, not the trainer."""
 
     def data_cursor(self, step: int) -> DataCursor | None:
         """Where the next candidate comes from once ``step`` steps are committed (a set of shards only)."""
@@ -290,14 +295,16 @@ def build_plan(plan: TrainPlan, *, data: DataPlan, run_dir: Location, basename: 
         teacher_content_revision=data.teacher_content_revision, examples_read=data.examples_read,
         examples_filtered=data.examples_filtered, candidates_per_epoch=schedule.candidates_per_epoch,
         total_steps=schedule.total_steps, device=dev.type, library_versions=versions,
-        base_adapter=base_adapter.receipt_record() if base_adapter is not None else None,
+        base_adapter=base_adapter.receipt_record() if base_adapter is not None else None, recipe=plan.recipe,
+        ignored_request_keys=plan.ignored_request_keys,
         distributed=None if world.size == 1 and world.cluster is None else DistributedReceipt(
             world_size=world.size, backend=world.backend, strategy=world.strategy,
             sequences_per_step_per_rank=config.sequences_per_step, sequences_per_optimizer_step=schedule.sequences_per_step,
             **(world.cluster.receipt_fields() if world.cluster is not None else {})))
     run_plan = RunPlan(run_dir=run_dir, adapter_name=adapter_name, settings=settings, schedule=schedule,
                        seed=contract.init_seed, device=dev, precision=prec, contract=contract, facts=facts,
-                       loaded=loaded, world=world, base_adapter=base_adapter, shards=data.shards)
+                       loaded=loaded, world=world, base_adapter=base_adapter, shards=data.shards,
+                       gate_follows=plan.gate_follows)
     if loaded is not None:
         check_data_cursor(run_plan, loaded)
     return run_plan
@@ -330,9 +337,10 @@ def _preflight_outputs(run_dir: Location, adapter_name: str, interval: int | Non
                        *, may_change: bool = True) -> None:
     """Settle the run directory before any work.
 
-    * A published adapter with a successful receipt is a finished run: refuse (new adapter name).
+    * A published adapter whose training succeeded (its training record, or its receipt) is a finished run:
+      refuse (new adapter name).
     * A published adapter *without* one is a publication cut short between the adapter commit and the
-      receipt (a crash, a storage outage): it is removed and republished by this run, which recomputes
+      records (a crash, a storage outage): it is removed and republished by this run, which recomputes
       the same bytes from the newest checkpoint.
     * A fresh run into a directory that already holds checkpoints it would write: refuse.
     * A resume from an *earlier* checkpoint the user chose (the newest one is damaged): the later
@@ -343,7 +351,7 @@ def _preflight_outputs(run_dir: Location, adapter_name: str, interval: int | Non
     """
     adapter = run_dir.child(ADAPTER_DIR)
     if adapter.child("adapter_config.json").exists():
-        if receipt_status(run_dir) == "success":
+        if training_finished(run_dir):
             raise ConfigError(f"adapter {adapter_name!r} is already published at {adapter.uri}; "
                               "choose a new adapter name", "adapter", code="adapter_exists")
         if may_change:

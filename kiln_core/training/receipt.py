@@ -1,13 +1,15 @@
-"""Writing and reading ``train_receipt.json`` (the ``TrainReceipt`` model, reference §7.1).
+"""The receipt's parts and how it is built and read (the ``TrainReceipt`` model,
+``kiln_core.contracts.receipt``).
 
-The receipt is written at the end of every run that got past input validation: ``status: success``
-with the adapter's digest, or ``status: failed`` with a ``failure_reason`` from Kiln's enum (a
-cancelled run is ``failed`` + ``cancelled``, as in Kiln). A run the held-out watch stopped is
-``failed`` + ``training_error`` — Kiln's enum has no value for it, and an unknown one would stop
-Kiln's reader — with a ``failure_message`` naming the rule and our ``stop_reason`` field. A run the
-publish guard refused (``training_diverged``) is ``failed`` + ``training_error`` too, our
-``publish_guard`` block naming the rule with its measured values and thresholds. Pretty JSON, no trailing newline. Every
-digest is ``sha256:``-prefixed except inside ``teacher_identity``, which keeps Kiln's raw hex.
+``RunFacts`` is what is fixed before the first step, ``RunOutcome`` what the run produced; the trainer persists
+both (``kiln_core.training.records``), and ``build_receipt`` makes the receipt of them and of the gate's
+decision, once. ``status: success`` carries the adapter's digest; ``status: failed`` a ``failure_reason``
+from Kiln's enum (a cancelled run is ``failed`` + ``cancelled``, as in Kiln). A run the held-out watch stopped
+is ``failed`` + ``training_error`` — Kiln's enum has no value for it, and an unknown one would stop Kiln's
+reader — with a ``failure_message`` naming the rule and our ``stop_reason`` field. A run the publish guard
+refused (``training_diverged``) is ``failed`` + ``training_error`` too, our ``publish_guard`` block naming the
+rule with its measured values and thresholds. Pretty JSON, no trailing newline. Every digest is
+``sha256:``-prefixed except inside ``teacher_identity``, which keeps Kiln's raw hex.
 
 On a resumed run, counters, ``loss_history``, ``token_counts`` and the gradient-norm summaries cover
 the whole run (restored from the checkpoint); ``runtime`` and the timings cover this process only.
@@ -21,15 +23,14 @@ from __future__ import annotations
 import json
 import platform
 import sys
-from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ValidationError
 
 from kiln_core.canonical import canonical_sha256
-from kiln_core.contracts.eval_curve import EvalCurve
 from kiln_core.contracts.opd_config import EchoConfig
+from kiln_core.contracts.outcomes import GateDecision
 from kiln_core.contracts.receipt import (
     FAILURE_REASONS,
     RECEIPT_FILE,
@@ -41,8 +42,6 @@ from kiln_core.contracts.receipt import (
     EchoReceipt,
     HyperparameterReceipt,
     KilnSourceReceipt,
-    LoraDeltaNormSummary,
-    LoraGradNormSummary,
     ModelReceipt,
     OpdReceipt,
     PhaseTimingsReceipt,
@@ -51,16 +50,14 @@ from kiln_core.contracts.receipt import (
     TokenizerReceipt,
     TrainingDataReceipt,
     TrainReceipt,
-    encode_receipt,
 )
-from kiln_core.contracts.settings import ResolvedSettings
+from kiln_core.contracts.receipt_rules import receipt_problem
+from kiln_core.contracts.training_record import RunFacts, RunOutcome
 from kiln_core.errors import Rejection
-from kiln_core.storage import Location, resolve, write_bytes_atomic
+from kiln_core.storage import Location, resolve
 
-__all__ = ["TRAINING_DATA_SOURCE", "RunFacts", "RunOutcome", "ReceiptError", "build_receipt", "write_receipt",
-           "read_receipt", "receipt_status", "library_versions"]
+__all__ = ["ReceiptError", "build_receipt", "check_kiln_rules", "read_receipt", "receipt_status", "library_versions"]
 
-TRAINING_DATA_SOURCE = "jsonl_off_policy_opd_teacher"
 LOSS_GRANULARITY = "teacher_top_k"
 # Our failure codes that Kiln's closed ``failure_reason`` enum lacks, written as its ``training_error`` (an
 # unknown value would stop Kiln's reader); the receipt's own block says which (``publish_guard``).
@@ -71,85 +68,12 @@ class ReceiptError(Rejection):
     """A ``train_receipt.json`` that is missing or does not parse as ``TrainReceipt``."""
 
 
-class RunFacts(BaseModel):
-    """What is fixed before the first step: inputs, identities and the run's settings."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    adapter_name: str
-    student_dir: str
-    student_identity: dict[str, str | None]
-    shard_manifest: dict[str, Any]
-    execution_provenance: dict[str, Any]
-    precision_policy: dict[str, Any]
-    dataset_path: str | None
-    """The corpus path as given; None for inline on-policy prompts."""
-    dataset_sha256: str
-    """``sha256:`` of the corpus bytes, or of the prompt list (on-policy)."""
-    settings: ResolvedSettings
-    """The run's settings (its LoRA targets resolved): the receipt's ``config``, hyperparameters, top-K, samples
-    per prompt and loss, and the digest of Kiln's effective config, all read from here."""
-    seed: int
-    teacher_alias: str
-    teacher_identity: dict[str, Any] | None
-    teacher_identity_revision: str | None
-    teacher_content_revision: str
-    examples_read: int
-    candidates_per_epoch: int
-    total_steps: int
-    device: str
-    library_versions: dict[str, str]
-    distributed: DistributedReceipt | None = None
-    training_data_source: str = TRAINING_DATA_SOURCE
-    """The receipt's ``training_data.source``: a JSONL corpus, or ``inline_opd_prompts`` (on-policy)."""
-    examples_filtered: int = 0
-    """Prompts dropped at tokenization (on-policy)."""
-    base_adapter: dict[str, Any] | None = None
-    """The warm start's receipt ``adapters.base`` (``{path, adapter_model_sha256, adapter_model_bytes}``), or None."""
-
-
-@dataclass
-class RunOutcome:
-    """What the run produced (filled in as it goes)."""
-
-    status: Literal["success", "failed"] = "failed"
-    failure_reason: str | None = None
-    failure_message: str | None = None
-    adapter_uri: str | None = None
-    adapter_sha256: str | None = None
-    adapter_bytes: int | None = None
-    global_step: int = 0
-    loss_history: list[float] = field(default_factory=list)
-    token_counts: dict[str, int] = field(default_factory=dict)
-    final_env_ce: float | None = None
-    lora_grad_norms: list[dict[str, Any]] = field(default_factory=list)
-    lora_delta_norms: list[dict[str, Any]] = field(default_factory=list)
-    phase_timings_ms: dict[str, float] = field(default_factory=dict)
-    wall_clock_ms: float = 0.0
-    peak_memory_mib: float | None = None
-    peak_rss_mib: float | None = None
-    peak_vram_mib: float | None = None
-    resumed_from: str | None = None
-    stop_reason: str | None = None
-    """Ours: the held-out watch rule that stopped the run (``diverged``, ``stalled``, ``flat``)."""
-    eval_curve: EvalCurve | None = None
-    """Ours: the held-out curve of a watched run."""
-    rollout_backend: str | None = None
-    """Ours, on-policy: what sampled the rollouts (``local``: the training process; ``vllm``)."""
-    teacher_backend: str | None = None
-    """Ours, on-policy: what scored them (``local``; ``vllm``)."""
-    publish_guard: dict[str, Any] | None = None
-    """Ours: the publish guard's block (``kiln_core.training.publish_guard``), once it ran or was turned off."""
-    sharding: dict[str, int] | None = None
-    """Ours, ``strategy: fsdp``: rank 0's view of the sharded base weights (the receipt's ``distributed.fsdp``)."""
-
-
 def _prefixed(raw_hex: str | None) -> str | None:
     return None if raw_hex is None else (raw_hex if raw_hex.startswith("sha256:") else "sha256:" + raw_hex)
 
 
-def build_receipt(facts: RunFacts, outcome: RunOutcome) -> TrainReceipt:
-    """The receipt of a run.
+def build_receipt(facts: RunFacts, outcome: RunOutcome, gate: GateDecision | None = None) -> TrainReceipt:
+    """The receipt of a run: its facts, what training produced, and the gate's decision when one ran.
 
     Example:
         >>> build_receipt(facts, outcome).receipt_type  # doctest: +SKIP
@@ -210,9 +134,9 @@ def build_receipt(facts: RunFacts, outcome: RunOutcome) -> TrainReceipt:
         config_hashes=ConfigHashesReceipt(model_config_hash=model_hash, tokenizer_config_hash=tokenizer_hash,
                                           chat_template_hash=template_hash,
                                           effective_config=canonical_sha256(settings.kiln_effective_config(facts.seed))),
-        lora_delta_norms=[LoraDeltaNormSummary(**row) for row in outcome.lora_delta_norms],
-        lora_grad_norms=[LoraGradNormSummary(**row) for row in outcome.lora_grad_norms],
-        config=settings.receipt_config(facts.seed).model_dump(mode="json", by_alias=True),
+        lora_delta_norms=list(outcome.lora_delta_norms),
+        lora_grad_norms=list(outcome.lora_grad_norms),
+        config=settings.receipt_config(facts.seed),
         loss_history=list(outcome.loss_history),
         phase_timings_ms={key: round(value, 3) for key, value in timings.items()},
         library_versions=dict(facts.library_versions),
@@ -220,14 +144,18 @@ def build_receipt(facts: RunFacts, outcome: RunOutcome) -> TrainReceipt:
         stop_reason=outcome.stop_reason,
         eval_curve=outcome.eval_curve,
         publish_guard=outcome.publish_guard,
+        recipe=facts.recipe,
+        ignored_request_keys=list(facts.ignored_request_keys) or None,
+        **({"gate_outcome": gate.outcome, "post_eval": gate.post_eval, "quality_gate": gate.quality_gate}
+           if gate is not None else {}),
     )
 
 
-def _distributed_receipt(planned: DistributedReceipt | None, sharding: dict[str, int] | None) -> DistributedReceipt | None:
+def _distributed_receipt(planned: DistributedReceipt | None, sharding: ShardingReceipt | None) -> DistributedReceipt | None:
     """The planned ``distributed`` block, with what FSDP sharded once the student loaded (``fsdp`` only)."""
     if planned is None or sharding is None:
         return planned
-    return planned.model_copy(update={"fsdp": ShardingReceipt(**sharding)})
+    return planned.model_copy(update={"fsdp": sharding})
 
 
 def _echo_receipt(echo: EchoConfig | None, outcome: RunOutcome) -> EchoReceipt:
@@ -241,27 +169,17 @@ def _echo_receipt(echo: EchoConfig | None, outcome: RunOutcome) -> EchoReceipt:
                        warning_filter=echo.warning_filter, final_env_ce=outcome.final_env_ce, dropped_reason=dropped)
 
 
-def write_receipt(run_dir: Location, receipt: TrainReceipt) -> str:
-    """Write ``train_receipt.json`` (``encode_receipt``'s bytes) atomically; return its URI.
-
-    The one writer of the file: training's finish, the gate's evidence and the ignored request keys
-    all rewrite the receipt through it.
-    """
-    location = run_dir.child(RECEIPT_FILE)
-    write_bytes_atomic(location, encode_receipt(receipt))
-    return location.uri
-
-
 def _receipt_location(where: Location | str) -> Location:
     location = where if isinstance(where, Location) else resolve(where)
     return location if location.uri.endswith(RECEIPT_FILE) else location.child(RECEIPT_FILE)
 
 
 def read_receipt(where: Location | str) -> TrainReceipt:
-    """Read and validate a run's receipt (``where``: the run directory or the receipt itself).
+    """Read and validate a run's receipt (``where``: the run directory or the receipt itself): our model, then
+    Kiln's ``validate()`` rules.
 
     Raises:
-        ReceiptError: ``receipt_missing`` or ``receipt_invalid`` (names the field).
+        ReceiptError: ``receipt_missing`` or ``receipt_invalid`` (names the field or Kiln's rule).
 
     Example:
         >>> read_receipt("kiln-data/runs/demo").status  # doctest: +SKIP
@@ -270,13 +188,27 @@ def read_receipt(where: Location | str) -> TrainReceipt:
     location = _receipt_location(where)
     if not location.exists():
         raise ReceiptError("receipt_missing", f"no {RECEIPT_FILE} at {location.uri}", file=location.uri)
+    data = location.read_bytes()
     try:
-        return TrainReceipt.model_validate_json(location.read_bytes())
+        receipt = TrainReceipt.model_validate_json(data)
     except ValidationError as error:
         first = error.errors()[0]
         place = ".".join(str(part) for part in first["loc"]) or "document"
         raise ReceiptError("receipt_invalid", f"{RECEIPT_FILE} is not a kiln-flows train receipt: field `{place}`: "
                            f"{first['msg']}", file=location.uri, field=place) from None
+    check_kiln_rules(json.loads(data), location.uri)  # Kiln validates on read too
+    return receipt
+
+
+def check_kiln_rules(document: dict[str, Any], where: str) -> None:
+    """Refuse a receipt Kiln's ``TrainReceipt::validate()`` would refuse (``kiln_core.contracts.receipt_rules``).
+
+    Raises:
+        ReceiptError: ``receipt_invalid``, naming the rule.
+    """
+    problem = receipt_problem(document)
+    if problem is not None:
+        raise ReceiptError("receipt_invalid", f"{RECEIPT_FILE} breaks Kiln's receipt rules: {problem}", file=where)
 
 
 def receipt_status(where: Location | str) -> str | None:

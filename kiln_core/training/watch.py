@@ -42,7 +42,7 @@ from kiln_core.corpus import CorpusTables
 from kiln_core.training.distributed.world import World
 from kiln_core.training.eval_curve import finite_or_none, firing_rules, new_alarms
 from kiln_core.training.progress import Clock, LoopProgress
-from kiln_core.training.receipt import RunOutcome
+from kiln_core.contracts.training_record import RunOutcome
 from kiln_core.training.step import StopTraining
 from kiln_core.training.student import Student
 
