@@ -149,7 +149,7 @@ def driver_main(argv: list[str]) -> int:
 
     torch.set_num_threads(1)
     from kiln_core import storage
-    from kiln_core.training import records as receipt_module  # the run's records: training record, receipt, manifest
+    from kiln_core.training import receipt as receipt_module
     from kiln_core.engine.request import train_request
 
     def event(kind: str, arg: Any, wait: bool | None = None) -> None:

@@ -2,7 +2,7 @@
 
 Before issue 31, four places wrote ``train_receipt.json``: training created it, then the recipe record, the
 ignored request keys and the gate each read it back and rewrote it. Now the trainer leaves its
-``training_record.json`` and one composer (``kiln_core.training.records.compose_receipt``) writes the receipt
+``training_record.json`` and one composer (``kiln_core.training.receipt.compose_receipt``) writes the receipt
 once, after the gate decided (or when nothing follows training), then Kiln's ``adapter_manifest.json``.
 """
 
@@ -305,8 +305,7 @@ def test_the_failure_and_template_rules_kiln_pairs(kiln_receipt):
 def test_a_receipt_kilns_rules_refuse_is_refused_on_read_and_never_written(kiln_receipt, tmp_path):
     from kiln_core.contracts.training_record import TrainingRecord
     from kiln_core.storage import resolve
-    from kiln_core.training.receipt import ReceiptError, read_receipt
-    from kiln_core.training.records import compose_receipt, read_training_record
+    from kiln_core.training.receipt import ReceiptError, compose_receipt, read_receipt, read_training_record
 
     run = tmp_path / "run"
     run.mkdir()

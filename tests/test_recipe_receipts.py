@@ -31,7 +31,7 @@ def _record(**changes):
 def test_the_legacy_receipt_takes_kilns_fields_from_the_record_and_the_train_receipt():
     from types import SimpleNamespace
 
-    from kiln_core.training.records import recipe_receipt
+    from kiln_core.training.receipt import recipe_receipt
 
     receipt = SimpleNamespace(produced_at="2026-12-02T10:00:00Z", opd=SimpleNamespace(final_opd_loss=0.25),
                               hyperparameters=SimpleNamespace(seed=7), kiln=SimpleNamespace(package_version="0.1.0"))

@@ -148,8 +148,8 @@ def _wire_models() -> dict[str, list[type[BaseModel]]]:
     from kiln_core.oracle.request import LoadedRequest, validate_request_object
     from kiln_core.teachers import local_registry
     from kiln_core.training.checkpoint.load import LoadedCheckpoint
-    from kiln_core.training.receipt import build_receipt, read_receipt
-    from kiln_core.training.records import adapter_manifest, read_training_record, write_training_record
+    from kiln_core.training.receipt import (adapter_manifest, build_receipt, read_receipt, read_training_record,
+                                            write_training_record)
 
     loaded = typing.get_type_hints(LoadedCheckpoint)
     receipt = typing.get_type_hints(read_receipt)["return"]

@@ -2,7 +2,7 @@
 gates' evidence.
 
 Each is produced by one owner and written into ``train_receipt.json`` by the one composer
-(``kiln_core.training.records.compose_receipt``): the publish guard's block by the trainer
+(``kiln_core.training.receipt.compose_receipt``): the publish guard's block by the trainer
 (``kiln_core.training.publish_guard``), the gate's decision by the gate stage (``kiln_core.engine.gate``:
 Kiln's ``post_eval`` and our ``quality_gate``). Field names are the ones receipts already on storage carry,
 so those receipts read back into these models unchanged.

@@ -342,6 +342,6 @@ def gate_decision(receipt: TrainReceipt) -> GateDecision | None:
 def encode_receipt(receipt: TrainReceipt) -> bytes:
     """The bytes of ``train_receipt.json``: pretty JSON (two-space indent), no trailing newline, no NaN.
 
-    The one encoder, used by the one writer of the file (``kiln_core.training.records.compose_receipt``).
+    The one encoder, used by the one writer of the file (``kiln_core.training.receipt.compose_receipt``).
     """
     return json.dumps(receipt.model_dump(mode="json", by_alias=True), indent=2, allow_nan=False).encode("utf-8")

@@ -1,7 +1,7 @@
 """Kiln's ``TrainReceipt::validate()``: the rules a ``train_receipt.json`` must pass, on write and on read.
 
 Kiln runs them before it writes a receipt (``write_to_adapter_dir``, before the adapter manifest) and after it
-reads one (``read_from_adapter_dir``); kiln-flows does both too (``kiln_core.training.records.compose_receipt``,
+reads one (``read_from_adapter_dir``); kiln-flows does both too (``kiln_core.training.receipt.compose_receipt``,
 ``kiln_core.training.receipt.read_receipt``). Transcribed from Kiln's code:
 
 * ``crates/kiln-train/src/train_receipt.rs`` — ``validate_envelope`` (schema version 1, receipt type

@@ -33,7 +33,7 @@ from kiln_core.contracts.opd_config import (ConfigError, OpdConfig, drop_unused_
                                             effective_samples_per_prompt, resolve_learning_rate, resolve_top_k)
 
 __all__ = ["TRAINED_LOSSES", "ResolvedSettings", "check_one_process", "kiln_loss", "kiln_optimizer_json",
-           "seed_from_run_key"]
+           "legacy_loss_record", "seed_from_run_key"]
 
 TRAINED_LOSSES = ("teacher_top_k", "teacher_top_k_tail", "teacher_token_ce", "teacher_top_k_forward",
                   "teacher_top_k_tail_forward")
@@ -50,6 +50,18 @@ def kiln_loss(loss: str) -> str:
         ('teacher_top_k', 'teacher_token_ce')
     """
     return "teacher_top_k" if loss == "teacher_top_k_tail" else loss
+
+
+def legacy_loss_record(loss: str) -> str:
+    """What ``kiln_flows_state.json`` said of ``loss`` before it recorded the loss trained by name (issue 31): the
+    tail bucket by name, every other loss as ``teacher_top_k``. A resume accepts that record still; an identity
+    computed from it stays as it was (an on-policy run's rollout key, ``kiln_core.training.on_policy_plan``).
+
+    Example:
+        >>> legacy_loss_record("teacher_token_ce"), legacy_loss_record("teacher_top_k_tail")
+        ('teacher_top_k', 'teacher_top_k_tail')
+    """
+    return "teacher_top_k_tail" if loss == "teacher_top_k_tail" else "teacher_top_k"
 
 
 def seed_from_run_key(run_key: str) -> int:

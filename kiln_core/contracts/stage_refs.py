@@ -153,7 +153,7 @@ class TrainPlan(_Ref):
     """Unknown request keys ``--kiln-lenient`` ignored (``PipelineSpec.ignored_request_keys``), for the receipt."""
     gate_follows: bool = Field(default=False, exclude_if=lambda value: not value)
     """A gate decides about the adapter after training (``post_eval``, ``quality_gate``): the trainer leaves the
-    receipt of a successful run to the gate stage (``kiln_core.training.records``)."""
+    receipt of a successful run to the gate stage (``kiln_core.training.receipt``)."""
 
     @model_validator(mode="after")
     def _watch_has_its_corpus(self) -> "TrainPlan":

@@ -1,6 +1,6 @@
 """``training_record.json``: what the trainer knows when a run ends — its facts and what it produced.
 
-Rank 0 writes it whatever the run's status (``kiln_core.training.records``); the one composer of
+Rank 0 writes it whatever the run's status (``kiln_core.training.receipt``); the one composer of
 ``train_receipt.json`` builds the receipt from it and from the gate's decision, in the trainer's process or in
 another one (the flow's gate task after a ``torchrun`` or Ray job). A successful record with a committed adapter
 is a finished training (``kiln_core.engine.runs.finished_run``).

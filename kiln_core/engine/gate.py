@@ -244,14 +244,14 @@ def _post_eval(trained: TrainRef, spec: PipelineSpec, student_dir: str, seed: in
 def _act_and_record(trained: TrainRef, spec: PipelineSpec, outcome: str | None, verdict: str | None, post: Any,
                     quality: QualityGateRecord | None) -> GateRef:
     """Rename a loser (``apply_gate_outcome``), then compose the run's receipt, with the decision, where the run
-    now is (``kiln_core.training.records.compose_receipt``: the receipt is written once, here).
+    now is (``kiln_core.training.receipt.compose_receipt``: the receipt is written once, here).
 
     A promoted run's ``latest.json`` is written by the publish stage, afterwards, so the pointer's receipt
     digest covers the evidence.
     """
     from kiln_core.engine.publish import latest_location
     from kiln_core.engine.fate import GateFate, apply_gate_outcome, post_eval_receipt_block
-    from kiln_core.training.records import compose_receipt
+    from kiln_core.training.receipt import compose_receipt
 
     run = resolve(trained.run_uri)
     fate = None

@@ -12,7 +12,7 @@ Every run that trained successfully gets ``replay.jsonl`` beside its adapter, th
 
 The gate runs when the spec has ``post_eval`` or ``quality_gate`` (``kiln_core.engine.gate``): only
 an adapter it promotes (or an informational eval's) is published to ``latest.json``. The run's
-``train_receipt.json`` is written once (``kiln_core.training.records.compose_receipt``): by the trainer when
+``train_receipt.json`` is written once (``kiln_core.training.receipt.compose_receipt``): by the trainer when
 nothing follows training, else by the gate stage once it decided; ``latest.json`` then pins its digest. The held-out
 watch (``eval``) and both gates work the same for both sources; their overlap rules compare the
 held-out data with a corpus's examples or with the prompts (``kiln_core.engine.gate.training_data``).

@@ -162,14 +162,13 @@ def newest_checkpoint(run: Location | str, adapter: str) -> str | None:
 
 def finished_run(run: Location, adapter: str) -> TrainRef | None:
     """A run whose adapter is committed and whose training succeeded is finished: it is not trained again. Its
-    training record says so (``kiln_core.training.records``; the receipt may still be to compose, after the
+    training record says so (``kiln_core.training.receipt``; the receipt may still be to compose, after the
     gate), or — a run trained before the record existed — its successful receipt.
 
     Raises:
         ReceiptError: ``receipt_invalid`` — a successful receipt or a training record that does not parse.
     """
-    from kiln_core.training.receipt import read_receipt, receipt_status
-    from kiln_core.training.records import read_training_record
+    from kiln_core.training.receipt import read_receipt, read_training_record, receipt_status
 
     adapter_dir = run.child(ADAPTER_DIR)
     if not adapter_dir.child("adapter_config.json").exists():

@@ -70,7 +70,7 @@ def train(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir
     finished = finished_run(run, plan.adapter) if plan.run_key == plan.inputs_key else None
     if finished is not None:
         if not plan.gate_follows:  # a crash between the training record and the receipt left it to compose
-            from kiln_core.training.records import compose_receipt
+            from kiln_core.training.receipt import compose_receipt
 
             compose_receipt(run)
         return finished

@@ -2,7 +2,7 @@
 
 Rank 0 of a multi-process run publishes both; the other ranks only return the receipt's URI. The trainer
 always leaves ``training_record.json``; it composes ``train_receipt.json`` itself unless a gate follows a
-successful run, whose stage composes it once the gate decided (``kiln_core.training.records``).
+successful run, whose stage composes it once the gate decided (``kiln_core.training.receipt``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from kiln_core.training.plan import ADAPTER_DIR, RunPlan
 from kiln_core.training.progress import Clock, LoopProgress
 from kiln_core.training.publish_guard import GUARD_CODE, GuardTripped, guard_before_publish
 from kiln_core.contracts.training_record import RunOutcome, TrainingRecord
-from kiln_core.training.records import compose_receipt, write_training_record
+from kiln_core.training.receipt import compose_receipt, write_training_record
 from kiln_core.training.step import StopTraining, lora_delta_norms
 from kiln_core.training.student import Student
 

@@ -27,7 +27,7 @@ from typing import Sequence
 
 from kiln_core.canonical import canonical_sha256
 from kiln_core.contracts.opd_config import ConfigError, OpdConfig
-from kiln_core.contracts.settings import check_one_process
+from kiln_core.contracts.settings import check_one_process, legacy_loss_record
 from kiln_core.contracts.opd_prompt import INLINE_PROMPTS_SOURCE, OpdPrompt, prompts_content_sha256
 from kiln_core.contracts.stage_refs import TrainPlan
 from kiln_core.errors import Rejection
@@ -39,7 +39,6 @@ from kiln_core.on_policy.store import RolloutStore, rollout_run_key
 from kiln_core.on_policy.teacher import TeacherSource
 from kiln_core.storage import resolve
 from kiln_core.training import checkpoint as ckpt
-from kiln_core.training.checkpoint.load import legacy_loss_record
 from kiln_core.training.data_identity import teacher_capabilities
 from kiln_core.training.distributed.world import World
 from kiln_core.training.plan import DataPlan, RunPlan, Schedule, build_plan, resume_basename

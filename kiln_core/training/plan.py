@@ -36,8 +36,7 @@ from kiln_core.training.lora_targets import resolve_lora_targets
 from kiln_core.training.distributed.world import World
 from kiln_core.training.objectives import step_loss
 from kiln_core.contracts.training_record import TRAINING_DATA_SOURCE, RunFacts
-from kiln_core.training.receipt import library_versions
-from kiln_core.training.records import training_finished
+from kiln_core.training.receipt import library_versions, training_finished
 from kiln_core.training.student import resolve_device, resolve_precision, student_identity
 
 __all__ = ["ADAPTER_DIR", "Schedule", "RunPlan", "DataPlan", "plan_off_policy_run", "resume_basename", "build_plan"]

@@ -38,6 +38,7 @@ from kiln_core.contracts.checkpoint import (
     ResumeError,
 )
 from kiln_core.contracts.lora_targets import LoraTargets
+from kiln_core.contracts.settings import legacy_loss_record
 from kiln_core.storage import INCOMPLETE_SENTINEL, Location, iter_files
 from kiln_core.training.checkpoint.contract import RunContract
 from kiln_core.training.checkpoint.names import at
@@ -284,22 +285,11 @@ def _provenance_problem(saved: dict[str, Any], current: dict[str, Any]) -> str |
     return None
 
 
-LEGACY_TOP_K_RECORDS = frozenset({"teacher_token_ce", "teacher_top_k_forward", "teacher_top_k_tail_forward"})
-"""Losses whose checkpoints kiln-flows recorded as ``teacher_top_k`` before issue 31. The manifest's Kiln
-``effective_config.loss`` names them exactly and is compared first, so such a record is still theirs."""
-
-
-def legacy_loss_record(loss: str) -> str:
-    """What ``kiln_flows_state.json`` said of ``loss`` before it recorded the loss trained by name: the tail
-    bucket by name, every other loss as ``teacher_top_k``. Kept where an identity computed from it must stay
-    stable (an on-policy run's rollout key, ``kiln_core.training.on_policy_plan``)."""
-    return "teacher_top_k_tail" if loss == "teacher_top_k_tail" else "teacher_top_k"
-
-
 def recorded_loss_matches(recorded: str, trained: str) -> bool:
-    """Whether a checkpoint state's ``loss`` is the loss ``trained``: by name, or the ``teacher_top_k`` that
-    kiln-flows recorded before issue 31 for the losses in ``LEGACY_TOP_K_RECORDS`` (and only them)."""
-    return recorded == trained or (recorded == "teacher_top_k" and trained in LEGACY_TOP_K_RECORDS)
+    """Whether a checkpoint state's ``loss`` is the loss ``trained``: by name, or as kiln-flows recorded it before
+    issue 31 (``legacy_loss_record``: ``teacher_top_k`` for the forward-KL and cross-entropy losses, and only
+    them — their Kiln ``effective_config.loss``, compared earlier, names them exactly)."""
+    return recorded == trained or recorded == legacy_loss_record(trained)
 
 
 def validate_resume(loaded: LoadedCheckpoint, contract_for_seed: Callable[[int], RunContract],
