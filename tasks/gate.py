@@ -46,8 +46,9 @@ def gate_event(gate: GateRef, adapter: str) -> dict[str, Any] | None:
     if name is None:
         return None
     run_key = gate.run_uri.rstrip("/").rsplit("/", 1)[-1]
-    evidence = ((gate.post_eval or {}).get("post_eval_gate_evidence") or [None])[0]
-    quality = gate.quality_gate
+    summary = gate.summary()  # the blocks as JSON
+    evidence = ((summary["post_eval"] or {}).get("post_eval_gate_evidence") or [None])[0]
+    quality = summary["quality_gate"]
     return {
         "event": name,
         "resource": {"prefect.resource.id": f"{EVENT_PREFIX}.{adapter}.run.{run_key}",

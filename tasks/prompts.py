@@ -10,21 +10,22 @@ from __future__ import annotations
 
 from prefect import task
 
-from kiln_core.contracts.opd_config import OpdConfig
+from kiln_core.contracts.settings import ResolvedSettings
 from kiln_core.contracts.stage_refs import CorpusRef, ManifestRef
 from tasks.retry import retry_unless_rejected
 
 
 @task(name="prompts", task_run_name="prompts-{manifest.teacher}", retries=2, retry_delay_seconds=[2, 10],
       retry_condition_fn=retry_unless_rejected)
-def check_prompts_task(prompts_uri: str, manifest: ManifestRef, config: OpdConfig, student_dir: str) -> CorpusRef:
+def check_prompts_task(prompts_uri: str, manifest: ManifestRef, settings: ResolvedSettings,
+                       student_dir: str) -> CorpusRef:
     """Check an on-policy prompt file against the teacher and the student.
 
     Example:
         ```python
-        prompts = check_prompts_task("s3://bucket/prompts.jsonl", manifest_ref, spec.config, "./student")
+        prompts = check_prompts_task("s3://bucket/prompts.jsonl", manifest_ref, settings, "./student")
         ```
     """
     from kiln_core.engine.prompts import check_prompts
 
-    return check_prompts(prompts_uri, manifest, config, student_dir)
+    return check_prompts(prompts_uri, manifest, settings, student_dir)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from contextlib import ExitStack
 
 from kiln_core.contracts.pipeline import PipelineSpec, TeacherSource
+from kiln_core.contracts.settings import ResolvedSettings
 from kiln_core.contracts.stage_refs import CorpusRef, GateRef, InputsRef, ManifestRef, PublishRef, TrainPlan, TrainRef
 from kiln_core.engine.training import training_settings
 from kiln_core.wording import counted
@@ -132,12 +133,13 @@ class PrefectStages:
                     corpus.action_tokens)
         return corpus
 
-    def prompts(self, spec: PipelineSpec, manifest: ManifestRef, student_dir: str) -> CorpusRef:
+    def prompts(self, spec: PipelineSpec, manifest: ManifestRef, settings: ResolvedSettings,
+                student_dir: str) -> CorpusRef:
         from prefect import get_run_logger
 
         from tasks.prompts import check_prompts_task
 
-        prompts = check_prompts_task(spec.prompts, manifest, spec.config, student_dir)
+        prompts = check_prompts_task(spec.prompts, manifest, settings, student_dir)
         get_run_logger().info("prompts %s: %s, %s per prompt, top-K %d", prompts.dataset_sha256,
                               counted(prompts.examples, "prompt"), counted(prompts.samples_per_prompt, "sample"),
                               prompts.effective_top_k)

@@ -91,8 +91,9 @@ class TrainingLog:
 
     def __init__(self, plan: TrainPlan, corpus: CorpusRef, logger, *, every: int | None = None) -> None:
         self.logger, self.adapter = logger, plan.adapter
-        self.interval = plan.config.checkpoint_interval
-        self.tokens_per_step = corpus.action_tokens / max(1, corpus.examples) * plan.config.sequences_per_step
+        config = plan.settings.config
+        self.interval = config.checkpoint_interval
+        self.tokens_per_step = corpus.action_tokens / max(1, corpus.examples) * config.sequences_per_step
         self.every = every
         self._started = time.monotonic()
         self._first_step: int | None = None
@@ -168,7 +169,7 @@ def train_task(
 
     Example:
         ```python
-        plan = plan_run(spec, corpus_ref, manifest_ref, "./student")
+        plan = plan_run(spec, settings, corpus_ref, manifest_ref, "./student")
         train_ref = train_task(plan, corpus_ref, manifest_ref, "./student")
         ```
     """

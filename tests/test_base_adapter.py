@@ -232,10 +232,10 @@ def _data_plan(student_dir: Path):
     from kiln_core.training import checkpoint as ckpt
     from kiln_core.training.data_identity import teacher_capabilities
     from kiln_core.training.plan import DataPlan, Schedule
-    from kiln_core.training.receipt import TRAINING_DATA_SOURCE
+    from kiln_core.contracts.training_record import TRAINING_DATA_SOURCE
 
     schedule = Schedule(1, 1, 1, 1)
-    return DataPlan(schedule=schedule, top_k=16, samples_per_prompt=1,
+    return DataPlan(schedule=schedule,
                     binding=ckpt.DataBinding(source_kind=ckpt.OFF_POLICY_SOURCE_KIND, content_sha256="0" * 64,
                                              item_count=1),
                     capabilities=teacher_capabilities("t", model_vocab_size(student_dir), 16, None),

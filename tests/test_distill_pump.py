@@ -231,8 +231,9 @@ def test_help_and_a_rejected_request_load_neither_torch_nor_prefect(tmp_path):
 def test_samples_per_prompt_follows_kilns_rule_for_the_bank(tiny_student, root, tmp_path):
     """Default S on-policy: 64 below 50 prompts (the bank's count); off-policy: each example once."""
     from kiln_core.contracts.opd_config import effective_samples_per_prompt
-    from kiln_core.engine.pipeline import LocalStages
+    from kiln_core.engine.pipeline import LocalStages, resolve_settings
     from kiln_core.recipes.distill_pump import prepare_distill_pump
+    from kiln_core.training.lora_targets import resolve_lora_targets
 
     bank = tmp_path / "bank.jsonl"
     bank.write_text("".join(json.dumps({"messages": [user(f"Question {i}?")]}) + "\n" for i in range(3)))
@@ -241,7 +242,10 @@ def test_samples_per_prompt_follows_kilns_rule_for_the_bank(tiny_student, root, 
     spec = prepare_distill_pump(request, student_dir=str(tiny_student), out_root=str(root), prompt_bank=str(bank),
                                 on_warning=warnings.append)
     stages = LocalStages()
-    prompts = stages.prompts(spec, stages.manifest(spec.teacher, spec.storage_root, 32), str(tiny_student))
+    manifest = stages.manifest(spec.teacher, spec.storage_root, 32)
+    settings = resolve_settings(spec, manifest, resolve_lora_targets(str(tiny_student)))
+    assert settings.samples_per_prompt == 64  # Kiln's default 4, auto-scaled from the 3 prompts
+    prompts = stages.prompts(spec, manifest, settings, str(tiny_student))
     assert prompts.samples_per_prompt == 64 and prompts.examples == 3
     assert spec.recipe.mode == "domain" and spec.recipe.request["mode"] == {"domain": "any-name-at-all"}
     assert warnings == ["distill/pump: 3 of 3 prompts had no assistant turn; each ends with Kiln's empty assistant "

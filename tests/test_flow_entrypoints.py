@@ -133,8 +133,7 @@ def _train_stage_parameters(tmp_path: Path) -> dict:
     from kiln_core.contracts.stage_refs import CorpusRef, ManifestRef, TrainPlan
 
     config = parse_opd_config({"training_mode": "off_policy", "top_k": 16, "output_name": "pool"})
-    plan = TrainPlan(run_uri=str(tmp_path / "runs" / "pool" / "key"), inputs_key="key", adapter="pool", config=config,
-                     top_k=16, learning_rate=0.001, samples_per_prompt=1)
+    plan = TrainPlan.for_config(config, str(tmp_path / "runs" / "pool" / "key"), "pool")
     corpus = CorpusRef(uri=str(tmp_path / "corpora" / "abc"), dataset_sha256="sha256:" + "ab" * 32, source_uri="c.jsonl",
                        examples=4, action_tokens=100, env_tokens=0, effective_top_k=16, teacher_identity_revision=None)
     manifest = ManifestRef(manifest_line="{}", identity_revision="sha256:" + "cd" * 32, teacher="tiny", source="local_dir")

@@ -336,14 +336,17 @@ CONFIG = {"top_k": 16, "epochs": 2, "lora_rank": 8, "lora_alpha": 16.0, "seed": 
 
 
 def test_form_and_yaml_views_are_the_same_run():
-    from kiln_core.contracts.opd_config import effective_config
     from kiln_core.contracts.pipeline import parse_spec
+    from kiln_core.contracts.settings import ResolvedSettings
 
     yaml_view = parse_spec({**BASE, "corpus": "/c.jsonl", "config": {**CONFIG, "training_mode": "off_policy"}})
     form_view = parse_spec({**BASE, "source": {"kind": "corpus", "corpus": "/c.jsonl"}, "config": CONFIG})
     assert form_view == yaml_view
     assert (form_view.corpus, form_view.examples) == ("/c.jsonl", None)
-    assert effective_config(form_view.config, 3, 16) == effective_config(yaml_view.config, 3, 16)
+    form_settings, yaml_settings = (ResolvedSettings.resolve(view.config, adapter=view.adapter)
+                                    for view in (form_view, yaml_view))
+    assert form_settings.run_key_config() == yaml_settings.run_key_config()
+    assert form_settings.kiln_effective_config(3) == yaml_settings.kiln_effective_config(3)
     # a dump is the form's view, and it validates back to the same spec
     dumped = yaml_view.model_dump(mode="json", by_alias=True)
     assert dumped["source"] == {"kind": "corpus", "corpus": "/c.jsonl"} and "corpus" not in dumped

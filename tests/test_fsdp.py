@@ -63,7 +63,8 @@ def launch_two_ranks(prepared, run_dir: Path, strategy: str, resume: str | None 
     """Rank 0's ``TrainResult`` of the prepared job with ``strategy``, trained into ``run_dir`` by 2 gloo ranks."""
     from kiln_core.training.distributed.launcher import DistributedJob, launch
 
-    plan = prepared.plan.model_copy(update={"run_uri": str(run_dir), "strategy": strategy, "resume": resume})
+    settings = prepared.plan.settings.model_copy(update={"strategy": strategy})
+    plan = prepared.plan.model_copy(update={"run_uri": str(run_dir), "settings": settings, "resume": resume})
     job = DistributedJob(plan=plan, corpus=prepared.corpus, manifest=prepared.manifest,
                          student_dir=prepared.student_dir)
     return launch(job, 2, forward_signals=False, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -93,7 +94,7 @@ def test_the_prepared_plan_carries_the_strategy_and_the_run_key_ignores_it(prepa
     from kiln_core.engine.pipeline import prepare
     from kiln_core.engine.request import spec_from_request
 
-    assert (prepared.plan.strategy, prepared.plan.nproc) == ("fsdp", 2)
+    assert (prepared.plan.settings.strategy, prepared.plan.settings.world_size) == ("fsdp", 2)
     ddp = spec_from_request(str(request_dir / "request.json"), adapter=ADAPTER, student_dir=str(tiny_student),
                             out_root=str(tmp_path), nproc=2)
     assert prepare(ddp.spec, resume=None, device="cpu").plan.inputs_key == prepared.plan.inputs_key
@@ -177,7 +178,8 @@ def test_the_training_stage_refuses_an_fsdp_plan_on_cpu_before_any_launch(prepar
     plans = [prepared.plan.model_copy(update={"run_uri": str(run_dir)}),  # torchrun, device cpu
              prepared.plan.model_copy(update={"run_uri": str(run_dir), "device": None,  # Ray, 0 GPUs per worker
                                               "ray": RayOptions(gpus_per_worker=0)}),
-             prepared.plan.model_copy(update={"run_uri": str(run_dir), "nproc": 1})]  # one process
+             prepared.plan.model_copy(update={"run_uri": str(run_dir),  # one process
+                                              "settings": prepared.plan.settings.model_copy(update={"world_size": 1})})]
     for plan in plans:
         with pytest.raises(ConfigError) as caught:
             train(plan, prepared.corpus, prepared.manifest, prepared.student_dir, handle_signals=False)
@@ -198,7 +200,7 @@ def test_a_multi_node_job_refuses_fsdp_on_cpu(request_dir, tiny_student, tmp_pat
     with pytest.raises(ConfigError) as caught:
         job(strategy="fsdp")
     assert (caught.value.code, caught.value.field) == ("unsupported_strategy", "distributed.strategy")
-    assert job().plan.strategy == "ddp"
+    assert job().plan.settings.strategy == "ddp"
 
 
 def test_check_strategy_accepts_fsdp_on_gpus_with_two_ranks_and_refuses_the_rest():

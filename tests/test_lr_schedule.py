@@ -13,7 +13,8 @@ import math
 
 import pytest
 
-from kiln_core.contracts.opd_config import LrSchedule, OpdConfig, effective_config
+from kiln_core.contracts.opd_config import LrSchedule, OpdConfig
+from kiln_core.contracts.settings import ResolvedSettings
 from kiln_core.storage import resolve
 from kiln_core.training.checkpoint import ResumeError, latest_checkpoint
 from test_trainer import ADAPTER, Crash, adapter_bytes, crash_after, make_config, receipt, resume_from_latest, run
@@ -46,12 +47,16 @@ def test_each_step_trains_at_the_scheduled_rate(kind, warmup, final, total):
 
 
 @pytest.mark.fast
-def test_a_config_without_a_schedule_keeps_kilns_effective_config():
-    plain = effective_config(OpdConfig(training_mode="off_policy"), 7, 32)
-    assert "lr_schedule" not in plain
-    scheduled = effective_config(OpdConfig(training_mode="off_policy", lr_schedule={"warmup_steps": 2}), 7, 32)
-    assert scheduled["lr_schedule"] == {"final_lr_ratio": 0.1, "kind": "cosine", "warmup_steps": 2}
-    assert {key: value for key, value in scheduled.items() if key != "lr_schedule"} == plain
+def test_a_config_without_a_schedule_keeps_its_run_key_and_kilns_effective_config():
+    def settings(**config) -> ResolvedSettings:
+        return ResolvedSettings.resolve(OpdConfig(training_mode="off_policy", **config), adapter="a")
+
+    plain, scheduled = settings(), settings(lr_schedule={"warmup_steps": 2})
+    assert "lr_schedule" not in plain.run_key_config()  # the run key runs had before schedules existed
+    assert scheduled.run_key_config()["lr_schedule"] == {"kind": "cosine", "warmup_steps": 2, "final_lr_ratio": 0.1}
+    assert {key: value for key, value in scheduled.run_key_config().items() if key != "lr_schedule"} == \
+        plain.run_key_config()
+    assert scheduled.kiln_effective_config(7) == plain.kiln_effective_config(7)  # ours: in the extension file
 
 
 @pytest.mark.fast

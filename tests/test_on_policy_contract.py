@@ -16,7 +16,6 @@ import pytest
 from kiln_core.contracts.opd_config import (
     ConfigError,
     OpdConfig,
-    effective_config,
     effective_samples_per_prompt,
     parse_opd_request,
 )
@@ -26,6 +25,7 @@ from kiln_core.contracts.opd_prompt import (
     prompts_content_sha256,
     training_data_receipt,
 )
+from kiln_core.contracts.settings import ResolvedSettings
 from kiln_core.serde_json import serde_json_text
 
 
@@ -152,5 +152,6 @@ def test_samples_per_prompt_auto_scales_from_the_request_prompt_count():
     on = OpdConfig()
     assert [effective_samples_per_prompt(on, n) for n in (1, 49, 50, 199, 200, 5000)] == [64, 64, 16, 16, 4, 4]
     assert effective_samples_per_prompt(OpdConfig(samples_per_prompt=3), 10) == 3  # explicit values stand
-    assert effective_config(on, 1, 32, prompt_count=10)["effective_samples_per_prompt"] == 64
-    assert effective_config(on, 1, 32, prompt_count=300)["effective_samples_per_prompt"] == 4
+    for count, samples in ((10, 64), (300, 4)):
+        settings = ResolvedSettings.resolve(on, adapter="a", prompt_count=count)
+        assert settings.samples_per_prompt == samples == settings.kiln_effective_config(1)["effective_samples_per_prompt"]

@@ -207,8 +207,8 @@ def test_receipt_records_an_on_policy_run(tiny_student, teacher, identity, tmp_p
 
 
 def test_default_samples_per_prompt_scale_with_the_request_prompt_count(tiny_student, teacher, tmp_path):
-    """Resolved once, by the submit checks the engine runs (``check_prompts`` → ``plan_on_policy``); the
-    training planner takes the plan's value into the schedule, the checkpoint and the receipt."""
+    """Resolved once (the engine's settings; here the submit checks' ``plan_on_policy``, which resolves them the
+    same way); the training planner takes the plan's value into the schedule, the checkpoint and the receipt."""
     from kiln_core.contracts.stage_refs import TrainPlan
     from kiln_core.on_policy.submit import TeacherBinding, plan_on_policy
     from kiln_core.training.distributed.world import World
@@ -222,8 +222,8 @@ def test_default_samples_per_prompt_scale_with_the_request_prompt_count(tiny_stu
                                     samples_per_prompt=submitted.samples_per_prompt, device="cpu")
         run_plan, rollouts = plan_on_policy_run(plan, prompts=req.prompts, student_dir=str(tiny_student),
                                                 teacher=teacher, rollout_root=None, world=World())
-        assert run_plan.facts.samples_per_prompt == submitted.samples_per_prompt
-        samples_per_prompt = run_plan.facts.samples_per_prompt
+        assert run_plan.facts.settings.samples_per_prompt == submitted.samples_per_prompt
+        samples_per_prompt = run_plan.facts.settings.samples_per_prompt
         assert run_plan.schedule.candidates_per_epoch == len(rollouts.prepared.prompts) * samples_per_prompt
         assert run_plan.contract.effective_config["effective_samples_per_prompt"] == samples_per_prompt
         return samples_per_prompt

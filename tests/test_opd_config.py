@@ -11,7 +11,6 @@ import pytest
 from kiln_core.contracts.opd_config import (
     ConfigError,
     OpdConfig,
-    effective_config,
     effective_samples_per_prompt,
     parse_opd_config,
     parse_opd_request,
@@ -239,18 +238,21 @@ def test_samples_per_prompt_rule():
     assert [effective_samples_per_prompt(on, n) for n in (10, 100, 500)] == [64, 16, 4]
 
 
-def test_effective_config():
+def test_kilns_effective_config_of_the_resolved_settings():
+    from kiln_core.contracts.settings import ResolvedSettings
+
     config = parse_opd_config({**OFF, "resume_checkpoint": "x-checkpoint-step-00000001.kiln-checkpoint", "top_k": 20,
                                "echo": {"lambda": 0.1}})
-    eff = effective_config(config, seed=123, top_k=16)
+    eff = ResolvedSettings.resolve(config, adapter="x").kiln_effective_config(123)
     assert "resume_checkpoint" not in eff
-    assert eff["learning_rate"] == 2e-3 and eff["seed"] == 123
-    assert eff["effective_top_k"] == 16 and eff["top_k"] == 20
-    assert eff["effective_samples_per_prompt"] == 1 and eff["sequences_per_step"] == 1
+    assert eff["learning_rate"] == 2e-3 and eff["seed"] == 123 and eff["output_name"] == "x"
+    assert eff["effective_top_k"] == 16 and eff["top_k"] == 20  # Kiln records requested AND effective top-K
+    assert eff["effective_samples_per_prompt"] == 1 and "sequences_per_step" not in eff  # ours: the extension file
     assert eff["echo"] == {"env_mask_mode": "env_only", "lambda": 0.1, "warning_filter": True}
     assert list(eff) == sorted(eff)
     assert json.loads(json.dumps(eff)) == eff
-    assert effective_config(config, 123, 16) == effective_config(parse_opd_config({**OFF, "top_k": 20, "echo": {"lambda": 0.1}}), 123, 16)
+    without_resume = parse_opd_config({**OFF, "top_k": 20, "echo": {"lambda": 0.1}})
+    assert eff == ResolvedSettings.resolve(without_resume, adapter="x").kiln_effective_config(123)
 
 
 def test_request_rules():

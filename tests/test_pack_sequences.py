@@ -16,7 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from kiln_core.contracts.opd_config import ConfigError, OpdConfig, effective_config
+from kiln_core.contracts.opd_config import ConfigError, OpdConfig
+from kiln_core.contracts.settings import ResolvedSettings
 from kiln_core.storage import resolve
 from kiln_core.training.checkpoint import ResumeError, latest_checkpoint
 from kiln_core.training.trainer import train_opd
@@ -102,18 +103,17 @@ def test_a_resume_under_the_other_packing_is_refused(tiny_student, tmp_path, wri
 
 
 def test_an_unpacked_config_keeps_its_effective_config_and_checkpoint_files(tiny_student, tmp_path):
-    assert "pack_sequences" not in effective_config(OpdConfig(training_mode="off_policy"), 7, 32)
-    assert effective_config(OpdConfig(training_mode="off_policy", pack_sequences=True), 7, 32)["pack_sequences"] is True
+    for pack in (False, True):  # Kiln's effective config never names our extension
+        settings = ResolvedSettings.resolve(OpdConfig(training_mode="off_policy", pack_sequences=pack), adapter="a")
+        assert "pack_sequences" not in settings.kiln_effective_config(7)
     run(tiny_student, tmp_path, make_config(sequences_per_step=2, checkpoint_interval=1))
     extension = json.loads((tmp_path / "demo-checkpoint-step-00000001.kiln-checkpoint" / "kiln_flows_state.json").read_text())
     assert "pack_sequences" not in extension
 
 
 def test_the_run_key_changes_only_when_packing_is_on():
-    from kiln_core.engine.runs import config_decides
-
     base = dict(training_mode="off_policy", sequences_per_step=2)
-    unpacked, explicit, packed = (config_decides(OpdConfig(**base, **extra))
+    unpacked, explicit, packed = (ResolvedSettings.resolve(OpdConfig(**base, **extra), adapter="a").run_key_config()
                                   for extra in ({}, {"pack_sequences": False}, {"pack_sequences": True}))
     assert unpacked == explicit and "pack_sequences" not in unpacked  # the keys runs had before packing existed
     assert packed == {**unpacked, "pack_sequences": True}

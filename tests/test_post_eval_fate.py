@@ -194,7 +194,7 @@ def test_receipt_block_uses_kiln_training_job_field_names(tmp_path, write_run):
                             effective_seed=7, outcome="demoted", verdict="FAILED: x", evidence=evidence(),
                             candidate=run, baseline=run)
     fate = apply_gate_outcome(str(write_run(tmp_path)), "demo", result.outcome, result.evidence, verdict=result.verdict)
-    block = post_eval_receipt_block(result, fate)
+    block = post_eval_receipt_block(result, fate).model_dump(mode="json")  # the receipt's JSON block
     assert block["gate_outcome"] == "demoted"
     assert block["post_eval_verdict"] == "FAILED: x, renamed to `demo.failed`"
     assert block["post_eval_gate_evidence"][0]["outcome"] == "demoted"
@@ -203,7 +203,7 @@ def test_receipt_block_uses_kiln_training_job_field_names(tmp_path, write_run):
     assert block["metrics"] == {"candidate": {"accuracy": 0.5}, "baseline": {"accuracy": 0.5}}
     json.dumps(block)  # JSON-ready
     ungated = post_eval_receipt_block(PostEvalResult("s", "held-out", None, False, "post-eval-2", 7, candidate=run))
-    assert (ungated["gate_outcome"], ungated["post_eval_gate_evidence"], ungated["latest"]) == (None, [], None)
+    assert (ungated.gate_outcome, ungated.post_eval_gate_evidence, ungated.latest) == (None, [], None)
 
 
 def test_latest_pointer_reads_the_run(tmp_path, write_run):

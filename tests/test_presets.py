@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kiln_core.contracts.opd_config import PRESETS, ConfigError, OpdConfig, effective_config, parse_opd_config
+from kiln_core.contracts.opd_config import PRESETS, ConfigError, OpdConfig, parse_opd_config
+from kiln_core.contracts.settings import ResolvedSettings
 
 
 def test_a_preset_fills_the_fields_a_config_leaves_unset():
@@ -32,8 +33,9 @@ def test_unknown_preset_is_refused_naming_the_available_ones():
 def test_kiln_requests_keep_kilns_loss_and_effective_config():
     config = OpdConfig(training_mode="off_policy")
     assert config.loss == "teacher_top_k" and config.preset is None
-    assert "preset" not in effective_config(config, 7, 32)  # byte-identical to a config without the field
-    assert effective_config(parse_opd_config({"preset": "quality"}), 7, 32)["preset"] == "quality"
+    assert "preset" not in ResolvedSettings.resolve(config, adapter="a").kiln_effective_config(7)  # Kiln's keys only
+    preset = ResolvedSettings.resolve(parse_opd_config({"preset": "quality"}), adapter="a")
+    assert preset.run_key_config()["preset"] == "quality"  # another run than the same fields without the preset
 
 
 def test_the_pipeline_spec_takes_a_preset():

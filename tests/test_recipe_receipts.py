@@ -31,11 +31,12 @@ def _record(**changes):
 def test_the_legacy_receipt_takes_kilns_fields_from_the_record_and_the_train_receipt():
     from types import SimpleNamespace
 
-    from kiln_core.engine.recipe_receipts import legacy_receipt
+    from kiln_core.training.receipt import recipe_receipt
 
     receipt = SimpleNamespace(produced_at="2026-12-02T10:00:00Z", opd=SimpleNamespace(final_opd_loss=0.25),
-                              hyperparameters=SimpleNamespace(seed=7))
-    legacy = legacy_receipt(_record(), receipt).model_dump(mode="json")
+                              hyperparameters=SimpleNamespace(seed=7), kiln=SimpleNamespace(package_version="0.1.0"))
+    legacy = recipe_receipt(_record(), receipt).model_dump(mode="json")
+    assert legacy["kiln_version"] == "kiln-flows/0.1.0" and legacy["kernel_versions"] == {"kiln-flows": "0.1.0"}
     assert legacy["schema_version"] == 1 and legacy["adapter"] == "terse" and legacy["seed"] == 7
     assert legacy["source_kind"] == "distill_self" and legacy["produced_at"] == "2026-12-02T10:00:00Z"
     assert legacy["teacher"] == {"alias": "self-terse:Conciseness", "model_id": "self-terse:Conciseness",

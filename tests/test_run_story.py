@@ -116,12 +116,12 @@ class _Lines:
 
 
 def _training_log(interval=2, total_every=None):
+    from kiln_core.contracts.opd_config import OpdConfig
     from kiln_core.contracts.stage_refs import CorpusRef, TrainPlan
     from tasks.train import TrainingLog
 
-    plan = TrainPlan(run_uri="/r/runs/demo/k", inputs_key="k", adapter="demo",
-                     config={"checkpoint_interval": interval, "sequences_per_step": 1}, top_k=16, learning_rate=2e-3,
-                     samples_per_prompt=1)
+    config = OpdConfig(training_mode="off_policy", top_k=16, checkpoint_interval=interval, sequences_per_step=1)
+    plan = TrainPlan.for_config(config, "/r/runs/demo/k", "demo")
     corpus = CorpusRef(uri="/c", dataset_sha256="sha256:x", source_uri="/c.jsonl", examples=4, action_tokens=400,
                        env_tokens=0, effective_top_k=16, teacher_identity_revision=None)
     lines = _Lines()

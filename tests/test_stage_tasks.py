@@ -131,13 +131,15 @@ def on_policy_prompt(user: str) -> dict:
 def test_prompts_task_checks_the_prompt_file_against_teacher_and_student(tmp_path, local_teacher_manifest, tiny_student):
     from kiln_core.contracts.opd_config import parse_opd_config
     from kiln_core.contracts.opd_prompt import prompts_content_sha256
+    from kiln_core.contracts.settings import ResolvedSettings
     from kiln_core.on_policy.prompt_file import read_prompt_file
     from tasks.prompts import check_prompts_task
 
     prompts = write_jsonl(tmp_path / "prompts.jsonl", [on_policy_prompt("What is two plus two?"),
                                                       on_policy_prompt("Name a colour.")])
     config = parse_opd_config({"training_mode": "on_policy", "max_tokens": 32, "top_k": 16})
-    ref = check_prompts_task.fn(str(prompts), local_teacher_manifest, config, str(tiny_student))
+    settings = ResolvedSettings.resolve(config, adapter="a", prompt_count=2)
+    ref = check_prompts_task.fn(str(prompts), local_teacher_manifest, settings, str(tiny_student))
 
     assert (ref.kind, ref.examples, ref.effective_top_k) == ("prompts", 2, 16)
     assert ref.teacher_identity_revision == local_teacher_manifest.identity_revision
@@ -146,13 +148,15 @@ def test_prompts_task_checks_the_prompt_file_against_teacher_and_student(tmp_pat
 
 def test_prompts_task_refuses_a_bad_line_naming_it(tmp_path, local_teacher_manifest, tiny_student):
     from kiln_core.contracts.opd_config import parse_opd_config
+    from kiln_core.contracts.settings import ResolvedSettings
     from tasks.prompts import check_prompts_task
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps(on_policy_prompt("hi")) + "\n" + '{"messages": []}\n', encoding="utf-8")
-    config = parse_opd_config({"training_mode": "on_policy", "max_tokens": 32})
+    settings = ResolvedSettings.resolve(parse_opd_config({"training_mode": "on_policy", "max_tokens": 32}),
+                                        adapter="a", prompt_count=2)
     with pytest.raises(Rejection) as caught:
-        check_prompts_task.fn(str(prompts), local_teacher_manifest, config, str(tiny_student))
+        check_prompts_task.fn(str(prompts), local_teacher_manifest, settings, str(tiny_student))
     assert caught.value.code == "prompt_no_messages" and caught.value.line == 2
 
 
@@ -224,7 +228,8 @@ def test_the_train_task_leaves_sigterm_to_the_worker_that_started_the_run(monkey
     monkeypatch.setattr(kiln_core.engine.training, "train", train)
 
     class Plan:
-        adapter, config = "demo", type("Config", (), {"checkpoint_interval": 1, "sequences_per_step": 1})()
+        adapter = "demo"
+        settings = type("Settings", (), {"config": type("Config", (), {"checkpoint_interval": 1, "sequences_per_step": 1})()})()
 
     class Corpus:
         kind, action_tokens, examples = "examples", 10, 1

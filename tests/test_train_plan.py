@@ -13,6 +13,7 @@ from pydantic import BaseModel, ValidationError
 
 from kiln_core.contracts.eval_watch import EvalWatch
 from kiln_core.contracts.opd_config import ConfigError, parse_opd_config, resolve_learning_rate
+from kiln_core.contracts.settings import ResolvedSettings
 from kiln_core.contracts.spec_blocks import VllmBackends
 from kiln_core.contracts.stage_refs import HeldOutRef, TrainPlan
 from kiln_core.contracts.base_adapter import BaseAdapter
@@ -31,8 +32,9 @@ EVERY_BLOCK = {
 def _plan(**config) -> TrainPlan:
     return TrainPlan(
         run_uri="s3://bucket/kiln/runs/demo/0123456789abcdef", inputs_key="0123456789abcdef", adapter="demo",
-        config=parse_opd_config({**EVERY_BLOCK, **config}), top_k=16, learning_rate=3e-4, samples_per_prompt=1,
-        resume="demo-checkpoint-step-00000004.kiln-checkpoint", nproc=2, backend="gloo", device="cpu",
+        settings=ResolvedSettings(config=parse_opd_config({**EVERY_BLOCK, **config}), top_k=16, learning_rate=3e-4,
+                                  samples_per_prompt=1, world_size=2),
+        seed=2**63 - 7, resume="demo-checkpoint-step-00000004.kiln-checkpoint", backend="gloo", device="cpu",
         precision="fp32", gradient_checkpointing=True,
         eval_watch=EvalWatch(corpus="heldout.jsonl", every_steps=5, stop_on_divergence=True),
         held_out=HeldOutRef(uri="s3://bucket/kiln/corpora/" + "cd" * 32, corpus_sha256="sha256:" + "cd" * 32,
@@ -47,7 +49,7 @@ def test_a_plan_round_trips_through_json_exactly():
     again = TrainPlan.model_validate_json(plan.model_dump_json())
     assert again == plan
     assert again.model_dump_json() == plan.model_dump_json()  # byte-identical on the second trip too
-    assert again.config.echo.lambda_ == 0.25 and again.config.seed == 2**63 - 7 == again.seed
+    assert again.settings.config.echo.lambda_ == 0.25 and again.settings.config.seed == 2**63 - 7 == again.seed
     assert TrainPlan.model_validate(plan.model_dump(mode="json")) == plan  # a Prefect parameter's JSON form
 
 
@@ -69,7 +71,9 @@ def test_every_config_shape_round_trips(config):
 def test_a_plan_is_frozen_and_refuses_unknown_fields():
     plan = _plan()
     with pytest.raises(ValidationError):
-        plan.top_k = 32
+        plan.seed = 32
+    with pytest.raises(ValidationError):
+        plan.settings.top_k = 32
     with pytest.raises(ValidationError):
         TrainPlan.model_validate({**plan.model_dump(mode="json"), "learnign_rate": 1.0})
 
@@ -85,12 +89,14 @@ def test_a_watched_plan_carries_its_admitted_held_out_corpus_and_only_then():
 
 
 def test_a_plan_for_a_direct_call_resolves_what_the_engine_resolves():
-    """``TrainPlan.for_config`` (benchmarks, notebooks): the same contract rules as ``plan_run``."""
+    """``TrainPlan.for_config`` (benchmarks, notebooks): the same settings rules as the engine's."""
     config = parse_opd_config({**EVERY_BLOCK, "top_k": 20, "learning_rate": None, "samples_per_prompt": 4})
     plan = TrainPlan.for_config(config, "runs/demo/k1", "demo", device="cpu")
-    assert (plan.top_k, plan.samples_per_prompt, plan.inputs_key, plan.resume) == (16, 1, "k1", None)
-    assert plan.learning_rate == resolve_learning_rate(config) and plan.device == "cpu"
-    assert TrainPlan.for_config(config, "runs/demo/k1", "demo", top_k=32, samples_per_prompt=3).top_k == 32
+    settings = plan.settings
+    assert (settings.top_k, settings.samples_per_prompt, plan.inputs_key, plan.resume) == (16, 1, "k1", None)
+    assert settings.learning_rate == resolve_learning_rate(config) and plan.device == "cpu"
+    assert settings.config.output_name == "demo" and plan.seed == config.seed  # a given seed is kept
+    assert TrainPlan.for_config(config, "runs/demo/k1", "demo", top_k=32, samples_per_prompt=3).settings.top_k == 32
     below_every_supported_k = parse_opd_config({**EVERY_BLOCK, "top_k": 8})
     with pytest.raises(ConfigError):  # the one top-K rule, as admission applies it
         TrainPlan.for_config(below_every_supported_k, "runs/demo/k1", "demo")
@@ -132,7 +138,8 @@ def test_a_torchrun_job_carries_the_plan_whole_and_round_trips_exactly(tiny_stud
     assert again.model_dump_json() == job.model_dump_json()
     assert again.manifest.teacher_identity == job.manifest.teacher_identity  # the worker's teacher, from the line
     with pytest.raises(ValidationError):  # the plan's fields no longer travel one by one
-        DistributedJob.model_validate({**job.model_dump(mode="json"), "config": plan.config.model_dump(mode="json")})
+        DistributedJob.model_validate({**job.model_dump(mode="json"),
+                                       "config": plan.settings.config.model_dump(mode="json")})
 
 
 def test_a_manifest_ref_parses_its_teacher_once_and_serializes_only_the_line(tiny_student):

@@ -148,12 +148,16 @@ def _wire_models() -> dict[str, list[type[BaseModel]]]:
     from kiln_core.oracle.request import LoadedRequest, validate_request_object
     from kiln_core.teachers import local_registry
     from kiln_core.training.checkpoint.load import LoadedCheckpoint
-    from kiln_core.training.receipt import read_receipt, write_receipt
+    from kiln_core.training.receipt import (adapter_manifest, build_receipt, read_receipt, read_training_record,
+                                            write_training_record)
 
     loaded = typing.get_type_hints(LoadedCheckpoint)
     receipt = typing.get_type_hints(read_receipt)["return"]
     return {
-        "train_receipt.json": _models(receipt) + _models(typing.get_type_hints(write_receipt)["receipt"]),
+        "train_receipt.json": _models(receipt) + _models(typing.get_type_hints(build_receipt)["return"]),
+        "training_record.json": (_models(typing.get_type_hints(read_training_record)["return"])
+                                 + _models(typing.get_type_hints(write_training_record)["record"])),
+        "adapter_manifest.json": _models(typing.get_type_hints(adapter_manifest)["return"]),
         "latest.json": _models(typing.get_type_hints(latest_pointer)["return"]),
         "checkpoint_manifest.json": _models(loaded["manifest"]),
         "opd_loop_state.json": _models(loaded["loop_state"]),

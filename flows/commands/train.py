@@ -277,11 +277,11 @@ def write_job(prepared, args: argparse.Namespace) -> int:
                "--rdzv-endpoint", "HEAD:29500", "--rdzv-id", job.plan.run_key, "-m", WORKER_MODULE,
                "--job", location.uri]
     if args.json:
-        print(json.dumps({"job": location.uri, "world_size": job.plan.nproc, "run": job.plan.run_uri,
+        print(json.dumps({"job": location.uri, "world_size": job.plan.settings.world_size, "run": job.plan.run_uri,
                           "command": command}))
     else:
-        print(f"job for {job.plan.nproc} ranks written to {location.uri} (run {job.plan.run_uri})\n"
-              f"on every node, with NODES × RANKS_PER_NODE = {job.plan.nproc}:\n  {shlex.join(command)}")
+        print(f"job for {job.plan.settings.world_size} ranks written to {location.uri} (run {job.plan.run_uri})\n"
+              f"on every node, with NODES × RANKS_PER_NODE = {job.plan.settings.world_size}:\n  {shlex.join(command)}")
     return 0
 def _resume_after_interrupt(args: argparse.Namespace, plan) -> str | None:
     """The command that resumes a run a second Ctrl-C stopped at once: from its newest committed checkpoint,

@@ -42,6 +42,7 @@ def admit_corpus(
     student_dir: str,
     *,
     top_k: int = 32,
+    effective_top_k: int | None = None,
     pinned_manifest: str | None = None,
     kiln_strict: bool = False,
     out_root: str | None = None,
@@ -55,6 +56,8 @@ def admit_corpus(
         corpus_uri: Local path or fsspec URI of the JSONL corpus.
         student_dir: The student's model directory (``config.json`` + fast tokenizer + chat template).
         top_k: Requested top-K; resolved to 32 or 16.
+        effective_top_k: A run's effective top-K, already resolved (``ResolvedSettings.top_k``): taken as it
+            is, and ``top_k`` is not resolved again.
         pinned_manifest: The registered teacher's manifest line; when given, the corpus manifest's
             whole identity must equal it.
         kiln_strict: Accept only Kiln's vLLM protocol in the manifest.
@@ -76,10 +79,11 @@ def admit_corpus(
         >>> result.examples, result.effective_top_k  # doctest: +SKIP
         (128, 32)
     """
-    try:
-        effective_top_k = resolve_top_k(top_k)
-    except ConfigError as error:  # admission reports every refusal as one AdmissionError (a file-level rule)
-        raise AdmissionError("top_k_unsupported", None, error.message) from None
+    if effective_top_k is None:
+        try:
+            effective_top_k = resolve_top_k(top_k)
+        except ConfigError as error:  # admission reports every refusal as one AdmissionError (a file-level rule)
+            raise AdmissionError("top_k_unsupported", None, error.message) from None
     pinned = _parse_pinned(pinned_manifest, kiln_strict)
     corpus = read_corpus(corpus_uri, storage_options)
     student = student or load_admission_student(student_dir)

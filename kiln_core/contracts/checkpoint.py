@@ -340,8 +340,9 @@ class KilnFlowsState(BaseModel):
         strategy: ``ddp`` or ``fsdp``, for people: both write the same files (the LoRA is replicated
             under either), so a checkpoint of one resumes under the other.
         sequences_per_step: Candidates per rank per optimizer step (our extension; Kiln: 1).
-        loss: The loss actually trained (``teacher_top_k_tail`` is our extension; the manifest's
-            effective config names the Kiln loss it extends).
+        loss: The loss actually trained, by its own name (the manifest's effective config names the tail
+            bucket as the Kiln loss it extends). Before issue 31 the forward-KL and cross-entropy losses were
+            recorded as ``teacher_top_k``; a resume still accepts that record for them.
         rank_rng: Every rank's generator states, rank 0 first.
         eval_curve: The held-out curve so far of a watched run (``kiln_core.training.watch``); absent
             otherwise, so an unwatched run writes the same file as before the watch existed.
@@ -361,7 +362,8 @@ class KilnFlowsState(BaseModel):
     strategy: Literal["ddp", "fsdp"] = "ddp"
     sequences_per_step: int = Field(ge=1)
     optimizer_steps_total: int = Field(ge=1)
-    loss: Literal["teacher_top_k", "teacher_top_k_tail"]
+    loss: Literal["teacher_top_k", "teacher_top_k_tail", "teacher_token_ce", "teacher_top_k_forward",
+                  "teacher_top_k_tail_forward"]
     rank_rng: list[RankRngState]
     eval_curve: EvalCurve | None = Field(default=None, exclude_if=_omit_none)
     data_cursor: DataCursor | None = Field(default=None, exclude_if=_omit_none)

@@ -66,7 +66,6 @@ __all__ = [
     "resolve_top_k",
     "resolve_learning_rate",
     "effective_samples_per_prompt",
-    "effective_config",
     "PRESETS",
     "SAMPLING_FIELDS",
 ]
@@ -391,46 +390,13 @@ def effective_samples_per_prompt(config: OpdConfig, prompt_count: int | None = N
     return 64 if prompt_count < 50 else 16 if prompt_count < 200 else 4
 
 
-def effective_config(config: OpdConfig, seed: int, top_k: int, prompt_count: int | None = None) -> dict[str, Any]:
-    """The JSON-able effective config bound into checkpoints and receipts.
-
-    It is the serialized config without ``resume_checkpoint`` (resuming must not change the run's
-    identity), with ``learning_rate`` and ``seed`` resolved, plus ``effective_top_k`` and
-    ``effective_samples_per_prompt`` (on-policy: pass ``prompt_count``, the request's prompt count).
-    Keys are sorted at every level so that comparing two effective configs never depends on
-    construction order.
-
-    Example:
-        >>> effective_config(OpdConfig(training_mode="off_policy"), 7, 32)["effective_samples_per_prompt"]
-        1
-    """
-    data = config.model_dump(mode="json", by_alias=True)
-    data.pop("resume_checkpoint", None)
-    data.pop("publish_guard", None)  # decides only whether the result is published, not what trains
-    if data.get("preset") is None:  # a config without a preset keeps Kiln's exact effective config
-        data.pop("preset", None)
-    drop_unused_step_extensions(data)
-    data["learning_rate"] = resolve_learning_rate(config)
-    data["seed"] = int(seed)
-    data["effective_top_k"] = int(top_k)
-    data["effective_samples_per_prompt"] = effective_samples_per_prompt(config, prompt_count)
-    return _sorted(data)
-
-
 def drop_unused_step_extensions(data: dict[str, Any]) -> dict[str, Any]:
     """Remove, in place, the step extensions a dumped config leaves at Kiln's behaviour (``lr_schedule`` empty: a
-    constant rate; ``pack_sequences`` off: one sequence after another), so the effective config and the run key
-    of such a config are what they were before the extensions existed. Returns ``data``."""
+    constant rate; ``pack_sequences`` off: one sequence after another), so the run key of such a config
+    (``ResolvedSettings.run_key_config``) is what it was before the extensions existed. Returns ``data``."""
     if data.get("lr_schedule") is None:
         data.pop("lr_schedule", None)
     if not data.get("pack_sequences"):
         data.pop("pack_sequences", None)
     return data
 
-
-def _sorted(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {key: _sorted(value[key]) for key in sorted(value)}
-    if isinstance(value, list):
-        return [_sorted(item) for item in value]
-    return value

@@ -169,6 +169,11 @@ class PipelineSpec(BaseModel):
         description="Set by the recipe commands and flows (distill self/merge/pump, recipe run), never by hand: "
         "recorded in the run's receipt as its `recipe` block and in Kiln's receipt.json beside the adapter.",
     )
+    ignored_request_keys: SkipJsonSchema[tuple[str, ...]] = Field(
+        default=(), exclude=True,
+        description="Set by `kiln-flows train --kiln-lenient`, never by hand: the unknown request keys it ignored, "
+        "recorded in the run's receipt.",
+    )
 
     @classmethod
     def __get_pydantic_json_schema__(cls, core_schema, handler):
@@ -310,16 +315,19 @@ class PipelineSpec(BaseModel):
         (``kiln_core.engine.prompts``), with Kiln's codes."""
         from kiln_core.contracts.opd_config import ConfigError
         from kiln_core.contracts.opd_submit import validate_config_rules
+        from kiln_core.contracts.settings import check_one_process
 
         if not is_valid_name(self.adapter):
             raise ValueError(f"`adapter`: {self.adapter!r} must be {NAME_RULE}")
         if self.config.training_mode != "on_policy":
             raise ValueError("`config.training_mode` must be on_policy for `prompts` (off_policy trains from a "
                              "teacher-scored `corpus`)")
-        if self.distributed is not None and self.distributed.engine == "ray":
-            raise ValueError("`distributed.engine`: on-policy training runs in one process, not on Ray")
-        if self.distributed is not None and self.distributed.nproc > 1:
-            raise ValueError("`distributed.nproc`: on-policy training runs in one process (one candidate per step)")
+        if self.distributed is not None:
+            try:
+                check_one_process(ray=self.distributed.engine == "ray", field="distributed.engine")
+                check_one_process(world_size=self.distributed.nproc, field="distributed.nproc")
+            except ConfigError as error:
+                raise ValueError(f"`{error.field}`: {error.message}") from None
         self._check_gates()  # `eval` and `quality_gate` measure against a held-out corpus, as off-policy
         if self.vllm is not None and self.vllm.rollouts_url and self.vllm.sync_dir is None \
                 and not is_local_uri(self.storage_root):

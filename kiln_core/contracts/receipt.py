@@ -16,6 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from kiln_core.contracts.checkpoint import TokenCounts
 from kiln_core.contracts.eval_curve import EvalCurve, StopRule
 from kiln_core.contracts.lora_targets import LoraTargets
+from kiln_core.contracts.opd_config import OpdConfig
+from kiln_core.contracts.outcomes import GateDecision, PostEvalRecord, PublishGuardRecord, QualityGateRecord
+from kiln_core.contracts.recipe_record import RecipeRecord
 
 RECEIPT_FILE = "train_receipt.json"
 FAILURE_REASONS = ("data_schema_error", "adapter_load_failed", "zero_groups", "zero_action_tokens", "zero_env_tokens",
@@ -293,7 +296,9 @@ class TrainReceipt(_Receipt):
     config_hashes: ConfigHashesReceipt
     lora_delta_norms: list[LoraDeltaNormSummary] = Field(default_factory=list)
     lora_grad_norms: list[LoraGradNormSummary] = Field(default_factory=list)
-    config: dict[str, Any]
+    config: OpdConfig
+    """The request's config as the run recorded it, with the effective top-K, samples per prompt and seed
+    (``ResolvedSettings.receipt_config``)."""
     loss_history: list[float] = Field(default_factory=list)
     """Ours: one loss per committed optimizer step, over the whole run."""
     phase_timings_ms: dict[str, float] = Field(default_factory=dict)
@@ -309,24 +314,34 @@ class TrainReceipt(_Receipt):
     gate_outcome: str | None = Field(default=None, exclude_if=_omit_none)
     """Ours (Kiln keeps it on the training job): the gate's outcome, the stronger of ``post_eval`` and
     ``quality_gate`` when both ran (``kiln_core.engine.gate``)."""
-    post_eval: dict[str, Any] | None = Field(default=None, exclude_if=_omit_none)
-    """Ours: the post-training eval and its gate evidence (``kiln_core.post_eval.post_eval_receipt_block``)."""
-    quality_gate: dict[str, Any] | None = Field(default=None, exclude_if=_omit_none)
+    post_eval: PostEvalRecord | None = Field(default=None, exclude_if=_omit_none)
+    """Ours: the post-training eval and its gate evidence (``kiln_core.engine.fate.post_eval_receipt_block``)."""
+    quality_gate: QualityGateRecord | None = Field(default=None, exclude_if=_omit_none)
     """Ours: the distillation-metrics gate (thresholds, base and distilled metrics, outcome)."""
     ignored_request_keys: list[str] | None = Field(default=None, exclude_if=_omit_none)
     """Ours: unknown keys of the request (dotted paths) that ``--kiln-lenient`` ignored, as Kiln does."""
-    recipe: dict[str, Any] | None = Field(default=None, exclude_if=_omit_none)
+    recipe: RecipeRecord | None = Field(default=None, exclude_if=_omit_none)
     """Ours: the recipe that trained the adapter (``kiln_core.contracts.recipe_record.RecipeRecord``): kind, mode,
     Kiln's teacher descriptor, merge sources, the whole request, and the recipe file and step it ran in."""
-    publish_guard: dict[str, Any] | None = Field(default=None, exclude_if=_omit_none)
+    publish_guard: PublishGuardRecord | None = Field(default=None, exclude_if=_omit_none)
     """Ours: whether the publish guard ran (``enabled``), its ``verdict`` (``passed``, ``tripped``, ``off``) and
     each rule's measured values and thresholds (``kiln_core.training.publish_guard``)."""
+
+
+def gate_decision(receipt: TrainReceipt) -> GateDecision | None:
+    """The gate's decision a receipt records, or None when no gate decided (``gate_outcome`` and ``post_eval``
+    absent: an ungated run, or one whose gate has not run yet)."""
+    if receipt.gate_outcome is None and receipt.post_eval is None and receipt.quality_gate is None:
+        return None
+    verdict = ((receipt.post_eval.post_eval_verdict if receipt.post_eval is not None else None)
+               or (receipt.quality_gate.verdict if receipt.quality_gate is not None else None))
+    return GateDecision(outcome=receipt.gate_outcome, verdict=verdict, post_eval=receipt.post_eval,
+                        quality_gate=receipt.quality_gate)
 
 
 def encode_receipt(receipt: TrainReceipt) -> bytes:
     """The bytes of ``train_receipt.json``: pretty JSON (two-space indent), no trailing newline, no NaN.
 
-    The one encoder: every writer of the file (``kiln_core.training.receipt.write_receipt``) goes
-    through it, so a receipt rewritten after the gate is laid out exactly as training wrote it.
+    The one encoder, used by the one writer of the file (``kiln_core.training.receipt.compose_receipt``).
     """
     return json.dumps(receipt.model_dump(mode="json", by_alias=True), indent=2, allow_nan=False).encode("utf-8")

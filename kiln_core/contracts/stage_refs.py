@@ -13,10 +13,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kiln_core.contracts.base_adapter import BaseAdapter
 from kiln_core.contracts.eval_watch import EvalWatch
-from kiln_core.contracts.lora_targets import LoraTargets
 from kiln_core.contracts.identity import TeacherIdentity, parse_manifest_line
-from kiln_core.contracts.opd_config import (OpdConfig, effective_samples_per_prompt, resolve_learning_rate,
-                                             resolve_top_k)
+from kiln_core.contracts.lora_targets import LoraTargets
+from kiln_core.contracts.opd_config import OpdConfig
+from kiln_core.contracts.outcomes import PostEvalRecord, QualityGateRecord
+from kiln_core.contracts.recipe_record import RecipeRecord
+from kiln_core.contracts.settings import ResolvedSettings
 from kiln_core.contracts.spec_blocks import RayOptions, VllmBackends
 
 
@@ -101,16 +103,17 @@ class HeldOutRef(_Ref):
 
 
 class TrainPlan(_Ref):
-    """Everything the training stage needs besides the corpus and the teacher, resolved once by the
-    engine (``kiln_core.engine.runs.plan_run``): where, what, how — typed, frozen, and exactly
+    """Everything the training stage needs besides the corpus and the teacher, planned once by the engine
+    (``kiln_core.engine.runs.plan_run``): where, with what settings, how — typed, frozen, and exactly
     round-tripped through JSON (``model_dump_json`` → ``model_validate_json``), which is how a Prefect
     task, a ``torchrun`` rank or any other worker receives it.
 
-    ``resume`` is ``"latest"`` (resume from the newest committed checkpoint of ``run_uri``, if any:
-    every retry of a pipeline run), a checkpoint basename (``kiln-flows train --resume-checkpoint``),
-    or None (a fresh run; the planner has made sure there is nothing to resume). The trainers
-    (``train_opd``, ``train_on_policy``) take the plan whole once the training stage has turned
-    ``"latest"`` into a basename or None.
+    ``settings`` are the run's effective values (``ResolvedSettings``), resolved before any data stage;
+    the plan adds where the run lives, its seed and how it runs. ``resume`` is ``"latest"`` (resume from
+    the newest committed checkpoint of ``run_uri``, if any: every retry of a pipeline run), a checkpoint
+    basename (``kiln-flows train --resume-checkpoint``), or None (a fresh run; the planner has made sure
+    there is nothing to resume). The trainers (``train_opd``, ``train_on_policy``) take the plan whole once
+    the training stage has turned ``"latest"`` into a basename or None.
     """
 
     run_uri: str
@@ -118,22 +121,13 @@ class TrainPlan(_Ref):
     """The run key of these inputs; ``run_uri`` ends with another one only when an explicit resume
     checkpoint lives in another run of the adapter (the trainer then reports what differs)."""
     adapter: str
-    config: OpdConfig
-    """The effective ``OpdConfig``: seed resolved and ``output_name`` set to ``adapter``."""
-    top_k: int
-    """Effective top-K (Kiln's ``resolve_opd_top_k``: 32 or 16), as admission or the teacher binding resolved it."""
-    learning_rate: float
-    """Effective learning rate: the config's, else the optimizer's Kiln default."""
-    samples_per_prompt: int
-    """Effective samples per prompt (Kiln's on-policy auto-scaling applied; 1 for a corpus unless set)."""
+    settings: ResolvedSettings
+    """The effective top-K, learning rate, samples per prompt, loss, world size and strategy, LoRA targets,
+    and the request's config as the run records it."""
+    seed: int
+    """The run's seed: the config's, else the one its run key gives (``ResolvedSettings.seed_for``)."""
     resume: str | None = "latest"
-    nproc: int = 1
     backend: Literal["auto", "gloo", "nccl"] = "auto"
-    strategy: Literal["ddp", "fsdp"] = "ddp"
-    """``distributed.strategy``: ``fsdp`` shards the student's base weights across the ranks
-    (``kiln_core.training.distributed.fsdp``). Not part of the run's identity: it trains the same bytes as
-    ddp of the same world size (the world size is in the run key), and a checkpoint of either resumes
-    under the other (same files: the LoRA, its optimizer state and the generator states are replicated)."""
     device: Literal["cpu", "cuda"] | None = None
     precision: Literal["fp32", "bf16"] | None = None
     gradient_checkpointing: bool = False
@@ -148,16 +142,22 @@ class TrainPlan(_Ref):
     base_adapter: BaseAdapter | None = None
     """The resolved ``config.base_adapter``: the directory and weights digest the run warm-starts from;
     its digest is part of the run key."""
-    lora_targets: LoraTargets | None = Field(default=None, exclude_if=lambda value: value is None)
-    """The student's LoRA targets, resolved from its config (``kiln_core.training.lora_targets``) when the engine
-    plans the run; None for a direct call of the trainers, which read them from the student when they plan."""
     max_training_hours: float | None = None
     """The time bound (``kiln_core.training.time_bound``): a run projected, after its first steps, to train longer
     is refused (``training_too_long``); None: no bound. Not part of the run's identity (the spec's
     ``options.max_training_hours``)."""
     ray: RayOptions | None = Field(default=None, exclude_if=lambda value: value is None)
-    """Train on a Ray cluster (``distributed: {engine: ray}``) with ``nproc`` workers; None: torchrun or this
-    process. Not part of the run's identity (the world size is); absent from the JSON of other plans."""
+    """Train on a Ray cluster (``distributed: {engine: ray}``) with ``settings.world_size`` workers; None:
+    torchrun or this process. Not part of the run's identity (the world size is); absent from the JSON of
+    other plans."""
+    recipe: RecipeRecord | None = Field(default=None, exclude_if=lambda value: value is None)
+    """The recipe that trains the adapter (``PipelineSpec.recipe``): known before training, recorded in the
+    receipt and in Kiln's ``receipt.json`` beside the adapter."""
+    ignored_request_keys: tuple[str, ...] = Field(default=(), exclude_if=lambda value: not value)
+    """Unknown request keys ``--kiln-lenient`` ignored (``PipelineSpec.ignored_request_keys``), for the receipt."""
+    gate_follows: bool = Field(default=False, exclude_if=lambda value: not value)
+    """A gate decides about the adapter after training (``post_eval``, ``quality_gate``): the trainer leaves the
+    receipt of a successful run to the gate stage (``kiln_core.training.receipt``)."""
 
     @model_validator(mode="after")
     def _watch_has_its_corpus(self) -> "TrainPlan":
@@ -168,29 +168,28 @@ class TrainPlan(_Ref):
 
     @classmethod
     def for_config(cls, config: OpdConfig, run_uri: str, adapter: str, *, top_k: int | None = None,
-                   samples_per_prompt: int | None = None, resume: str | None = None, **options: Any) -> TrainPlan:
+                   samples_per_prompt: int | None = None, resume: str | None = None, nproc: int = 1,
+                   strategy: Literal["ddp", "fsdp"] = "ddp", lora_targets: LoraTargets | None = None,
+                   **options: Any) -> TrainPlan:
         """The plan of a direct call of the trainers (a benchmark, a notebook, a test) that has no spec for the
-        engine to plan from: the effective values come from ``config`` by the contract rules the engine uses
-        (``resolve_top_k``, ``resolve_learning_rate``, ``effective_samples_per_prompt``); pass ``top_k`` and
-        ``samples_per_prompt`` where a teacher's cap or an on-policy prompt count decides them. The run key
-        is the last component of ``run_uri``; ``options`` are the other fields (device, base_adapter, …).
+        engine to plan from: the settings are resolved from ``config`` by the rules the engine uses
+        (``ResolvedSettings.resolve``); pass ``top_k`` and ``samples_per_prompt`` where a teacher's cap or an
+        on-policy prompt count decides them. The run key is the last component of ``run_uri`` (a null seed is
+        derived from it, as the engine derives it); ``options`` are the other fields (device, base_adapter, …).
 
         Example:
             >>> plan = TrainPlan.for_config(config, "kiln-data/runs/demo/k1", "demo", device="cpu")  # doctest: +SKIP
             >>> train_opd(plan, tables, dataset_sha256=sha, dataset_path="c.jsonl", student_dir="student",
             ...           teacher_alias="tiny")  # doctest: +SKIP
         """
-        return cls(run_uri=run_uri, inputs_key=run_uri.rstrip("/").rsplit("/", 1)[-1], adapter=adapter, config=config,
-                   top_k=top_k if top_k is not None else resolve_top_k(config.top_k),
-                   learning_rate=resolve_learning_rate(config),
-                   samples_per_prompt=(samples_per_prompt if samples_per_prompt is not None
-                                       else effective_samples_per_prompt(config)),
+        settings = ResolvedSettings.resolve(config, adapter=adapter, world_size=nproc, strategy=strategy,
+                                            lora_targets=lora_targets)
+        given = {name: value for name, value in (("top_k", top_k), ("samples_per_prompt", samples_per_prompt))
+                 if value is not None}
+        settings = settings.model_copy(update=given)
+        key = run_uri.rstrip("/").rsplit("/", 1)[-1]
+        return cls(run_uri=run_uri, inputs_key=key, adapter=adapter, settings=settings, seed=settings.seed_for(key),
                    resume=resume, **options)
-
-    @property
-    def seed(self) -> int:
-        """The run's seed (``plan_run`` resolves a null one from the run key)."""
-        return self.config.seed
 
     @property
     def run_key(self) -> str:
@@ -229,17 +228,20 @@ class GateRef(_Ref):
     """The run directory now (``<adapter>.failed`` when a losing adapter was renamed)."""
     receipt_uri: str
     adapter_uri: str | None
-    post_eval: dict[str, Any] | None = None
+    post_eval: PostEvalRecord | None = None
     """The receipt's ``post_eval`` block (Kiln's field names)."""
-    quality_gate: dict[str, Any] | None = None
+    quality_gate: QualityGateRecord | None = None
     """The receipt's ``quality_gate`` block (ours)."""
     reused: bool = False
     """True when an earlier attempt already decided (the outcome is read back from the receipt)."""
 
     def summary(self) -> dict[str, Any]:
         """The ``gate`` object of ``kiln-flows train/run --json``."""
+        def block(record: BaseModel | None) -> dict[str, Any] | None:
+            return record.model_dump(mode="json") if record is not None else None
+
         return {"outcome": self.outcome, "verdict": self.verdict, "promoted": self.outcome == "promoted",
-                "post_eval": self.post_eval, "quality_gate": self.quality_gate}
+                "post_eval": block(self.post_eval), "quality_gate": block(self.quality_gate)}
 
 
 class PublishRef(_Ref):

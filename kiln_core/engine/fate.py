@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kiln_core.contracts.latest import LatestPointer
+from kiln_core.contracts.outcomes import PostEvalRecord
 from kiln_core.contracts.post_eval.errors import PostEvalRejection
 from kiln_core.errors import EnvironmentFailure
 from kiln_core.post_eval.gate import GATE_OUTCOMES, PostEvalGateEvidence
@@ -137,7 +138,7 @@ def _stamp(evidence: Any, outcome: str) -> dict[str, Any] | None:
     return data
 
 
-def post_eval_receipt_block(result: Any, fate: GateFate | None = None) -> dict[str, Any]:
+def post_eval_receipt_block(result: Any, fate: GateFate | None = None) -> PostEvalRecord:
     """The ``post_eval`` block for ``train_receipt.json`` (Kiln's training-job field names).
 
     Kiln keeps ``gate_outcome``, ``post_eval_verdict`` and ``post_eval_gate_evidence[]`` on the
@@ -151,20 +152,12 @@ def post_eval_receipt_block(result: Any, fate: GateFate | None = None) -> dict[s
     metrics = {name: run.metrics for name, run in
                (("candidate", result.candidate), ("baseline", result.baseline), ("base_model", result.base_model))
                if run is not None}
-    return {
-        "suite": result.suite,
-        "data_scope": result.data_scope,
-        "min_accuracy": result.min_accuracy,
-        "gated": result.gated,
-        "eval_job_id": result.eval_job_id,
-        "effective_seed": str(result.effective_seed),
-        "suite_hash": result.candidate.suite_hash if result.candidate else None,
-        "gate_outcome": fate.outcome if fate is not None else result.outcome,
-        "post_eval_verdict": fate.verdict if fate is not None else result.verdict,
-        "post_eval_gate_evidence": [evidence] if evidence is not None else [],
-        "metrics": metrics,
-        "adapter_location": fate.run_uri if fate is not None else None,
-        "latest": fate.latest_uri if fate is not None else None,
-        "error": result.error,
-        "warnings": list(result.warnings),
-    }
+    return PostEvalRecord(
+        suite=result.suite, data_scope=result.data_scope, min_accuracy=result.min_accuracy, gated=result.gated,
+        eval_job_id=result.eval_job_id, effective_seed=str(result.effective_seed),
+        suite_hash=result.candidate.suite_hash if result.candidate else None,
+        gate_outcome=fate.outcome if fate is not None else result.outcome,
+        post_eval_verdict=fate.verdict if fate is not None else result.verdict,
+        post_eval_gate_evidence=[evidence] if evidence is not None else [], metrics=metrics,
+        adapter_location=fate.run_uri if fate is not None else None,
+        latest=fate.latest_uri if fate is not None else None, error=result.error, warnings=list(result.warnings))

@@ -16,10 +16,11 @@ several gates on one training job. What each outcome does:
 
 The baseline arm is the base student: Kiln compares against the active adapter unless it has the
 candidate's name, and in kiln-flows the active adapter of ``runs/<adapter>/`` always has it
-[crates/kiln-server/src/training_queue.rs · enqueue_post_training_eval]. Evidence goes into the
-run's ``train_receipt.json`` (``gate_outcome``, ``post_eval``, ``quality_gate``) *before* the
-pointer moves, so ``latest.json``'s receipt digest covers it. A retry finds the outcome in the
-receipt and does not evaluate again.
+[crates/kiln-server/src/training_queue.rs · enqueue_post_training_eval]. The decision and its evidence
+(``gate_outcome``, ``post_eval``, ``quality_gate``) are in the run's ``train_receipt.json``, which the gate
+stage composes once it decided (the trainer leaves a gated run's receipt to it), *before* the pointer moves,
+so ``latest.json``'s receipt digest covers them. A retry finds the outcome in the receipt and does not
+evaluate again.
 
 ``check_gate_inputs`` runs in the validation phase, before training: the suite must be installed, a
 ``held-out`` suite must not overlap the training data (``post_eval_overlap``), and the quality
@@ -35,7 +36,9 @@ import math
 from typing import Any, Iterator
 
 from kiln_core.contracts.opd_config import OpdConfig
+from kiln_core.contracts.outcomes import GateDecision, QualityGateRecord
 from kiln_core.contracts.pipeline import PipelineSpec
+from kiln_core.contracts.settings import ResolvedSettings
 from kiln_core.contracts.stage_refs import CorpusRef, GateRef, HeldOutRef, ManifestRef, TrainRef
 from kiln_core.errors import EnvironmentFailure
 from kiln_core.storage import localize_directory, resolve
@@ -97,11 +100,11 @@ def _corpus_conversations(corpus_uri: str) -> Iterator[Any]:
                     yield conversation_from_opd_example(json.loads(line))
 
 
-def check_gate_inputs(spec: PipelineSpec, corpus: CorpusRef, manifest: ManifestRef,
+def check_gate_inputs(spec: PipelineSpec, settings: ResolvedSettings, corpus: CorpusRef, manifest: ManifestRef,
                       student_dir: str) -> HeldOutRef | None:
     """Refuse, before training, a gate that cannot run or a corpus it forbids; returns the quality gate's
-    corpus, admitted once for the run and materialized under the storage root (the gate reads it back), or
-    None without a quality gate.
+    corpus, admitted once for the run at its effective top-K and materialized under the storage root (the gate
+    reads it back), or None without a quality gate.
 
     Raises:
         PostEvalRejection: ``post_eval_suite_not_installed``, ``post_eval_overlap`` (Kiln's message).
@@ -119,13 +122,13 @@ def check_gate_inputs(spec: PipelineSpec, corpus: CorpusRef, manifest: ManifestR
         return None
     from kiln_core.evaluation.corpus import admit_eval_corpus, held_out_ref
 
-    return held_out_ref(admit_eval_corpus(spec.quality_gate.corpus, student_dir, top_k=spec.config.top_k,
+    return held_out_ref(admit_eval_corpus(spec.quality_gate.corpus, student_dir, effective_top_k=settings.top_k,
                                           teacher_manifest=manifest.manifest_line, out_root=spec.storage_root,
                                           **training_data(corpus, spec.config)))
 
 
 def _quality_gate(spec: PipelineSpec, manifest: ManifestRef, student_dir: str, adapter_dir: str,
-                  training: CorpusRef, device: str | None, gate_corpus: HeldOutRef | None) -> dict[str, Any]:
+                  training: CorpusRef, device: str | None, gate_corpus: HeldOutRef | None) -> QualityGateRecord:
     """Evaluate the base and the distilled student on the quality gate's corpus and decide: the corpus
     admitted when the run was prepared (``gate_corpus``), or — for a caller without one — admitted here."""
     from kiln_core.evaluation import admit_eval_corpus, evaluate_tables, load_eval_model
@@ -156,9 +159,9 @@ def _quality_gate(spec: PipelineSpec, manifest: ManifestRef, student_dir: str, a
     else:
         outcome = "kept"
         verdict = f"PASSED quality gate ({_thresholds_text(gate)}); adapter `{spec.adapter}` kept (auto_load not requested)"
-    return {"corpus": gate.corpus, "corpus_sha256": corpus_sha256, "thresholds": gate.thresholds(),
-            "require_improvement": gate.require_improvement, "base": base, "distilled": distilled,
-            "failures": failures, "outcome": outcome, "verdict": verdict}
+    return QualityGateRecord(corpus=gate.corpus, corpus_sha256=corpus_sha256, thresholds=gate.thresholds(),
+                             require_improvement=gate.require_improvement, base=base, distilled=distilled,
+                             failures=failures, outcome=outcome, verdict=verdict)
 
 
 def _thresholds_text(gate: Any) -> str:
@@ -166,12 +169,10 @@ def _thresholds_text(gate: Any) -> str:
     return ", ".join(parts + (["require_improvement"] if gate.require_improvement else []))
 
 
-def _decided(trained: TrainRef, receipt: Any) -> GateRef:
-    outcome = receipt.gate_outcome
-    verdict = (receipt.post_eval or {}).get("post_eval_verdict") or (receipt.quality_gate or {}).get("verdict")
-    return GateRef(outcome=outcome, verdict=verdict, publish=outcome in PUBLISHING_OUTCOMES, run_uri=trained.run_uri,
-                   receipt_uri=trained.receipt_uri, adapter_uri=trained.adapter_uri, post_eval=receipt.post_eval,
-                   quality_gate=receipt.quality_gate, reused=True)
+def _decided(trained: TrainRef, decision: GateDecision) -> GateRef:
+    return GateRef(outcome=decision.outcome, verdict=decision.verdict, publish=decision.outcome in PUBLISHING_OUTCOMES,
+                   run_uri=trained.run_uri, receipt_uri=trained.receipt_uri, adapter_uri=trained.adapter_uri,
+                   post_eval=decision.post_eval, quality_gate=decision.quality_gate, reused=True)
 
 
 def run_gate(trained: TrainRef, spec: PipelineSpec, manifest: ManifestRef, student_dir: str, *, seed: int | None,
@@ -201,12 +202,10 @@ def run_gate(trained: TrainRef, spec: PipelineSpec, manifest: ManifestRef, stude
         >>> ref.outcome, ref.publish  # doctest: +SKIP
         ('demoted', False)
     """
-    from kiln_core.training.receipt import read_receipt
-
     run = resolve(trained.run_uri)
-    receipt = read_receipt(run)
-    if receipt.gate_outcome is not None or receipt.post_eval is not None:
-        return _decided(trained, receipt)  # an earlier attempt decided and recorded it
+    decided = _recorded_decision(run)
+    if decided is not None:
+        return _decided(trained, decided)  # an earlier attempt decided and its receipt records it
     post = _post_eval(trained, spec, student_dir, seed, device) if spec.post_eval is not None else None
     outcome, verdict = (post.outcome, post.verdict) if post is not None else (None, None)
     quality = None
@@ -215,8 +214,16 @@ def run_gate(trained: TrainRef, spec: PipelineSpec, manifest: ManifestRef, stude
 
         quality = _quality_gate(spec, manifest, student_dir, localize_directory(trained.adapter_uri), training,
                                 device, gate_corpus)
-        outcome, verdict = aggregate_gate_outcome(outcome, quality["outcome"], quality["verdict"])
+        outcome, verdict = aggregate_gate_outcome(outcome, quality.outcome, quality.verdict)
     return _act_and_record(trained, spec, outcome, verdict, post, quality)
+
+
+def _recorded_decision(run: Any) -> GateDecision | None:
+    """The decision a finished run's receipt records, or None (no receipt yet: the gate composes it)."""
+    from kiln_core.contracts.receipt import gate_decision
+    from kiln_core.training.receipt import read_receipt, receipt_status
+
+    return gate_decision(read_receipt(run)) if receipt_status(run) == "success" else None
 
 
 def _post_eval(trained: TrainRef, spec: PipelineSpec, student_dir: str, seed: int | None, device: str | None) -> Any:
@@ -235,15 +242,16 @@ def _post_eval(trained: TrainRef, spec: PipelineSpec, student_dir: str, seed: in
 
 
 def _act_and_record(trained: TrainRef, spec: PipelineSpec, outcome: str | None, verdict: str | None, post: Any,
-                    quality: dict[str, Any] | None) -> GateRef:
-    """Rename a loser (``apply_gate_outcome``), then write the evidence into the receipt where the run now is.
+                    quality: QualityGateRecord | None) -> GateRef:
+    """Rename a loser (``apply_gate_outcome``), then compose the run's receipt, with the decision, where the run
+    now is (``kiln_core.training.receipt.compose_receipt``: the receipt is written once, here).
 
-    A promoted run's receipt is written here and its ``latest.json`` by the publish stage, afterwards,
-    so the pointer's receipt digest covers the evidence.
+    A promoted run's ``latest.json`` is written by the publish stage, afterwards, so the pointer's receipt
+    digest covers the evidence.
     """
     from kiln_core.engine.publish import latest_location
     from kiln_core.engine.fate import GateFate, apply_gate_outcome, post_eval_receipt_block
-    from kiln_core.training.receipt import read_receipt, write_receipt
+    from kiln_core.training.receipt import compose_receipt
 
     run = resolve(trained.run_uri)
     fate = None
@@ -253,16 +261,16 @@ def _act_and_record(trained: TrainRef, spec: PipelineSpec, outcome: str | None, 
         fate = apply_gate_outcome(run, spec.adapter, outcome, post.evidence if post else None, verdict=verdict)
         verdict = fate.verdict
     where = resolve(fate.run_uri) if fate is not None else run
-    update = {"gate_outcome": outcome, "quality_gate": quality, "post_eval": None}
+    post_eval = None
     if post is not None:  # an ungated post_eval is informational: the quality gate's outcome is not its own
-        update["post_eval"] = post_eval_receipt_block(post, fate if post.gated else None)
+        post_eval = post_eval_receipt_block(post, fate if post.gated else None)
         if post.gated:
-            update["post_eval"]["gate_outcome"], update["post_eval"]["post_eval_verdict"] = outcome, verdict
-    receipt_uri = write_receipt(where, read_receipt(where).model_copy(update=update))
+            post_eval = post_eval.model_copy(update={"gate_outcome": outcome, "post_eval_verdict": verdict})
+    decision = GateDecision(outcome=outcome, verdict=verdict, post_eval=post_eval, quality_gate=quality)
+    receipt_uri = compose_receipt(where, gate=decision)
     adapter_uri = where.child("adapter").uri if trained.adapter_uri else None
     return GateRef(outcome=outcome, verdict=verdict, publish=outcome in PUBLISHING_OUTCOMES, run_uri=where.uri,
-                   receipt_uri=receipt_uri, adapter_uri=adapter_uri, post_eval=update["post_eval"],
-                   quality_gate=quality)
+                   receipt_uri=receipt_uri, adapter_uri=adapter_uri, post_eval=post_eval, quality_gate=quality)
 
 
 def _incomplete_post_eval(spec: PipelineSpec, seed: int | None, error: Exception) -> Any:

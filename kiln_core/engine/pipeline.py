@@ -1,13 +1,19 @@
 """``run_pipeline``: the one path from a ``PipelineSpec`` to a published adapter.
 
-    manifest → (score) → fingerprint → admit → verify → plan → train → (gate) → publish
-    manifest → prompts → plan → train → (gate) → publish            (on-policy: ``spec.prompts``)
+    manifest → settings → (score) → fingerprint → admit → verify → plan → train → (gate) → publish
+    manifest → settings → prompts → plan → train → (gate) → publish            (on-policy: ``spec.prompts``)
+
+The run's settings (``ResolvedSettings``: effective top-K under the teacher's cap, learning rate, samples per
+prompt, loss, world size and strategy, LoRA targets) are resolved once, right after the teacher's manifest
+pins the cap, and every later stage reads them: admission, the held-out corpora, the run key, the trainers.
 
 Every run that trained successfully gets ``replay.jsonl`` beside its adapter, the prompts it trained on
 (``kiln_core.engine.replay_log``), so every published adapter can be a ``distill merge`` source.
 
 The gate runs when the spec has ``post_eval`` or ``quality_gate`` (``kiln_core.engine.gate``): only
-an adapter it promotes (or an informational eval's) is published to ``latest.json``. The held-out
+an adapter it promotes (or an informational eval's) is published to ``latest.json``. The run's
+``train_receipt.json`` is written once (``kiln_core.training.receipt.compose_receipt``): by the trainer when
+nothing follows training, else by the gate stage once it decided; ``latest.json`` then pins its digest. The held-out
 watch (``eval``) and both gates work the same for both sources; their overlap rules compare the
 held-out data with a corpus's examples or with the prompts (``kiln_core.engine.gate.training_data``).
 
@@ -26,12 +32,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
+from kiln_core.contracts.lora_targets import LoraTargets
 from kiln_core.contracts.pipeline import PipelineSpec, TeacherSource
+from kiln_core.contracts.settings import ResolvedSettings
 from kiln_core.contracts.stage_refs import (CorpusRef, GateRef, HeldOutRef, InputsRef, ManifestRef, PipelineResult,
                                             PublishRef, TrainPlan, TrainRef)
 import kiln_core.engine.stages as stages
 from kiln_core.engine.publish import publish
-from kiln_core.engine.recipe_receipts import record_recipe
 from kiln_core.engine.replay_log import write_replay_log
 from kiln_core.engine.gate import check_gate_inputs, has_gate, run_gate, training_data
 from kiln_core.engine.run_lock import RunLock
@@ -46,13 +53,15 @@ class Stages(Protocol):
 
     def score(self, spec: PipelineSpec, manifest: ManifestRef, student_dir: str) -> str: ...
 
-    def fingerprint(self, corpus_uri: str, student_dir: str, top_k: int) -> InputsRef: ...
+    def fingerprint(self, corpus_uri: str, student_dir: str, top_k: int) -> InputsRef:
+        """Digest the corpus and the student; ``top_k`` is the run's effective one (``ResolvedSettings.top_k``)."""
 
     def admit(self, inputs: InputsRef, manifest: ManifestRef, spec: PipelineSpec) -> CorpusRef: ...
 
     def verify(self, corpus: CorpusRef) -> CorpusRef: ...
 
-    def prompts(self, spec: PipelineSpec, manifest: ManifestRef, student_dir: str) -> CorpusRef:
+    def prompts(self, spec: PipelineSpec, manifest: ManifestRef, settings: ResolvedSettings,
+                student_dir: str) -> CorpusRef:
         """The on-policy data stage (``kiln_core.engine.prompts.check_prompts``)."""
 
     def train(self, plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir: str) -> TrainRef: ...
@@ -104,10 +113,11 @@ class LocalStages:
     def verify(self, corpus: CorpusRef) -> CorpusRef:
         return stages.verify(corpus)
 
-    def prompts(self, spec: PipelineSpec, manifest: ManifestRef, student_dir: str) -> CorpusRef:
+    def prompts(self, spec: PipelineSpec, manifest: ManifestRef, settings: ResolvedSettings,
+                student_dir: str) -> CorpusRef:
         from kiln_core.engine.prompts import check_prompts
 
-        return check_prompts(spec.prompts, manifest, spec.config, student_dir)
+        return check_prompts(spec.prompts, manifest, settings, student_dir)
 
     def train(self, plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir: str) -> TrainRef:
         self.plan = plan
@@ -143,8 +153,9 @@ class PreparedRun:
 def prepare(spec: PipelineSpec, stages_: Stages | None = None, *, resume: str | None = "latest",
             device: str | None = None, precision: str | None = None,
             gradient_checkpointing: bool = False, claim: Callable | None = None) -> PreparedRun:
-    """Every stage before training: manifest, (score), fingerprint, admit, verify — or, for ``prompts``,
-    the on-policy prompt checks — then plan (``claim``: called with the run directory, ``plan_run``)."""
+    """Every stage before training: manifest, the run's settings, then (score), fingerprint, admit, verify — or,
+    for ``prompts``, the on-policy prompt checks — then plan (``claim``: called with the run directory,
+    ``plan_run``)."""
     from kiln_core.storage import localize_directory
     from kiln_core.storage_root import check_storage_root
 
@@ -160,17 +171,18 @@ def prepare(spec: PipelineSpec, stages_: Stages | None = None, *, resume: str | 
     lora_targets = resolve_lora_targets(student_dir)  # from config.json: a model with nothing to adapt is refused now
     base_adapter = plan_base_adapter(spec.config, spec.storage_root, lora_targets)  # before any admission work
     manifest = stages_.manifest(spec.teacher, spec.storage_root, max(32, spec.config.top_k))
+    settings = resolve_settings(spec, manifest, lora_targets)
     if spec.prompts is not None:  # the one place the source decides the path: the data stage
-        corpus = stages_.prompts(spec, manifest, student_dir)
+        corpus = stages_.prompts(spec, manifest, settings, student_dir)
     else:
         corpus_uri = spec.corpus if spec.examples is None else stages_.score(spec, manifest, student_dir)
-        inputs = stages_.fingerprint(corpus_uri, student_dir, spec.config.top_k)
+        inputs = stages_.fingerprint(corpus_uri, student_dir, settings.top_k)
         corpus = stages_.verify(stages_.admit(inputs, manifest, spec))
-    gate_corpus = check_gate_inputs(spec, corpus, manifest, student_dir)  # Kiln checks post_eval overlap here
-    held_out = admit_held_out(spec, corpus, manifest, student_dir)
-    plan = plan_run(spec, corpus, manifest, student_dir, resume=resume, device=device, precision=precision,
+    gate_corpus = check_gate_inputs(spec, settings, corpus, manifest, student_dir)  # Kiln checks post_eval overlap here
+    held_out = admit_held_out(spec, settings, corpus, manifest, student_dir)
+    plan = plan_run(spec, settings, corpus, manifest, student_dir, resume=resume, device=device, precision=precision,
                     gradient_checkpointing=gradient_checkpointing, base_adapter=base_adapter, held_out=held_out,
-                    claim=claim, lora_targets=lora_targets)
+                    claim=claim, gate_follows=has_gate(spec))
     return PreparedRun(spec=spec, manifest=manifest, corpus=corpus, plan=plan, student_dir=student_dir,
                        gate_corpus=gate_corpus)
 
@@ -199,10 +211,35 @@ def prepare_job(spec: PipelineSpec, stages_: Stages | None = None, *, resume: st
     return distributed_job(plan, ready.corpus, ready.manifest, ready.student_dir)
 
 
-def admit_held_out(spec: PipelineSpec, corpus: CorpusRef, manifest: ManifestRef, student_dir: str) -> HeldOutRef | None:
-    """The held-out watch's corpus (``spec.eval``), admitted once for the run: refused here, not after the
-    model loads, and materialized under the storage root for training to load (``TrainPlan.held_out``);
-    None without a watch.
+def resolve_settings(spec: PipelineSpec, manifest: ManifestRef, lora_targets: LoraTargets) -> ResolvedSettings:
+    """The run's settings, resolved once from the spec and the pinned teacher, before any data stage.
+
+    Off-policy, the corpus is already scored: its cap is the requested top-K itself (Kiln's pre-scored rule).
+    On-policy, the teacher scores the student's samples, so its ``min(max_top_k, vocab_size)`` caps the top-K,
+    and Kiln's default samples per prompt scale with the request's prompt count (every prompt counted).
+
+    Raises:
+        ConfigError: ``top_k_unsupported`` — no supported top-K fits under the request and the teacher's cap.
+        Rejection: the prompt file cannot be read (its code and line).
+    """
+    distributed = spec.distributed
+    placement = dict(world_size=distributed.world_size if distributed else 1,
+                     strategy=distributed.strategy if distributed else "ddp", lora_targets=lora_targets)
+    if spec.prompts is None:
+        return ResolvedSettings.resolve(spec.config, adapter=spec.adapter, **placement)
+    from kiln_core.on_policy.prompt_file import read_prompt_file
+    from kiln_core.on_policy.submit import teacher_top_k_cap
+
+    return ResolvedSettings.resolve(spec.config, adapter=spec.adapter,
+                                    teacher_cap=teacher_top_k_cap(manifest.teacher_identity),
+                                    prompt_count=len(read_prompt_file(spec.prompts).prompts), **placement)
+
+
+def admit_held_out(spec: PipelineSpec, settings: ResolvedSettings, corpus: CorpusRef, manifest: ManifestRef,
+                   student_dir: str) -> HeldOutRef | None:
+    """The held-out watch's corpus (``spec.eval``), admitted once for the run at its effective top-K: refused
+    here, not after the model loads, and materialized under the storage root for training to load
+    (``TrainPlan.held_out``); None without a watch.
 
     Raises:
         Rejection: any admission or held-out rule (``identity_mismatch``, ``eval_train_overlap``, …),
@@ -212,7 +249,7 @@ def admit_held_out(spec: PipelineSpec, corpus: CorpusRef, manifest: ManifestRef,
         return None
     from kiln_core.training.watch import HeldOutSlice
 
-    held_out = HeldOutSlice.admit(spec.eval, student_dir, top_k=spec.config.top_k,
+    held_out = HeldOutSlice.admit(spec.eval, student_dir, top_k=settings.top_k,
                                   teacher_manifest=manifest.manifest_line, out_root=spec.storage_root,
                                   **training_data(corpus, spec.config))
     held_out.record()  # a slice without an action token is refused now
@@ -254,8 +291,6 @@ def run_pipeline(spec: PipelineSpec, stages_: Stages | None = None, *, resume: s
         ready = prepare(spec, stages_, resume=resume, device=device, precision=precision,
                         gradient_checkpointing=gradient_checkpointing, claim=lock.acquire)
         trained = stages_.train(ready.plan, ready.corpus, ready.manifest, ready.student_dir)
-        if spec.recipe is not None and trained.status == "success" and not trained.reused:
-            record_recipe(trained, spec.recipe)  # before the gate: it may rename the run, latest.json pins the receipt
         write_replay_log(trained, ready.corpus)  # the prompts beside the adapter, for distill merge; before the gate
         gated = stages_.gate(trained, spec, ready) if trained.status == "success" and has_gate(spec) else None
         if gated is not None:  # a renamed run: its adapter and receipt are where the gate left them

@@ -25,8 +25,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-from kiln_core.contracts.opd_config import OpdConfig
 from kiln_core.contracts.opd_prompt import OpdPrompt, prompts_content_sha256
+from kiln_core.contracts.settings import ResolvedSettings
 from kiln_core.contracts.spec_blocks import VllmBackends
 from kiln_core.contracts.stage_refs import CorpusRef, ManifestRef, TrainPlan
 from kiln_core.errors import EnvironmentFailure, Rejection
@@ -46,14 +46,15 @@ def _binding(manifest: ManifestRef):
     return TeacherBinding(manifest.teacher, kind, identity, manifest.teacher_dir)
 
 
-def check_prompts(prompts_uri: str, manifest: ManifestRef, config: OpdConfig, student_dir: str, *,
+def check_prompts(prompts_uri: str, manifest: ManifestRef, settings: ResolvedSettings, student_dir: str, *,
                   storage_options: dict[str, Any] | None = None) -> CorpusRef:
     """Read a prompt file and apply every on-policy refusal that needs no model weights.
 
     Args:
         prompts_uri: JSONL of ``OpdPrompt`` lines (local path or fsspec URI).
         manifest: The pinned teacher (a local-registry alias or a local directory).
-        config: The spec's on-policy ``OpdConfig``.
+        settings: The run's settings (its on-policy config, and the top-K and samples per prompt resolved
+            under the teacher's cap and from the prompt count).
         student_dir: Local student directory (its tokenizer and config are read).
 
     Returns:
@@ -66,7 +67,7 @@ def check_prompts(prompts_uri: str, manifest: ManifestRef, config: OpdConfig, st
             ``top_k_unsupported``, or a config rule.
 
     Example:
-        >>> ref = check_prompts("prompts.jsonl", manifest_ref, spec.config, "./student")  # doctest: +SKIP
+        >>> ref = check_prompts("prompts.jsonl", manifest_ref, settings, "./student")  # doctest: +SKIP
         >>> ref.kind, ref.samples_per_prompt  # doctest: +SKIP
         ('prompts', 64)
     """
@@ -76,8 +77,9 @@ def check_prompts(prompts_uri: str, manifest: ManifestRef, config: OpdConfig, st
 
     prompt_file = read_prompt_file(prompts_uri, storage_options)
     request = OpdRequest.model_construct(teacher=manifest.teacher, prompts=list(prompt_file.prompts),
-                                         dataset_path=None, config=config, post_eval=None)
-    plan = plan_on_policy(request, teacher=_binding(manifest), student_dir=student_dir)
+                                         dataset_path=None, config=settings.config, post_eval=None)
+    plan = plan_on_policy(request, teacher=_binding(manifest), student_dir=student_dir, top_k=settings.top_k,
+                          samples_per_prompt=settings.samples_per_prompt)
     for warning in plan.warnings:
         LOG.warning("%s", warning)
     return CorpusRef(uri=prompt_file.uri, dataset_sha256="sha256:" + plan.content_sha256, source_uri=prompts_uri,

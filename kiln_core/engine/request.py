@@ -4,7 +4,7 @@
    resume checkpoint's name — all before any work. An unknown key (``config.learnign_rate``) is refused
    with ``invalid_request``, naming it and the closest field; ``kiln_lenient`` (``--kiln-lenient``) ignores
    it as Kiln does, and then each ignored key is a warning and is recorded in the run's receipt
-   (``ignored_request_keys``);
+   (the spec's ``ignored_request_keys``, carried by the plan into the receipt);
 2. ``teacher`` is a file whose first line is the pinned manifest (relative to the request file), or
    an alias in the local registry under the storage root;
 3. ``dataset_path`` (relative paths are taken relative to the request file, so a request and its
@@ -34,6 +34,7 @@ from kiln_core.contracts.opd_submit import validate_request_for_offline_training
 from kiln_core.contracts.pipeline import DistributedOptions, PipelineSpec, TeacherSource, parse_spec
 from kiln_core.contracts.spec_blocks import DEFAULT_MAX_TRAINING_HOURS
 from kiln_core.contracts.post_eval.config import PostEvalConfig, parse_post_eval_config, validate_post_eval_config
+from kiln_core.contracts.settings import check_one_process
 from kiln_core.contracts.unknown_keys import UnknownKey
 from kiln_core.engine.pipeline import LocalStages, prepare_job
 from kiln_core.post_eval.registry import SuiteRegistry
@@ -55,18 +56,14 @@ class RequestRun:
     ignored_keys: tuple[str, ...] = ()
 
     def stages(self, **options) -> LocalStages:
-        """The ``LocalStages`` that run this request (``options``: theirs); with ignored keys, stages that
-        also record them in the receipt of the run they train."""
-        if not self.ignored_keys:
-            return LocalStages(**options)
-        return _RecordingStages(self.ignored_keys, **options)
+        """The ``LocalStages`` that run this request (``options``: theirs)."""
+        return LocalStages(**options)
 
     def job(self, *, device: str | None = None, precision: str | None = None, gradient_checkpointing: bool = False):
         """The ``DistributedJob`` the ranks of a multi-node run execute (``kiln-flows train --write-job``):
-        admitted and planned for the spec's world size (``nproc``); rank 0 records the ignored keys."""
-        job = prepare_job(self.spec, resume=self.resume, device=device, precision=precision,
-                          gradient_checkpointing=gradient_checkpointing)
-        return job.model_copy(update={"ignored_request_keys": self.ignored_keys})
+        admitted and planned for the spec's world size (``nproc``); its plan carries the ignored keys to the receipt."""
+        return prepare_job(self.spec, resume=self.resume, device=device, precision=precision,
+                           gradient_checkpointing=gradient_checkpointing)
 
 
 @dataclass(frozen=True)
@@ -109,24 +106,6 @@ def _ignored_warning(key: UnknownKey) -> str:
     """``ignored unknown request key `config.learnign_rate` (--kiln-lenient); did you mean `learning_rate`?``"""
     hint = f"; did you mean `{key.suggestion}`?" if key.suggestion else ""
     return f"ignored unknown request key `{key.path}` (--kiln-lenient, as Kiln does){hint}"
-
-
-class _RecordingStages(LocalStages):
-    """``LocalStages`` that also record the request keys ``--kiln-lenient`` ignored in the receipt of the run
-    they train: after training, before the gate and ``latest.json`` (whose digest covers the receipt). A run
-    found finished is left as it is: its receipt describes the request that trained it."""
-
-    def __init__(self, ignored_keys: tuple[str, ...], **options) -> None:
-        super().__init__(**options)
-        self.ignored_keys = ignored_keys
-
-    def train(self, plan, corpus, manifest, student_dir):
-        trained = super().train(plan, corpus, manifest, student_dir)
-        if not trained.reused:
-            from kiln_core.training.receipt import record_ignored_keys
-
-            record_ignored_keys(trained.run_uri, self.ignored_keys)
-        return trained
 
 
 def spec_from_request(request_path: str, *, adapter: str, student_dir: str, out_root: str = "./kiln-data",
@@ -178,17 +157,15 @@ def spec_from_request(request_path: str, *, adapter: str, student_dir: str, out_
     validate_post_eval_config(post_eval, SuiteRegistry.for_storage_root(out_root) if post_eval else None)
     teacher = teacher_source(request.teacher, request_path, out_root)
     watch = parse_eval_watch(eval_watch) if eval_watch is not None else None
-    if request.prompts and ray is not None:
-        raise ConfigError("on-policy training runs in one process, not on Ray; remove --ray", "ray", code="unsupported")
-    if request.prompts and strategy != "ddp":
-        raise ConfigError(f"on-policy training runs in one process; --strategy {strategy} needs several",
-                          "distributed.strategy", code="unsupported_strategy")
     if request.prompts:
-        return RequestRun(spec=_on_policy_spec(request, teacher, post_eval, watch, adapter=adapter,
-                                               student_dir=student_dir, out_root=out_root, nproc=nproc,
-                                               request_path=request_path, vllm=vllm,
-                                               max_training_hours=max_training_hours),
-                          resume=resume, warnings=warnings, ignored_keys=ignored)
+        check_one_process(ray=ray is not None, field="ray")
+        check_one_process(strategy=strategy, field="distributed.strategy")
+    if request.prompts:
+        spec = _on_policy_spec(request, teacher, post_eval, watch, adapter=adapter, student_dir=student_dir,
+                               out_root=out_root, nproc=nproc, request_path=request_path, vllm=vllm,
+                               max_training_hours=max_training_hours)
+        return RequestRun(spec=spec.model_copy(update={"ignored_request_keys": ignored}), resume=resume,
+                          warnings=warnings, ignored_keys=ignored)
     spec = parse_spec({
         "teacher": teacher,
         "corpus": anchored_path(request.dataset_path or "", request_path),
@@ -202,7 +179,8 @@ def spec_from_request(request_path: str, *, adapter: str, student_dir: str, out_
         "vllm": vllm,  # refused (invalid_spec): a corpus is already scored
         "options": {"admit_workers": admit_workers, "max_training_hours": max_training_hours},
     }, file=request_path)
-    return RequestRun(spec=spec, resume=resume, warnings=warnings, ignored_keys=ignored)
+    return RequestRun(spec=spec.model_copy(update={"ignored_request_keys": ignored}), resume=resume, warnings=warnings,
+                      ignored_keys=ignored)
 
 
 def _distributed_block(nproc: int, backend: str, ray: dict | None, strategy: str = "ddp") -> dict | None:
@@ -229,8 +207,7 @@ def _on_policy_spec(request: OpdRequest, teacher: TeacherSource, post_eval: Post
         raise Rejection("remote_teacher_on_policy", 'OPD cannot use a remote teacher with training_mode="on_policy": '
                         f"{request.teacher!r} is a manifest file, not a registered local teacher "
                         "(`kiln-flows teachers register ALIAS DIR`)", field="teacher")
-    if nproc != 1:
-        raise ConfigError(f"on-policy training runs in one process; got --nproc {nproc}", "nproc", code="unsupported")
+    check_one_process(world_size=nproc, field="nproc")
     return parse_spec({
         "teacher": teacher, "prompts": write_inline_prompts(request.prompts, out_root), "student": student_dir,
         "storage_root": out_root, "adapter": adapter, "config": request.config, "post_eval": post_eval,

@@ -2,12 +2,12 @@
 
 A run's directory is ``<root>/runs/<adapter>/<run key>/``: the run key is a digest of everything that
 decides what training produces (corpus bytes, effective top-K, teacher identity revision, student
-weights, the effective config, the world size, a base adapter's weights digest), so a retry — in the
+weights, the run's settings with its world size, a base adapter's weights digest), so a retry — in the
 same process, from the UI, on new infrastructure, or ``kiln-flows train`` run again — finds the same
 directory, while new data (or a re-published base adapter) for the same adapter name gets a new one.
 ``<root>/runs/<adapter>/latest.json`` points at the newest published run of that adapter
-(``kiln_core.engine.publish``). When the config leaves ``seed`` null it is derived from the run key, so
-every attempt of a run draws the same one.
+(``kiln_core.engine.publish``). When the config leaves ``seed`` null it is derived from the run key
+(``ResolvedSettings.seed_for``), so every attempt of a run draws the same one.
 
 Resuming:
 
@@ -25,16 +25,14 @@ import hashlib
 import os
 from typing import Any, Callable
 
-from kiln_core.contracts.opd_config import (OpdConfig, drop_unused_step_extensions, effective_samples_per_prompt,
-                                            resolve_learning_rate)
 from kiln_core.contracts.pipeline import PipelineSpec
 from kiln_core.contracts.receipt import RECEIPT_FILE
-from kiln_core.engine.base_adapter import plan_base_adapter
+from kiln_core.contracts.settings import ResolvedSettings
 from kiln_core.contracts.stage_refs import CorpusRef, HeldOutRef, ManifestRef, TrainPlan, TrainRef
+from kiln_core.engine.base_adapter import plan_base_adapter
 from kiln_core.errors import Rejection
 from kiln_core.storage import Location, list_children, resolve
 from kiln_core.contracts.base_adapter import BaseAdapter
-from kiln_core.contracts.lora_targets import LoraTargets
 
 RUNS_DIR = "runs"  # <root>/runs/<adapter>/ holds the runs and latest.json (kiln_core.contracts.latest)
 ADAPTER_DIR = "adapter"
@@ -74,31 +72,20 @@ def run_key(corpus: CorpusRef, manifest: ManifestRef, student_weights_sha256: st
     return hashlib.sha256(canonical_json_bytes(payload)).hexdigest()[:16]
 
 
-def config_decides(config: OpdConfig) -> dict[str, Any]:
-    """The part of a run key that comes from the config: every field that decides what trains.
-
-    Example:
-        >>> "publish_guard" in config_decides(OpdConfig(training_mode="off_policy"))
-        False
-    """
-    decides = config.model_dump(mode="json", by_alias=True)
-    decides.pop("publish_guard")  # it decides whether the result is published, not what trains
-    return drop_unused_step_extensions(decides)
-
-
-def plan_run(spec: PipelineSpec, corpus: CorpusRef, manifest: ManifestRef, student_dir: str, *,
-             resume: str | None = "latest", device: str | None = None, precision: str | None = None,
-             gradient_checkpointing: bool = False, base_adapter: BaseAdapter | None = None,
-             held_out: HeldOutRef | None = None, claim: Callable[[Location], None] | None = None,
-             lora_targets: LoraTargets | None = None) -> TrainPlan:
-    """The run directory, the effective config (seed, output name) and the resume point of a spec.
+def plan_run(spec: PipelineSpec, settings: ResolvedSettings, corpus: CorpusRef, manifest: ManifestRef,
+             student_dir: str, *, resume: str | None = "latest", device: str | None = None,
+             precision: str | None = None, gradient_checkpointing: bool = False,
+             base_adapter: BaseAdapter | None = None, held_out: HeldOutRef | None = None,
+             claim: Callable[[Location], None] | None = None, gate_follows: bool = False) -> TrainPlan:
+    """The run directory, the seed and the resume point of a spec whose settings are resolved.
 
     ``base_adapter`` is the spec's resolved ``config.base_adapter`` when the caller already has it
     (``prepare`` resolves it before admission); otherwise it is resolved here. ``held_out`` is the spec's
     ``eval:`` corpus as ``prepare`` admitted it (required with ``spec.eval``). ``claim`` is called with
     the run directory as soon as it is known, before the resume rule looks inside it (``run_pipeline``
     takes the run lock there: another live run's checkpoints are not a reason to ask for a resume).
-    ``lora_targets`` are the student's (``resolve_lora_targets``), read from ``student_dir`` when None.
+    ``gate_follows``: the spec asks for a gate (``kiln_core.engine.gate.has_gate``), which composes the receipt
+    of a successful run once it decided.
 
     Raises:
         ResumeRequired: ``resume`` is None and the run directory already holds committed checkpoints.
@@ -107,31 +94,15 @@ def plan_run(spec: PipelineSpec, corpus: CorpusRef, manifest: ManifestRef, stude
         RunInProgress: raised by ``claim`` (``kiln_core.engine.run_lock``) when another live run holds the run key.
     """
     from kiln_core.identity.hashing import base_model_sha256
-    from kiln_core.training.lora_targets import resolve_lora_targets
 
-    if lora_targets is None:
-        lora_targets = resolve_lora_targets(student_dir)
     if base_adapter is None:
-        base_adapter = plan_base_adapter(spec.config, spec.storage_root, lora_targets)
-
-    # The adapter name is part of the effective config (output_name), so every run of it agrees; the
-    # resume point is not part of a run's identity.
-    config: OpdConfig = spec.config.model_copy(update={"output_name": spec.adapter, "resume_checkpoint": None})
-    decides = config_decides(config)
-    nproc = spec.distributed.world_size if spec.distributed else 1  # torchrun's nproc or Ray's workers
-    if nproc > 1:
-        # The world size decides which candidates share a step, so it decides the run (and its checkpoints).
-        # The strategy does not: fsdp trains the bytes ddp trains at the same world size, and a checkpoint
-        # of either resumes under the other (kiln_core.training.distributed.fsdp).
-        decides["world_size"] = nproc
+        base_adapter = plan_base_adapter(settings.config, spec.storage_root, settings.lora_targets)
+    decides = settings.run_key_config()
     if base_adapter is not None:
         # The warm start's content, not just its name: a base adapter re-published under the same name
         # is another run (and on-policy, other rollouts).
         decides["base_adapter_sha256"] = base_adapter.adapter_model_sha256
     key = run_key(corpus, manifest, base_model_sha256(student_dir), decides)
-    if config.seed is None:
-        # Kiln draws a seed once per job; deriving it from the run key gives every attempt the same one.
-        config = config.model_copy(update={"seed": int(key, 16) % (2**63)})
     run = adapter_root(spec.storage_root, spec.adapter).child(key)
     if claim is not None:
         claim(run)
@@ -142,15 +113,13 @@ def plan_run(spec: PipelineSpec, corpus: CorpusRef, manifest: ManifestRef, stude
     elif resume != "latest":
         run, resume = _resume_location(run, spec.storage_root, spec.adapter, resume)
     distributed = spec.distributed
-    return TrainPlan(run_uri=run.uri, inputs_key=key, adapter=spec.adapter, config=config, top_k=corpus.effective_top_k,
-                     learning_rate=resolve_learning_rate(config),
-                     samples_per_prompt=corpus.samples_per_prompt or effective_samples_per_prompt(config),
-                     resume=resume, nproc=nproc, backend=distributed.backend if distributed else "auto",
-                     strategy=distributed.strategy if distributed else "ddp",
-                     ray=distributed.ray_options() if distributed else None,
-                     device=device, precision=precision, gradient_checkpointing=gradient_checkpointing,
-                     eval_watch=spec.eval, held_out=held_out, base_adapter=base_adapter, vllm=spec.vllm,
-                     lora_targets=lora_targets, max_training_hours=spec.options.max_training_hours)
+    return TrainPlan(run_uri=run.uri, inputs_key=key, adapter=spec.adapter, settings=settings,
+                     seed=settings.seed_for(key), resume=resume, backend=distributed.backend if distributed else "auto",
+                     ray=distributed.ray_options() if distributed else None, device=device, precision=precision,
+                     gradient_checkpointing=gradient_checkpointing, eval_watch=spec.eval, held_out=held_out,
+                     base_adapter=base_adapter, vllm=spec.vllm, recipe=spec.recipe,
+                     ignored_request_keys=spec.ignored_request_keys, gate_follows=gate_follows,
+                     max_training_hours=spec.options.max_training_hours)
 
 
 def check_lora_rank(config: OpdConfig, student_dir: str) -> None:
@@ -220,21 +189,35 @@ def newest_checkpoint(run: Location | str, adapter: str) -> str | None:
 
 
 def finished_run(run: Location, adapter: str) -> TrainRef | None:
-    """A run whose adapter and successful receipt are committed is finished: it is not trained again.
+    """A run whose adapter is committed and whose training succeeded is finished: it is not trained again. Its
+    training record says so (``kiln_core.training.receipt``; the receipt may still be to compose, after the
+    gate), or — a run trained before the record existed — its successful receipt.
 
     Raises:
-        ReceiptError: ``receipt_invalid`` — a successful receipt that is not a ``TrainReceipt``.
+        ReceiptError: ``receipt_invalid`` — a successful receipt or a training record that does not parse.
     """
-    from kiln_core.training.receipt import read_receipt, receipt_status
+    from kiln_core.training.receipt import read_receipt, read_training_record, receipt_status
 
     adapter_dir = run.child(ADAPTER_DIR)
-    if receipt_status(run) != "success" or not adapter_dir.child("adapter_config.json").exists():
+    if not adapter_dir.child("adapter_config.json").exists():
         return None
-    receipt = read_receipt(run)
+    record = read_training_record(run)
+    if record is not None:
+        outcome, facts = record.outcome, record.facts
+        if outcome.status != "success":
+            return None
+        final_loss, steps, total = (outcome.loss_history[-1] if outcome.loss_history else None, outcome.global_step,
+                                    facts.total_steps)
+        history = outcome.loss_history
+    elif receipt_status(run) == "success":
+        receipt = read_receipt(run)
+        final_loss, steps, total = receipt.opd.final_opd_loss, receipt.data.examples_trained, receipt.data.total_steps
+        history = receipt.loss_history
+    else:
+        return None
     return TrainRef(run_uri=run.uri, status="success", adapter_uri=adapter_dir.uri, receipt_uri=run.child(RECEIPT_FILE).uri,
-                    latest_checkpoint=newest_checkpoint(run, adapter), final_loss=receipt.opd.final_opd_loss,
-                    steps=receipt.data.examples_trained, total_steps=receipt.data.total_steps,
-                    loss_history=list(receipt.loss_history), reused=True)
+                    latest_checkpoint=newest_checkpoint(run, adapter), final_loss=final_loss, steps=steps,
+                    total_steps=total, loss_history=list(history), reused=True)
 
 
 def cancelled_run(run: Location, adapter: str) -> TrainRef:

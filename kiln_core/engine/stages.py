@@ -70,7 +70,8 @@ def resolve_manifest(teacher: TeacherSource, storage_root: str, *, max_top_k: in
 
 
 def fingerprint(corpus_uri: str, student_dir: str, top_k: int, storage_options: dict | None = None) -> InputsRef:
-    """Digest the corpus bytes and the student's tokenizer identity.
+    """Digest the corpus bytes and the student's tokenizer identity; ``top_k`` is the run's effective top-K
+    (``ResolvedSettings.top_k``), which admission uses as it is.
 
     The corpus is read under admission's file-level rules, so a missing, unreadable or oversized
     corpus is the same ``AdmissionError`` here as in ``kiln-flows admit`` (exit 2), before any cache
@@ -78,7 +79,6 @@ def fingerprint(corpus_uri: str, student_dir: str, top_k: int, storage_options: 
     """
     from kiln_core.admission.source import read_corpus
     from kiln_core.canonical import kiln_compact_json
-    from kiln_core.contracts.opd_config import resolve_top_k
     from kiln_core.tokenization import load_student_tokenizer
 
     from kiln_core.admission.shard_sources import is_shard_set, shard_set_digest
@@ -93,7 +93,7 @@ def fingerprint(corpus_uri: str, student_dir: str, top_k: int, storage_options: 
     identity = load_student_tokenizer(student_dir).identity()
     student_digest = "sha256:" + hashlib.sha256(kiln_compact_json(dict(sorted(identity.items()))).encode()).hexdigest()
     return InputsRef(corpus_uri=corpus_uri, dataset_sha256=dataset_sha256, student_dir=student_dir,
-                     student_digest=student_digest, effective_top_k=resolve_top_k(top_k))
+                     student_digest=student_digest, effective_top_k=top_k)
 
 
 def admit(inputs: InputsRef, manifest: ManifestRef, storage_root: str, *, kiln_strict: bool = False,
@@ -117,7 +117,7 @@ def admit(inputs: InputsRef, manifest: ManifestRef, storage_root: str, *, kiln_s
     if replace_damaged:
         set_aside_damaged(inputs, storage_root, storage_options)
     try:
-        result = admit_corpus(inputs.corpus_uri, inputs.student_dir, top_k=inputs.effective_top_k,
+        result = admit_corpus(inputs.corpus_uri, inputs.student_dir, effective_top_k=inputs.effective_top_k,
                               pinned_manifest=manifest.manifest_line, kiln_strict=kiln_strict, out_root=storage_root,
                               storage_options=storage_options)
     except AdmissionError as error:

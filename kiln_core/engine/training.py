@@ -2,9 +2,10 @@
 
 ``train`` is what ``kiln-flows train`` and the pipeline's train task both run:
 
-1. a run whose adapter and successful receipt are committed is finished: its outputs are returned;
+1. a run whose adapter is committed and whose training succeeded is finished: its outputs are returned (and
+   its receipt composed, if a crash left it unwritten and no gate follows);
 2. ``plan.resume == "latest"`` becomes the newest committed checkpoint of the run directory, if any;
-3. with ``plan.nproc == 1`` the trainer runs here (``kiln_core.training.trainer.train_opd``, with the
+3. with ``plan.settings.world_size == 1`` the trainer runs here (``kiln_core.training.trainer.train_opd``, with the
    held-out watch when ``plan.eval_watch`` is set; for ``prompts``, ``train_on_policy`` through
    ``kiln_core.engine.prompts.train_prompts``, always here, with the same watch); above 1
    the job is launched under ``torchrun`` (``kiln_core.training.distributed.launcher.launch``): the
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from kiln_core.contracts.settings import check_one_process
 from kiln_core.contracts.stage_refs import CorpusRef, ManifestRef, TrainPlan, TrainRef
 from kiln_core.engine.runs import finished_run, newest_checkpoint
 from kiln_core.storage import resolve
@@ -62,10 +64,15 @@ def train(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir
     """
     from kiln_core.training.distributed.world import check_strategy
 
-    check_strategy(plan.strategy, world_size=plan.nproc)  # fsdp with one process: nothing to shard
+    settings = plan.settings
+    check_strategy(settings.strategy, world_size=settings.world_size)  # fsdp with one process: nothing to shard
     run = resolve(plan.run_uri)
     finished = finished_run(run, plan.adapter) if plan.run_key == plan.inputs_key else None
     if finished is not None:
+        if not plan.gate_follows:  # a crash between the training record and the receipt left it to compose
+            from kiln_core.training.receipt import compose_receipt
+
+            compose_receipt(run)
         return finished
     if plan.resume == "latest":  # the trainers take a checkpoint basename or None
         plan = plan.model_copy(update={"resume": newest_checkpoint(run, plan.adapter)})
@@ -73,12 +80,8 @@ def train(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir
         def cancel_requested() -> bool:
             return stop.is_set() or (should_cancel is not None and should_cancel())
 
-        if corpus.kind == "prompts" and plan.ray is not None:
-            from kiln_core.contracts.opd_config import ConfigError
-
-            raise ConfigError("on-policy training runs in one process, not on Ray", "distributed.engine",
-                              code="unsupported")
-        if corpus.kind == "prompts":  # on-policy: rollouts, teacher scoring and steps, in this process
+        if corpus.kind == "prompts":
+            check_one_process(ray=plan.ray is not None, field="distributed.engine")  # on-policy: rollouts, teacher scoring and steps, in this process
             from kiln_core.engine.prompts import train_prompts
 
             result = train_prompts(plan, corpus, manifest, student_dir, on_progress=on_progress,
@@ -86,7 +89,7 @@ def train(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir
                                    eval_watch=held_out_slice(plan))
         elif plan.ray is not None:
             result = _launch_on_ray(plan, corpus, manifest, student_dir, on_progress, cancel_requested)
-        elif plan.nproc > 1:
+        elif settings.world_size > 1:
             result = _launch(plan, corpus, manifest, student_dir, on_progress, cancel_requested)
         else:
             result = _train_here(plan, corpus, manifest, student_dir, on_progress, cancel_requested, on_step_committed)
@@ -106,10 +109,11 @@ def training_settings(plan: TrainPlan) -> str:
         >>> training_settings(plan)  # doctest: +SKIP
         'optimizer adam_w, learning rate 0.001, top-K 16, seed 3, publish guard on'
     """
-    config = plan.config
+    settings = plan.settings
+    config = settings.config
     optimizer = config.optimizer.kind
-    rate_text = f"{plan.learning_rate:g}" + ("" if config.learning_rate is not None else f" ({optimizer}'s default)")
-    return (f"optimizer {optimizer}, learning rate {rate_text}, top-K {plan.top_k}, seed {plan.seed}, "
+    rate_text = f"{settings.learning_rate:g}" + ("" if config.learning_rate is not None else f" ({optimizer}'s default)")
+    return (f"optimizer {optimizer}, learning rate {rate_text}, top-K {settings.top_k}, seed {plan.seed}, "
             f"publish guard {'on' if config.publish_guard else 'off'}")
 
 
@@ -138,7 +142,7 @@ def held_out_slice(plan: TrainPlan):
 
 
 def distributed_job(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_dir: str):
-    """The ``DistributedJob`` every rank of a ``plan.nproc``-process run executes (``plan.resume`` a
+    """The ``DistributedJob`` every rank of a ``plan.settings.world_size``-process run executes (``plan.resume`` a
     checkpoint basename or None), after the refusals that must come before any launch (strategy,
     backend, shared storage, the checkpoint's world size)."""
     from kiln_core.training.checkpoint import check_world_size, load_checkpoint
@@ -151,13 +155,14 @@ def distributed_job(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, s
     # this machine has it). fsdp on CPU is refused here, not on the ranks, which stay able to run it (tests).
     device = (resolve_device("cuda" if plan.ray.gpus_per_worker > 0 else "cpu") if plan.ray is not None
               else resolve_device(plan.device))
-    check_strategy(plan.strategy, device, plan.nproc)
-    check_packing_world(plan.config, plan.nproc)
+    settings = plan.settings
+    check_strategy(settings.strategy, device, settings.world_size)
+    check_packing_world(settings.config, settings.world_size)
     if plan.ray is None:  # on Ray the workers' devices decide (the spec refused nccl without GPUs)
         resolve_backend(plan.backend, device)
     check_shared_storage(plan.run_uri, corpus.uri)
     if plan.resume is not None:  # another number of ranks than the checkpoint's is a rejection
-        check_world_size(load_checkpoint(plan.run_uri, plan.resume), plan.nproc)
+        check_world_size(load_checkpoint(plan.run_uri, plan.resume), settings.world_size)
     return DistributedJob(plan=plan, corpus=corpus, manifest=manifest, student_dir=student_dir)
 
 
@@ -168,7 +173,7 @@ def _launch(plan: TrainPlan, corpus: CorpusRef, manifest: ManifestRef, student_d
     job = distributed_job(plan, corpus, manifest, student_dir)
     # Ctrl-C reaches the ranks from the terminal's process group; should_cancel covers SIGTERM and
     # Prefect's cancellation (launch then passes SIGTERM on to torchrun).
-    return launch(job, plan.nproc, on_progress=on_progress, should_cancel=should_cancel,
+    return launch(job, plan.settings.world_size, on_progress=on_progress, should_cancel=should_cancel,
                   forward_signals=False)
 
 

@@ -32,7 +32,8 @@ __all__ = ["admit_eval_corpus", "admitted_tables", "held_out_ref", "prompt_key",
            "check_no_prompt_overlap"]
 
 
-def admit_eval_corpus(corpus_uri: str, student_dir: str, *, top_k: int = 32, teacher_manifest: str | None = None,
+def admit_eval_corpus(corpus_uri: str, student_dir: str, *, top_k: int = 32, effective_top_k: int | None = None,
+                      teacher_manifest: str | None = None,
                       train_corpus_uri: str | None = None, train_prompts: Any = None,
                       prompt_rendering: str = "legacy_action_boundary", out_root: str | None = None) -> Any:
     """Admit a held-out corpus for ``student_dir`` and apply the held-out rules.
@@ -41,6 +42,7 @@ def admit_eval_corpus(corpus_uri: str, student_dir: str, *, top_k: int = 32, tea
         corpus_uri: The held-out teacher-scored JSONL.
         student_dir: The student being evaluated (its tokenizer and template make the masks).
         top_k: Requested K, resolved as admission does (32 or 16).
+        effective_top_k: The run's effective top-K (``ResolvedSettings.top_k``), taken as it is.
         teacher_manifest: The expected teacher's manifest line; another teacher is refused.
         train_corpus_uri: The corpus the student was trained on; overlapping prompts are refused.
         train_prompts: The on-policy prompts the student was trained on (``OpdPrompt``s, or the
@@ -69,7 +71,8 @@ def admit_eval_corpus(corpus_uri: str, student_dir: str, *, top_k: int = 32, tea
         if train_prompts is not None:
             check_no_prompt_overlap(corpus_uri, train_prompts, rendering=prompt_rendering)
 
-    return admit_corpus(corpus_uri, student_dir, top_k=top_k, pinned_manifest=teacher_manifest, student=student,
+    return admit_corpus(corpus_uri, student_dir, top_k=top_k, effective_top_k=effective_top_k,
+                        pinned_manifest=teacher_manifest, student=student,
                         out_root=out_root, before_commit=held_out_rules)
 
 

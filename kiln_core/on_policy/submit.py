@@ -165,8 +165,11 @@ def _check_limits(prompts: Sequence[OpdPrompt]) -> None:
                             "into smaller jobs", field="prompts")
 
 
-def check_teacher(request: OpdRequest, teacher: TeacherBinding | None, student: StudentFacts) -> tuple[int, list[str]]:
-    """Step 2: the teacher binding; returns the effective top-K and its warning, if any.
+def check_teacher(request: OpdRequest, teacher: TeacherBinding | None, student: StudentFacts, *,
+                  top_k: int | None = None) -> tuple[int, list[str]]:
+    """Step 2: the teacher binding; returns the effective top-K and its warning, if any. ``top_k`` is the run's
+    effective top-K when the engine already resolved it under this teacher's cap (``ResolvedSettings``); None
+    resolves it here.
 
     Raises:
         Rejection: ``teacher_not_registered``, ``remote_teacher_on_policy``, ``teacher_vocab_mismatch``,
@@ -190,7 +193,7 @@ def check_teacher(request: OpdRequest, teacher: TeacherBinding | None, student: 
                         f"{student.tokenizer_vocab_sha256[:12]}…): it cannot score the student's tokens",
                         field="teacher")
     requested = request.config.top_k
-    effective = resolve_top_k(requested, source_cap=teacher_top_k_cap(identity))
+    effective = resolve_top_k(requested, source_cap=teacher_top_k_cap(identity)) if top_k is None else top_k
     warnings = [] if effective == requested else [f"Requested top_k {requested} was resolved to effective top_k "
                                                   f"{effective} for the teacher and active OPD kernel."]
     return effective, warnings
@@ -290,8 +293,11 @@ def bind_teacher(registry_root: str, teacher: str) -> TeacherBinding | None:
     return None
 
 
-def plan_on_policy(request: OpdRequest, *, teacher: TeacherBinding | None, student_dir: str) -> OnPolicyPlan:
-    """All submit checks of an on-policy request, cheapest first; loads the student's tokenizer only.
+def plan_on_policy(request: OpdRequest, *, teacher: TeacherBinding | None, student_dir: str,
+                   top_k: int | None = None, samples_per_prompt: int | None = None) -> OnPolicyPlan:
+    """All submit checks of an on-policy request, cheapest first; loads the student's tokenizer only. ``top_k``
+    and ``samples_per_prompt`` are the run's effective ones when the engine already resolved them
+    (``ResolvedSettings``); None resolves them here.
 
     Example:
         >>> plan = plan_on_policy(request, teacher=bind_teacher("./kiln-data", request.teacher),
@@ -301,12 +307,13 @@ def plan_on_policy(request: OpdRequest, *, teacher: TeacherBinding | None, stude
     """
     warnings = check_request(request)
     facts, student = student_facts(student_dir)
-    top_k, top_k_warnings = check_teacher(request, teacher, facts)
+    top_k, top_k_warnings = check_teacher(request, teacher, facts, top_k=top_k)
     longest = check_prompts_fit(request.prompts, request.config, student.chat_template, student.tokenizer,
                                 context_length=facts.context_length,
                                 teacher_max_model_len=teacher.identity.max_model_len if teacher else None)
     return OnPolicyPlan(
-        samples_per_prompt=effective_samples_per_prompt(request.config, len(request.prompts)),
+        samples_per_prompt=(samples_per_prompt if samples_per_prompt is not None
+                            else effective_samples_per_prompt(request.config, len(request.prompts))),
         top_k=top_k,
         content_sha256=prompts_content_sha256(request.prompts),
         longest_prompt_tokens=longest,

@@ -29,7 +29,7 @@ The engine wires it in a few calls (``apply_gate_outcome`` and its receipt block
                            seed=train.effective_seed)
     fate = apply_gate_outcome(run_dir, adapter, result.outcome, result.evidence,
                               verdict=result.verdict) if result.gated else None
-    receipt["post_eval"] = post_eval_receipt_block(result, fate)
+    block = post_eval_receipt_block(result, fate)  # the receipt's typed ``post_eval`` (a ``GateDecision`` part)
 
 Nothing here imports Prefect; only ``runner`` (and ``run_post_eval`` when called) imports torch.
 """

@@ -22,8 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
-
+from kiln_core.contracts.outcomes import PostEvalGateEvidence  # the receipt's record; re-exported here
 from kiln_core.post_eval.reduce import ReducedOutcome
 from kiln_core.post_eval.stats import sign_test_p_value, wilson_interval
 from kiln_core.serde_json import rust_debug_str, to_f32
@@ -139,43 +138,6 @@ def paired_aggregate_flips(baseline: SuiteRun, candidate: SuiteRun) -> PairedSum
         candidate_pass += cand.kind == "pass"
     n = len(baseline.reduced)
     return PairedSummary(n, improved, regressed, n - improved - regressed, baseline_pass, candidate_pass)
-
-
-class PostEvalGateEvidence(BaseModel):
-    """The statistics one gate decided on, with Kiln's field names (training job ``post_eval_gate_evidence[]``)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    policy_version: str
-    suite_policy: str
-    eval_job_id: str
-    suite_name: str
-    suite_hash: str
-    effective_generation_hash: str
-    baseline_adapter: str | None
-    candidate_adapter: str
-    aggregation: str
-    minimum_paired_examples: int
-    paired_examples: int
-    improved: int
-    regressed: int
-    tied: int
-    exact_sign_test_p_value: float
-    exact_sign_test_alpha: float
-    baseline_accuracy: float
-    baseline_accuracy_lower_bound: float
-    baseline_accuracy_upper_bound: float
-    candidate_accuracy: float
-    candidate_accuracy_lower_bound: float
-    candidate_accuracy_upper_bound: float
-    accuracy_confidence_level: float
-    minimum_accuracy: float
-    required_relative_recovery: float | None = None
-    relative_recovery_lower_bound: float | None = None
-    required_absolute_gain: float | None = None
-    absolute_gain_lower_bound: float | None = None
-    outcome: str = ""
-    """Stamped when the outcome is final (``apply_gate_outcome``)."""
 
 
 @dataclass(frozen=True)

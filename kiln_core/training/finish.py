@@ -1,6 +1,8 @@
-"""Finishing a run: the PEFT adapter directory, then ``train_receipt.json`` (also written on failure).
+"""Finishing a run: the PEFT adapter directory, then the run's records (also on failure).
 
-Rank 0 of a multi-process run publishes both; the other ranks only return the receipt's URI.
+Rank 0 of a multi-process run publishes both; the other ranks only return the receipt's URI. The trainer
+always leaves ``training_record.json``; it composes ``train_receipt.json`` itself unless a gate follows a
+successful run, whose stage composes it once the gate decided (``kiln_core.training.receipt``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from kiln_core.storage import Location, StagedDirectory
 from kiln_core.training.plan import ADAPTER_DIR, RunPlan
 from kiln_core.training.progress import Clock, LoopProgress
 from kiln_core.training.publish_guard import GUARD_CODE, GuardTripped, guard_before_publish
-from kiln_core.training.receipt import RunOutcome, build_receipt, write_receipt
+from kiln_core.contracts.training_record import RunOutcome, TrainingRecord
+from kiln_core.training.receipt import compose_receipt, write_training_record
 from kiln_core.training.step import StopTraining, lora_delta_norms
 from kiln_core.training.student import Student
 
@@ -39,7 +42,7 @@ def record_adapter(outcome: RunOutcome, plan: RunPlan, student: Student, files: 
     if files is not None:
         outcome.adapter_sha256 = sha256_prefixed(files["adapter_model.safetensors"])
         outcome.adapter_bytes = len(files["adapter_model.safetensors"])
-    config = plan.config
+    config = plan.settings.config
     outcome.lora_delta_norms = lora_delta_norms(student, float(config.lora_alpha) / config.lora_rank)
 
 
@@ -54,7 +57,7 @@ def publish_final_adapter(plan: RunPlan, outcome: RunOutcome, student: Student, 
     with clock.phase("publish"):
         try:
             outcome.publish_guard = guard_before_publish(
-                enabled=plan.config.publish_guard, tensors=student.adapter_tensors(), loss_history=progress.loss_history,
+                enabled=plan.settings.config.publish_guard, tensors=student.adapter_tensors(), loss_history=progress.loss_history,
                 base_adapter=plan.base_adapter)
         except GuardTripped as tripped:
             message, outcome.publish_guard = tripped.args
@@ -64,7 +67,9 @@ def publish_final_adapter(plan: RunPlan, outcome: RunOutcome, student: Student, 
 
 
 def finish_run(plan: RunPlan, outcome: RunOutcome, progress: LoopProgress, clock: Clock) -> str:
-    """Fill the outcome from the loop's progress and write ``train_receipt.json``; returns its URI."""
+    """Fill the outcome from the loop's progress and write the run's records: ``training_record.json``, and
+    ``train_receipt.json`` when nothing follows (a failed or cancelled run, or no gate); returns the receipt's
+    URI."""
     outcome.global_step = progress.global_step
     outcome.loss_history = list(progress.loss_history)
     outcome.token_counts = dict(progress.token_counts)
@@ -77,6 +82,10 @@ def finish_run(plan: RunPlan, outcome: RunOutcome, progress: LoopProgress, clock
     if plan.device.type == "cuda":  # on a GPU the number that matters is device memory
         outcome.peak_vram_mib = round(torch.cuda.max_memory_allocated(plan.device) / 2**20, 1)
         outcome.peak_memory_mib = outcome.peak_vram_mib
-    if not plan.world.is_main:  # rank 0 writes the run's one receipt
+    if not plan.world.is_main:  # rank 0 writes the run's records
         return plan.run_dir.child(RECEIPT_FILE).uri
-    return write_receipt(plan.run_dir, build_receipt(plan.facts, outcome))
+    record = TrainingRecord(facts=plan.facts, outcome=outcome)
+    write_training_record(plan.run_dir, record)
+    if outcome.status == "success" and plan.gate_follows:  # the gate stage composes it, with its decision
+        return plan.run_dir.child(RECEIPT_FILE).uri
+    return compose_receipt(plan.run_dir, record=record)

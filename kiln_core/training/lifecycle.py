@@ -32,7 +32,7 @@ from kiln_core.training.interrupt import stop_requests
 from kiln_core.training.optim import build_optimizer, load_optimizer_state, optimizer_state_tensors
 from kiln_core.training.plan import RunPlan
 from kiln_core.training.progress import Clock, LoopProgress
-from kiln_core.training.receipt import RunOutcome
+from kiln_core.contracts.training_record import RunOutcome
 from kiln_core.training.step import StopTraining
 from kiln_core.training.student import Student, load_student
 from kiln_core.training.time_bound import TrainingTooLong
@@ -95,11 +95,12 @@ def start_student(plan: RunPlan, student_dir: str, progress: LoopProgress, *, gr
         ResumeError: the checkpoint's tensors do not fit this student.
         BaseAdapterError: ``base_adapter_mismatch`` — the base adapter's tensors do not fit this student.
     """
-    config = plan.config
+    settings = plan.settings
+    config = settings.config
     with clock.phase("setup"):
         student = load_student(student_dir, rank=config.lora_rank, alpha=config.lora_alpha, seed=plan.seed,
                                device=plan.device.type, precision=plan.precision,
-                               gradient_checkpointing=gradient_checkpointing, targets=plan.lora_targets)
+                               gradient_checkpointing=gradient_checkpointing, targets=settings.lora_targets)
         if plan.world.strategy == "fsdp" and plan.world.size > 1:
             # Shard the frozen base weights across the ranks; the LoRA parameters stay plain replicated
             # tensors, so everything below (resume, warm start, optimizer) is the same as under ddp.
@@ -108,7 +109,7 @@ def start_student(plan: RunPlan, student_dir: str, progress: LoopProgress, *, gr
             student.sharding = shard_student(student, plan.world).receipt_fields()
         if config.pack_sequences:
             student.check_packing()
-        optimizer = build_optimizer(config.optimizer, student.lora_parameters, plan.learning_rate)
+        optimizer = build_optimizer(config.optimizer, student.lora_parameters, settings.learning_rate)
         _seed_everything(plan.seed)
         loaded = plan.loaded
         if loaded is not None:

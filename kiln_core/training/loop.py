@@ -41,8 +41,8 @@ from kiln_core.training.lifecycle import (
 )
 from kiln_core.training.plan import RunPlan
 from kiln_core.training.progress import Clock, LoopProgress
+from kiln_core.contracts.training_record import RunOutcome
 from kiln_core.storage import remove_tree
-from kiln_core.training.receipt import RunOutcome
 from kiln_core.training.step import train_examples, train_step_distributed
 from kiln_core.training.student import Student
 from kiln_core.training.time_bound import TimeBound, TrainingTooLong
@@ -152,8 +152,8 @@ def _train(plan: RunPlan, source: CandidateSource, outcome: RunOutcome, progress
             watch = HeldOutWatch.start(eval_watch, plan.loaded, outcome, student, progress, clock, on_eval)
         checkpoints = CheckpointPublisher(plan, student, optimizer, progress, clock,
                                           eval_curve=(lambda: watch.curve) if watch is not None else None)
-        boundary = StepBoundary(checkpoints, progress, clock, plan.world, plan.config.checkpoint_interval, signalled,
-                                should_cancel=should_cancel, on_step_committed=on_step_committed, watch=watch,
+        boundary = StepBoundary(checkpoints, progress, clock, plan.world, plan.settings.config.checkpoint_interval,
+                                signalled, should_cancel=should_cancel, on_step_committed=on_step_committed, watch=watch,
                                 time_bound=TimeBound(max_hours, plan.schedule, plan.world))
         source.open(student, outcome, clock)
         try:

@@ -8,8 +8,8 @@ read), in the order of Kiln's ``opd_train_to_with_checkpoint_root_and_runtime`` 
   and its content revision (``sha256:`` + the identity's ``content_revision()``, the
   ``LogitSource::authoritative_content_revision`` default);
 * the effective top-K (``resolve_opd_top_k`` under the teacher's cap) and samples per prompt (auto-scaled
-  from the request's prompt count, dropped prompts included), as the ``TrainPlan`` carries them (the
-  engine's ``check_prompts`` resolved them once);
+  from the request's prompt count, dropped prompts included), as the ``TrainPlan``'s settings carry them (the
+  engine resolved them once, right after the teacher's manifest);
 * the prompts prepared (``kiln_core.on_policy.prepare``): kept prompts, dropped ones, rollout prefixes;
 * the checkpoint's data record: ``inline-on-policy-opd-candidate-order-v1``, the prompt-list digest,
   candidates per epoch = kept prompts × samples per prompt; ``rollout-sampling`` is among its streams;
@@ -27,6 +27,7 @@ from typing import Sequence
 
 from kiln_core.canonical import canonical_sha256
 from kiln_core.contracts.opd_config import ConfigError, OpdConfig
+from kiln_core.contracts.settings import check_one_process, legacy_loss_record
 from kiln_core.contracts.opd_prompt import INLINE_PROMPTS_SOURCE, OpdPrompt, prompts_content_sha256
 from kiln_core.contracts.stage_refs import TrainPlan
 from kiln_core.errors import Rejection
@@ -71,7 +72,7 @@ class RolloutPlan:
 def plan_on_policy_run(plan: TrainPlan, *, prompts: Sequence[OpdPrompt], student_dir: str, teacher: TeacherSource,
                        rollout_root: str | None, world: World) -> tuple[RunPlan, RolloutPlan]:
     """Settle an on-policy run from its ``TrainPlan`` and apply every refusal before any model loads. The
-    plan's top-K and samples per prompt are the ones the submit checks resolved (``check_prompts``).
+    plan's settings (top-K under the teacher's cap, samples per prompt) are used as the engine resolved them.
 
     Raises:
         ConfigError: a config the on-policy loop does not run.
@@ -81,7 +82,8 @@ def plan_on_policy_run(plan: TrainPlan, *, prompts: Sequence[OpdPrompt], student
     from kiln_core.identity.hashing import model_vocab_size
     from kiln_core.tokenization import load_student_tokenizer
 
-    config, adapter_name = plan.config, plan.adapter
+    settings, adapter_name = plan.settings, plan.adapter
+    config = settings.config
     _check_runs_here(config, world)
     if not prompts:
         raise Rejection("no_prompts", "opd_train: prompts must be non-empty", field="prompts")
@@ -92,14 +94,12 @@ def plan_on_policy_run(plan: TrainPlan, *, prompts: Sequence[OpdPrompt], student
     if identity.vocab_size != student_vocab:
         raise Rejection("teacher_vocab_mismatch", f"teacher '{teacher.alias}' has vocab_size {identity.vocab_size} "
                         f"but the student's is {student_vocab}: on-policy scoring needs one vocabulary", field="teacher")
-    top_k = plan.top_k
     tokenizer = load_student_tokenizer(student_dir)
     prepared = prepare_prompts(prompts, tokenizer, rendering=config.rollout_prompt_rendering)
-    samples = plan.samples_per_prompt
-    schedule = Schedule(len(prepared.prompts), samples, config.epochs, 1)
+    schedule = Schedule(len(prepared.prompts), settings.samples_per_prompt, config.epochs, 1)
     content = prompts_content_sha256(prompts)
     data = DataPlan(
-        schedule=schedule, top_k=top_k, samples_per_prompt=samples,
+        schedule=schedule,
         binding=ckpt.DataBinding(source_kind=ON_POLICY_DATA_SOURCE_KIND, content_sha256=content,
                                  item_count=schedule.candidates_per_epoch),
         capabilities=teacher_capabilities(teacher.alias, identity.vocab_size, identity.max_top_k,
@@ -117,7 +117,7 @@ def plan_on_policy_run(plan: TrainPlan, *, prompts: Sequence[OpdPrompt], student
     run_key = rollout_run_key({
         "adapter_name": adapter_name, "effective_config": contract.effective_config,
         "data": contract.data.model_dump(), "auxiliary_state_sha256": canonical_sha256(contract.auxiliary_state),
-        "draw": DRAW_ALGORITHM, "eos_token_ids": list(eos), "loss": contract.loss,
+        "draw": DRAW_ALGORITHM, "eos_token_ids": list(eos), "loss": legacy_loss_record(contract.loss),
         **({"base_adapter_sha256": run_plan.base_adapter.adapter_model_sha256} if run_plan.base_adapter is not None else {}),
     })
     store = RolloutStore(rollout_root if rollout_root is not None else run_dir.child(ROLLOUTS_DIR).uri)
@@ -135,6 +135,4 @@ def _check_runs_here(config: OpdConfig, world: World) -> None:
         raise ConfigError("sequences_per_step > 1 is not supported on-policy: each rollout is sampled from the "
                           "weights its predecessor's step produced, one candidate per optimizer step as in Kiln",
                           "config.sequences_per_step", code="unsupported")
-    if world.size != 1:
-        raise ConfigError(f"on-policy training runs in one process; this world has {world.size}",
-                          "nproc", code="unsupported")
+    check_one_process(world_size=world.size, field="nproc")

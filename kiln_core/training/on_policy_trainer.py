@@ -50,7 +50,7 @@ from kiln_core.training.loop import StepGroup, run_training
 from kiln_core.training.on_policy_plan import RolloutPlan, plan_on_policy_run
 from kiln_core.training.plan import RunPlan
 from kiln_core.training.progress import Clock, LoopProgress
-from kiln_core.training.receipt import RunOutcome
+from kiln_core.contracts.training_record import RunOutcome
 from kiln_core.training.student import Student
 from kiln_core.training.watch import EvalReport, HeldOutSlice, check_watch
 
@@ -224,7 +224,7 @@ class RolloutCandidates:
     def open(self, student: Student, outcome: RunOutcome, clock: Clock) -> None:
         """Load the teacher and the sampler (after the student, so a refusal costs neither)."""
         with clock.phase("setup"):
-            scorer = self.teacher.load(self.plan.facts.top_k)
+            scorer = self.teacher.load(self.plan.settings.top_k)
         self.backend = self.rollout_backend(student)
         outcome.rollout_backend = getattr(self.backend, "receipt_label", "local")
         outcome.teacher_backend = getattr(scorer, "receipt_label", "local")
@@ -232,7 +232,7 @@ class RolloutCandidates:
         self.collector = RolloutCollector(
             rollouts.store, rollouts.run_key, self.backend, scorer,
             params=rollouts.sampling, max_tokens=rollouts.max_tokens, eos_token_ids=rollouts.eos_token_ids,
-            top_k=self.plan.facts.top_k, vocab_size=self.teacher.identity.vocab_size, teacher_id=self.teacher.alias,
+            top_k=self.plan.settings.top_k, vocab_size=self.teacher.identity.vocab_size, teacher_id=self.teacher.alias,
             metadata={"teacher_content_revision": self.plan.facts.teacher_content_revision,
                       "adapter_name": self.adapter_name, "rollout_backend": outcome.rollout_backend})
         self.counters = self.collector.counters

@@ -1,8 +1,8 @@
 """Planning a training run: everything decided, and every refusal made, before the model loads.
 
-Both planners start from the engine's ``TrainPlan`` (``kiln_core.contracts.stage_refs``), whose effective
-values — top-K, samples per prompt, learning rate, seed, base adapter, device options — are used as
-resolved, never derived again from the config. ``plan_off_policy_run`` settles what an admitted corpus
+Both planners start from the engine's ``TrainPlan`` (``kiln_core.contracts.stage_refs``), whose settings
+(``ResolvedSettings``: top-K, samples per prompt, learning rate, loss, world size, LoRA targets), seed, base
+adapter and device options are used as resolved, never derived again from the config. ``plan_off_policy_run`` settles what an admitted corpus
 decides (``DataPlan``: schedule, the data binding, the teacher's revision); ``build_plan`` — shared with
 the on-policy planner (``on_policy_plan``) — resolves the device and precision, computes
 the identities a checkpoint binds (``run_identity``, ``data_identity``), loads and checks the
@@ -21,6 +21,7 @@ import torch
 from kiln_core.contracts.identity import TeacherIdentity
 from kiln_core.contracts.opd_config import ConfigError, OpdConfig
 from kiln_core.contracts.receipt import DistributedReceipt
+from kiln_core.contracts.settings import ResolvedSettings, kiln_optimizer_json
 from kiln_core.contracts.stage_refs import TrainPlan
 from kiln_core.contracts.checkpoint import DataCursor
 from kiln_core.corpus import CorpusTables
@@ -29,13 +30,13 @@ from kiln_core.storage import Location, move_aside, remove_tree, resolve
 from kiln_core.training import checkpoint as ckpt
 from kiln_core.training import run_identity
 from kiln_core.contracts.base_adapter import BaseAdapter
-from kiln_core.contracts.lora_targets import LoraTargets
 from kiln_core.training.base_adapter import settle_base_adapter
 from kiln_core.training.data_identity import corpus_content_revision, teacher_capabilities
 from kiln_core.training.lora_targets import resolve_lora_targets
 from kiln_core.training.distributed.world import World
 from kiln_core.training.objectives import step_loss
-from kiln_core.training.receipt import TRAINING_DATA_SOURCE, RunFacts, library_versions, receipt_status
+from kiln_core.contracts.training_record import TRAINING_DATA_SOURCE, RunFacts
+from kiln_core.training.receipt import library_versions, training_finished
 from kiln_core.training.student import resolve_device, resolve_precision, student_identity
 
 __all__ = ["ADAPTER_DIR", "Schedule", "RunPlan", "DataPlan", "plan_off_policy_run", "resume_basename", "build_plan"]
@@ -80,14 +81,14 @@ class Schedule:
 
 @dataclass(frozen=True)
 class RunPlan:
-    """The resolved run: schedule, seed, the checkpoint contract, and the checkpoint being resumed."""
+    """The resolved run: settings, schedule, seed, the checkpoint contract, and the checkpoint being resumed."""
 
     run_dir: Location
     adapter_name: str
-    config: OpdConfig
+    settings: ResolvedSettings
+    """The run's settings, its LoRA targets resolved (from the student when the plan did not carry them)."""
     schedule: Schedule
     seed: int
-    learning_rate: float
     device: torch.device
     precision: str
     contract: ckpt.RunContract
@@ -96,10 +97,11 @@ class RunPlan:
     world: World
     base_adapter: BaseAdapter | None = None
     """The warm start (``config.base_adapter``) a fresh run loads before step 1; a resume never reloads it."""
-    lora_targets: LoraTargets | None = None
-    """The layers the student's LoRA adapts (``kiln_core.training.lora_targets``)."""
     shards: ShardLayout | None = None
     """The corpus's shards when it is a set (checkpoints record the data cursor); None for one file."""
+    gate_follows: bool = False
+    """A gate decides about a successful run after training (``TrainPlan.gate_follows``): its stage composes the
+    receipt then, not the trainer."""
 
     def data_cursor(self, step: int) -> DataCursor | None:
         """Where the next candidate comes from once ``step`` steps are committed (a set of shards only)."""
@@ -112,11 +114,12 @@ class RunPlan:
         """The rate optimizer step ``step`` (1-based) trains at: ``learning_rate`` unless the config has a schedule."""
         from kiln_core.training.optim import scheduled_learning_rate
 
-        return scheduled_learning_rate(self.learning_rate, self.config.lr_schedule, step, self.schedule.total_steps)
+        settings = self.settings
+        return scheduled_learning_rate(settings.learning_rate, settings.config.lr_schedule, step, self.schedule.total_steps)
 
     @property
     def loss_fn(self) -> Callable:
-        return step_loss(self.config.loss)
+        return step_loss(self.settings.loss)
 
 
 @dataclass(frozen=True)
@@ -126,8 +129,6 @@ class DataPlan:
     Attributes:
         schedule: The candidate schedule (on-policy: ``total_steps`` is the candidate count, an upper
             bound of the optimizer steps, since empty rollouts train nothing).
-        top_k: Effective top-K.
-        samples_per_prompt: Effective samples per prompt.
         binding: The checkpoint's ``data`` record (source kind, prompt-list digest, candidates per epoch).
         capabilities: Kiln's ``LogitSourceCaps`` of the teacher source.
         teacher_identity: The pinned ``TeacherIdentity``, or None.
@@ -141,8 +142,6 @@ class DataPlan:
     """
 
     schedule: Schedule
-    top_k: int
-    samples_per_prompt: int
     binding: ckpt.DataBinding
     capabilities: dict[str, Any]
     teacher_identity: Any | None
@@ -159,8 +158,8 @@ def plan_off_policy_run(plan: TrainPlan, *, tables: CorpusTables | ShardedCorpus
                         student_dir: str, teacher_identity: TeacherIdentity | None, teacher_alias: str,
                         world: World) -> RunPlan:
     """Settle an off-policy run from its ``TrainPlan`` and apply every refusal before any model loads
-    (cheapest checks first). The plan's effective values (top-K, samples per prompt, learning rate, seed,
-    base adapter, device) are taken as the engine resolved them, not derived again. ``tables`` is one
+    (cheapest checks first). The plan's settings, seed, base adapter and device are taken as the engine
+    resolved them, not derived again. ``tables`` is one
     corpus file's tables or a set of shards (``ShardedCorpus``, ``dataset_sha256`` its set digest).
 
     Raises:
@@ -170,20 +169,20 @@ def plan_off_policy_run(plan: TrainPlan, *, tables: CorpusTables | ShardedCorpus
 
     run_dir = resolve(plan.run_uri)
     basename = resume_basename(plan, run_dir)
-    top_k = plan.top_k
+    settings = plan.settings
+    top_k = settings.top_k
     if tables.num_examples == 0 or tables.top_k != top_k:
         raise ConfigError(f"corpus has {tables.num_examples} examples at top_k {tables.top_k}; the config resolves "
                           f"top_k to {top_k}", "config.top_k")
-    samples = plan.samples_per_prompt
-    schedule = Schedule(tables.num_examples, samples, plan.config.epochs,
-                        plan.config.sequences_per_step * world.size)  # candidates per optimizer step, all ranks together
+    schedule = Schedule(tables.num_examples, settings.samples_per_prompt, settings.config.epochs,
+                        settings.config.sequences_per_step * world.size)  # candidates per optimizer step, all ranks
     caps = teacher_capabilities(teacher_alias, model_vocab_size(student_dir), top_k,
                                 teacher_identity.tokenizer_vocab_sha256 if teacher_identity is not None else None)
     # Kiln's data.content_sha256 is the prompt-list digest; a hand-built table has none, so it is
     # bound by the corpus file's digest instead.
     content = tables.kiln_prompts_sha256 or dataset_sha256.removeprefix("sha256:")
     data = DataPlan(
-        schedule=schedule, top_k=top_k, samples_per_prompt=samples,
+        schedule=schedule,
         binding=ckpt.DataBinding(source_kind=ckpt.OFF_POLICY_SOURCE_KIND, content_sha256=content,
                                  item_count=schedule.candidates_per_epoch),
         capabilities=caps, teacher_identity=teacher_identity,
@@ -234,15 +233,17 @@ def build_plan(plan: TrainPlan, *, data: DataPlan, run_dir: Location, basename: 
     """
     from kiln_core.identity.hashing import read_model_config
 
-    config, adapter_name = plan.config, plan.adapter
+    adapter_name = plan.adapter
+    settings = plan.settings
+    if settings.lora_targets is None:  # a direct call of the trainers: the student's, resolved here
+        settings = settings.model_copy(update={"lora_targets": resolve_lora_targets(student_dir)})
+    config, lora_targets = settings.config, settings.lora_targets
     check_packing_world(config, world.size)
-    lora_targets = plan.lora_targets or resolve_lora_targets(student_dir)
     base_adapter = settle_base_adapter(config, plan.base_adapter, lora_targets)
 
-    schedule, top_k, samples = data.schedule, data.top_k, data.samples_per_prompt
+    schedule = data.schedule
     dev = resolve_device(plan.device)
     prec = resolve_precision(dev, plan.precision)
-    lr = plan.learning_rate
     versions = library_versions()
 
     identity = student_identity(student_dir)
@@ -261,15 +262,13 @@ def build_plan(plan: TrainPlan, *, data: DataPlan, run_dir: Location, basename: 
 
     def contract_for_seed(seed: int) -> ckpt.RunContract:
         return ckpt.RunContract(
-            adapter_name=adapter_name,
-            effective_config=run_identity.checkpoint_effective_config(config, learning_rate=lr, seed=seed, top_k=top_k,
-                                                                      samples_per_prompt=samples),
+            adapter_name=adapter_name, effective_config=settings.kiln_effective_config(seed),
             precision_policy=precision_record, data=data.binding, init_seed=seed, optimizer_kind=config.optimizer.kind,
-            optimizer_json=run_identity.kiln_optimizer_json(config.optimizer), learning_rate=lr, epochs=config.epochs,
-            auxiliary_state=aux, examples_read=data.examples_read, examples_filtered=data.examples_filtered,
-            on_policy=data.on_policy, world_size=world.size, backend=world.backend,
-            sequences_per_step=config.sequences_per_step, optimizer_steps_total=schedule.total_steps,
-            loss="teacher_top_k_tail" if config.loss == "teacher_top_k_tail" else "teacher_top_k",
+            optimizer_json=kiln_optimizer_json(config.optimizer), learning_rate=settings.learning_rate,
+            epochs=config.epochs, auxiliary_state=aux, examples_read=data.examples_read,
+            examples_filtered=data.examples_filtered, on_policy=data.on_policy, world_size=world.size,
+            backend=world.backend, sequences_per_step=config.sequences_per_step,
+            optimizer_steps_total=schedule.total_steps, loss=settings.loss,
             lr_schedule=config.lr_schedule.model_dump(mode="json") if config.lr_schedule is not None else None,
             pack_sequences=True if config.pack_sequences else None,
             lora_targets=None if lora_targets.is_kiln_default else lora_targets)
@@ -277,9 +276,11 @@ def build_plan(plan: TrainPlan, *, data: DataPlan, run_dir: Location, basename: 
     loaded = None
     if basename is not None:
         loaded = ckpt.load_checkpoint(run_dir, basename)
+        # A request that leaves the seed null resumes with the checkpoint's (Kiln's rule); a fresh run draws it
+        # from its run key (``ResolvedSettings.seed_for``), so every attempt draws the same one.
         contract = ckpt.validate_resume(loaded, contract_for_seed, config.seed)
-    else:  # Kiln draws the seed once when the request leaves it null; it is recorded everywhere (rank 0's)
-        contract = contract_for_seed(config.seed if config.seed is not None else world.broadcast_int(secrets.randbits(63)))
+    else:
+        contract = contract_for_seed(plan.seed)
     _preflight_outputs(run_dir, adapter_name, config.checkpoint_interval,
                        loaded.manifest.progress.global_step if loaded else 0, schedule.total_steps,
                        may_change=world.is_main)
@@ -287,22 +288,22 @@ def build_plan(plan: TrainPlan, *, data: DataPlan, run_dir: Location, basename: 
     facts = RunFacts(
         adapter_name=adapter_name, student_dir=str(student_dir), student_identity=identity, shard_manifest=shards,
         execution_provenance=provenance, precision_policy=precision_record, dataset_path=path,
-        dataset_sha256=sha256, training_data_source=source, config=config,
-        effective_config=contract.effective_config, seed=contract.init_seed, learning_rate=lr, top_k=top_k,
-        samples_per_prompt=samples, sequences_per_step=config.sequences_per_step, teacher_alias=teacher_alias,
-        teacher_identity=teacher, teacher_identity_revision=teacher_identity.identity_revision() if teacher_identity else None,
+        dataset_sha256=sha256, training_data_source=source, settings=settings, seed=contract.init_seed,
+        teacher_alias=teacher_alias, teacher_identity=teacher,
+        teacher_identity_revision=teacher_identity.identity_revision() if teacher_identity else None,
         teacher_content_revision=data.teacher_content_revision, examples_read=data.examples_read,
         examples_filtered=data.examples_filtered, candidates_per_epoch=schedule.candidates_per_epoch,
         total_steps=schedule.total_steps, device=dev.type, library_versions=versions,
-        base_adapter=base_adapter.receipt_record() if base_adapter is not None else None, lora_targets=lora_targets,
+        base_adapter=base_adapter.receipt_record() if base_adapter is not None else None, recipe=plan.recipe,
+        ignored_request_keys=plan.ignored_request_keys,
         distributed=None if world.size == 1 and world.cluster is None else DistributedReceipt(
             world_size=world.size, backend=world.backend, strategy=world.strategy,
             sequences_per_step_per_rank=config.sequences_per_step, sequences_per_optimizer_step=schedule.sequences_per_step,
             **(world.cluster.receipt_fields() if world.cluster is not None else {})))
-    run_plan = RunPlan(run_dir=run_dir, adapter_name=adapter_name, config=config, schedule=schedule,
-                       seed=contract.init_seed, learning_rate=lr, device=dev, precision=prec, contract=contract,
-                       facts=facts, loaded=loaded, world=world, base_adapter=base_adapter, lora_targets=lora_targets,
-                       shards=data.shards)
+    run_plan = RunPlan(run_dir=run_dir, adapter_name=adapter_name, settings=settings, schedule=schedule,
+                       seed=contract.init_seed, device=dev, precision=prec, contract=contract, facts=facts,
+                       loaded=loaded, world=world, base_adapter=base_adapter, shards=data.shards,
+                       gate_follows=plan.gate_follows)
     if loaded is not None:
         check_data_cursor(run_plan, loaded)
     return run_plan
@@ -335,9 +336,10 @@ def _preflight_outputs(run_dir: Location, adapter_name: str, interval: int | Non
                        *, may_change: bool = True) -> None:
     """Settle the run directory before any work.
 
-    * A published adapter with a successful receipt is a finished run: refuse (new adapter name).
+    * A published adapter whose training succeeded (its training record, or its receipt) is a finished run:
+      refuse (new adapter name).
     * A published adapter *without* one is a publication cut short between the adapter commit and the
-      receipt (a crash, a storage outage): it is removed and republished by this run, which recomputes
+      records (a crash, a storage outage): it is removed and republished by this run, which recomputes
       the same bytes from the newest checkpoint.
     * A fresh run into a directory that already holds checkpoints it would write: refuse.
     * A resume from an *earlier* checkpoint the user chose (the newest one is damaged): the later
@@ -348,7 +350,7 @@ def _preflight_outputs(run_dir: Location, adapter_name: str, interval: int | Non
     """
     adapter = run_dir.child(ADAPTER_DIR)
     if adapter.child("adapter_config.json").exists():
-        if receipt_status(run_dir) == "success":
+        if training_finished(run_dir):
             raise ConfigError(f"adapter {adapter_name!r} is already published at {adapter.uri}; "
                               "choose a new adapter name", "adapter", code="adapter_exists")
         if may_change:

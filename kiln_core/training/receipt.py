@@ -1,19 +1,40 @@
-"""Writing and reading ``train_receipt.json`` (the ``TrainReceipt`` model; Kiln's ``crates/kiln-train/src/train_receipt.rs``).
+"""``train_receipt.json`` and the records it is composed from: one module owns the file.
 
-The receipt is written at the end of every run that got past input validation: ``status: success``
-with the adapter's digest, or ``status: failed`` with a ``failure_reason`` from Kiln's enum (a
-cancelled run is ``failed`` + ``cancelled``, as in Kiln). A run the held-out watch stopped is
-``failed`` + ``training_error`` — Kiln's enum has no value for it, and an unknown one would stop
-Kiln's reader — with a ``failure_message`` naming the rule and our ``stop_reason`` field. A run the
-publish guard refused (``training_diverged``) is ``failed`` + ``training_error`` too, our
-``publish_guard`` block naming the rule with its measured values and thresholds. Pretty JSON, no trailing newline. Every
-digest is ``sha256:``-prefixed except inside ``teacher_identity``, which keeps Kiln's raw hex.
+    trainer (rank 0)  ─► training_record.json        the run's facts and what training produced
+    gate stage        ─► its decision (``GateDecision``), handed to the composer
+    compose_receipt   ─► adapter/receipt.json        Kiln's legacy receipt of a recipe's adapter
+                      ─► train_receipt.json          the receipt, checked against Kiln's validate() rules
+                      ─► adapter/adapter_manifest.json   Kiln's adapter manifest, after a successful receipt
+
+``compose_receipt`` is the one writer of ``train_receipt.json``. It runs once per outcome: when training ends
+and nothing follows it — training did not succeed, or no gate was asked for, or the trainers were called
+directly (a benchmark, a test) — the trainer calls it; after a gate decided, the gate stage does
+(``kiln_core.engine.gate``), where the run directory is by then (a demoted run's is renamed). The trainer
+leaves ``training_record.json`` in every case, so a composer in another process (the flow's gate task after
+a ``torchrun`` or Ray job) builds the same receipt from it. A successful receipt is final: composing again
+returns it unchanged, so a retry that finds the run finished writes nothing, and ``latest.json`` pins the
+digest of the receipt that stays.
+
+``build_receipt`` makes the receipt of the run's facts (``RunFacts``: fixed before the first step), its outcome
+(``RunOutcome``) and the gate's decision. ``status: success`` carries the adapter's digest; ``status: failed``
+a ``failure_reason`` from Kiln's enum (a cancelled run is ``failed`` + ``cancelled``, as in Kiln). A run the
+held-out watch stopped is ``failed`` + ``training_error`` — Kiln's enum has no value for it, and an unknown one
+would stop Kiln's reader — with a ``failure_message`` naming the rule and our ``stop_reason`` field. A run the
+publish guard refused (``training_diverged``) is ``failed`` + ``training_error`` too, our ``publish_guard``
+block naming the rule with its measured values and thresholds. Pretty JSON, no trailing newline. Every digest
+is ``sha256:``-prefixed except inside ``teacher_identity``, which keeps Kiln's raw hex.
 
 On a resumed run, counters, ``loss_history``, ``token_counts`` and the gradient-norm summaries cover
 the whole run (restored from the checkpoint); ``runtime`` and the timings cover this process only.
 
 Only facts go in: paths, digests, counters, timings, versions. No environment variables, tokens or
 storage options are copied, so a receipt cannot leak secrets.
+
+Kiln keeps ``train_receipt.json`` inside the adapter directory; kiln-flows keeps it in the run directory, one
+level above ``adapter/`` (beside the checkpoints it summarizes). Kiln's ``restore`` copies ``files.*`` from the
+manifest's own directory and verifies ``receipt_hash`` against the copy, so the manifest names no receipt
+(``files.train_receipt`` and ``receipt_hash`` null): an adapter restored by Kiln carries its weights and
+config, verified; its receipt stays with the run (docs/kiln-compatibility.md).
 """
 
 from __future__ import annotations
@@ -21,16 +42,15 @@ from __future__ import annotations
 import json
 import platform
 import sys
-from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import ValidationError
 
-from kiln_core.canonical import canonical_sha256
-from kiln_core.contracts.eval_curve import EvalCurve
-from kiln_core.contracts.lora_targets import LoraTargets
-from kiln_core.contracts.opd_config import EchoConfig, OpdConfig
+from kiln_core.canonical import canonical_sha256, sha256_prefixed
+from kiln_core.contracts.adapter_manifest import ADAPTER_MANIFEST_FILE, AdapterManifest, AdapterManifestFiles
+from kiln_core.contracts.opd_config import EchoConfig
+from kiln_core.contracts.outcomes import GateDecision
 from kiln_core.contracts.receipt import (
     FAILURE_REASONS,
     RECEIPT_FILE,
@@ -42,8 +62,6 @@ from kiln_core.contracts.receipt import (
     EchoReceipt,
     HyperparameterReceipt,
     KilnSourceReceipt,
-    LoraDeltaNormSummary,
-    LoraGradNormSummary,
     ModelReceipt,
     OpdReceipt,
     PhaseTimingsReceipt,
@@ -53,14 +71,20 @@ from kiln_core.contracts.receipt import (
     TrainingDataReceipt,
     TrainReceipt,
     encode_receipt,
+    gate_decision,
 )
+from kiln_core.contracts.receipt_rules import receipt_problem
+from kiln_core.contracts.recipe_record import LEGACY_RECEIPT_FILE, AdapterReceipt, RecipeRecord
+from kiln_core.contracts.training_record import TRAINING_RECORD_FILE, RunFacts, RunOutcome, TrainingRecord
 from kiln_core.errors import Rejection
 from kiln_core.storage import Location, resolve, write_bytes_atomic
 
-__all__ = ["TRAINING_DATA_SOURCE", "RunFacts", "RunOutcome", "ReceiptError", "build_receipt", "write_receipt",
-           "read_receipt", "receipt_status", "record_ignored_keys", "library_versions"]
+__all__ = ["ReceiptError", "build_receipt", "check_kiln_rules", "read_receipt", "receipt_status", "library_versions",
+           "write_training_record", "read_training_record", "training_finished", "compose_receipt",
+           "adapter_manifest", "recipe_receipt"]
 
-TRAINING_DATA_SOURCE = "jsonl_off_policy_opd_teacher"
+ADAPTER_DIR = "adapter"
+
 LOSS_GRANULARITY = "teacher_top_k"
 # Our failure codes that Kiln's closed ``failure_reason`` enum lacks, written as its ``training_error`` (an
 # unknown value would stop Kiln's reader); the receipt's own block says which (``publish_guard``).
@@ -71,91 +95,12 @@ class ReceiptError(Rejection):
     """A ``train_receipt.json`` that is missing or does not parse as ``TrainReceipt``."""
 
 
-@dataclass(frozen=True)
-class RunFacts:
-    """What is fixed before the first step: inputs, identities and the resolved configuration."""
-
-    adapter_name: str
-    student_dir: str
-    student_identity: dict[str, str]
-    shard_manifest: dict[str, Any]
-    execution_provenance: dict[str, Any]
-    precision_policy: dict[str, Any]
-    dataset_path: str | None
-    """The corpus path as given; None for inline on-policy prompts."""
-    dataset_sha256: str
-    """``sha256:`` of the corpus bytes, or of the prompt list (on-policy)."""
-    config: OpdConfig
-    """The request's ``OpdConfig`` (our extensions included); the receipt's ``config`` is its JSON."""
-    effective_config: dict[str, Any]
-    """The checkpoint ``effective_config`` (Kiln's keys only)."""
-    seed: int
-    learning_rate: float
-    top_k: int
-    samples_per_prompt: int
-    sequences_per_step: int
-    teacher_alias: str
-    teacher_identity: dict[str, Any] | None
-    teacher_identity_revision: str | None
-    teacher_content_revision: str
-    examples_read: int
-    candidates_per_epoch: int
-    total_steps: int
-    device: str
-    library_versions: dict[str, str]
-    distributed: DistributedReceipt | None = None
-    training_data_source: str = TRAINING_DATA_SOURCE
-    """The receipt's ``training_data.source``: a JSONL corpus, or ``inline_opd_prompts`` (on-policy)."""
-    examples_filtered: int = 0
-    """Prompts dropped at tokenization (on-policy)."""
-    base_adapter: dict[str, Any] | None = None
-    """The warm start's receipt ``adapters.base`` (``{path, adapter_model_sha256, adapter_model_bytes}``), or None."""
-    lora_targets: LoraTargets | None = None
-    """The layers the LoRA adapts (the receipt's ``hyperparameters.lora_targets``)."""
-
-
-@dataclass
-class RunOutcome:
-    """What the run produced (filled in as it goes)."""
-
-    status: Literal["success", "failed"] = "failed"
-    failure_reason: str | None = None
-    failure_message: str | None = None
-    adapter_uri: str | None = None
-    adapter_sha256: str | None = None
-    adapter_bytes: int | None = None
-    global_step: int = 0
-    loss_history: list[float] = field(default_factory=list)
-    token_counts: dict[str, int] = field(default_factory=dict)
-    final_env_ce: float | None = None
-    lora_grad_norms: list[dict[str, Any]] = field(default_factory=list)
-    lora_delta_norms: list[dict[str, Any]] = field(default_factory=list)
-    phase_timings_ms: dict[str, float] = field(default_factory=dict)
-    wall_clock_ms: float = 0.0
-    peak_memory_mib: float | None = None
-    peak_rss_mib: float | None = None
-    peak_vram_mib: float | None = None
-    resumed_from: str | None = None
-    stop_reason: str | None = None
-    """Ours: the held-out watch rule that stopped the run (``diverged``, ``stalled``, ``flat``)."""
-    eval_curve: EvalCurve | None = None
-    """Ours: the held-out curve of a watched run."""
-    rollout_backend: str | None = None
-    """Ours, on-policy: what sampled the rollouts (``local``: the training process; ``vllm``)."""
-    teacher_backend: str | None = None
-    """Ours, on-policy: what scored them (``local``; ``vllm``)."""
-    publish_guard: dict[str, Any] | None = None
-    """Ours: the publish guard's block (``kiln_core.training.publish_guard``), once it ran or was turned off."""
-    sharding: dict[str, int] | None = None
-    """Ours, ``strategy: fsdp``: rank 0's view of the sharded base weights (the receipt's ``distributed.fsdp``)."""
-
-
 def _prefixed(raw_hex: str | None) -> str | None:
     return None if raw_hex is None else (raw_hex if raw_hex.startswith("sha256:") else "sha256:" + raw_hex)
 
 
-def build_receipt(facts: RunFacts, outcome: RunOutcome) -> TrainReceipt:
-    """The receipt of a run.
+def build_receipt(facts: RunFacts, outcome: RunOutcome, gate: GateDecision | None = None) -> TrainReceipt:
+    """The receipt of a run: its facts, what training produced, and the gate's decision when one ran.
 
     Example:
         >>> build_receipt(facts, outcome).receipt_type  # doctest: +SKIP
@@ -164,7 +109,8 @@ def build_receipt(facts: RunFacts, outcome: RunOutcome) -> TrainReceipt:
     failure_reason = KILN_FAILURE_REASON.get(outcome.failure_reason, outcome.failure_reason)
     if failure_reason is not None and failure_reason not in FAILURE_REASONS:
         raise ValueError(f"unknown failure_reason {outcome.failure_reason!r}")
-    config, identity = facts.config, facts.student_identity
+    settings, identity = facts.settings, facts.student_identity
+    config = settings.config
     echo = config.echo
     fired = outcome.final_env_ce is not None
     timings = outcome.phase_timings_ms
@@ -187,16 +133,16 @@ def build_receipt(facts: RunFacts, outcome: RunOutcome) -> TrainReceipt:
                                           sha256=facts.dataset_sha256),
         hyperparameters=HyperparameterReceipt(
             rank=config.lora_rank, alpha=float(config.lora_alpha), alpha_over_rank=config.lora_alpha / config.lora_rank,
-            learning_rate=facts.learning_rate, epochs=config.epochs, seed=facts.seed,
-            optimizer=config.optimizer.kind, sequences_per_step=facts.sequences_per_step,
-            lora_targets=facts.lora_targets),
+            learning_rate=settings.learning_rate, epochs=config.epochs, seed=facts.seed,
+            optimizer=config.optimizer.kind, sequences_per_step=config.sequences_per_step,
+            lora_targets=settings.lora_targets),
         opd=OpdReceipt(
             training_mode=config.training_mode, objective=config.objective, loss_granularity=LOSS_GRANULARITY,
             teacher_id=facts.teacher_alias, teacher_content_revision=facts.teacher_content_revision,
-            teacher_identity=facts.teacher_identity, top_k=facts.top_k, samples_per_prompt=facts.samples_per_prompt,
+            teacher_identity=facts.teacher_identity, top_k=settings.top_k, samples_per_prompt=settings.samples_per_prompt,
             action_tokens=outcome.token_counts.get("action_tokens", 0), env_tokens=outcome.token_counts.get("env_tokens", 0),
             echo_combined=fired, echo_lambda=echo.lambda_ if echo else None,
-            final_opd_loss=outcome.loss_history[-1] if outcome.loss_history else None, loss=config.loss,
+            final_opd_loss=outcome.loss_history[-1] if outcome.loss_history else None, loss=settings.loss,
             teacher_identity_revision=facts.teacher_identity_revision, rollout_backend=outcome.rollout_backend,
             teacher_backend=outcome.teacher_backend),
         echo=_echo_receipt(echo, outcome),
@@ -213,11 +159,11 @@ def build_receipt(facts: RunFacts, outcome: RunOutcome) -> TrainReceipt:
             execution_provenance=facts.execution_provenance, training_precision=facts.precision_policy,
             device=facts.device, peak_memory_mib=outcome.peak_memory_mib, peak_rss_mib=outcome.peak_rss_mib),
         config_hashes=ConfigHashesReceipt(model_config_hash=model_hash, tokenizer_config_hash=tokenizer_hash,
-                                          chat_template_hash=template_hash, effective_config=canonical_sha256(facts.effective_config)),
-        lora_delta_norms=[LoraDeltaNormSummary(**row) for row in outcome.lora_delta_norms],
-        lora_grad_norms=[LoraGradNormSummary(**row) for row in outcome.lora_grad_norms],
-        config=dict(config.model_dump(mode="json", by_alias=True), top_k=facts.top_k,
-                    samples_per_prompt=facts.samples_per_prompt, seed=facts.seed),
+                                          chat_template_hash=template_hash,
+                                          effective_config=canonical_sha256(settings.kiln_effective_config(facts.seed))),
+        lora_delta_norms=list(outcome.lora_delta_norms),
+        lora_grad_norms=list(outcome.lora_grad_norms),
+        config=settings.receipt_config(facts.seed),
         loss_history=list(outcome.loss_history),
         phase_timings_ms={key: round(value, 3) for key, value in timings.items()},
         library_versions=dict(facts.library_versions),
@@ -225,14 +171,18 @@ def build_receipt(facts: RunFacts, outcome: RunOutcome) -> TrainReceipt:
         stop_reason=outcome.stop_reason,
         eval_curve=outcome.eval_curve,
         publish_guard=outcome.publish_guard,
+        recipe=facts.recipe,
+        ignored_request_keys=list(facts.ignored_request_keys) or None,
+        **({"gate_outcome": gate.outcome, "post_eval": gate.post_eval, "quality_gate": gate.quality_gate}
+           if gate is not None else {}),
     )
 
 
-def _distributed_receipt(planned: DistributedReceipt | None, sharding: dict[str, int] | None) -> DistributedReceipt | None:
+def _distributed_receipt(planned: DistributedReceipt | None, sharding: ShardingReceipt | None) -> DistributedReceipt | None:
     """The planned ``distributed`` block, with what FSDP sharded once the student loaded (``fsdp`` only)."""
     if planned is None or sharding is None:
         return planned
-    return planned.model_copy(update={"fsdp": ShardingReceipt(**sharding)})
+    return planned.model_copy(update={"fsdp": sharding})
 
 
 def _echo_receipt(echo: EchoConfig | None, outcome: RunOutcome) -> EchoReceipt:
@@ -246,27 +196,17 @@ def _echo_receipt(echo: EchoConfig | None, outcome: RunOutcome) -> EchoReceipt:
                        warning_filter=echo.warning_filter, final_env_ce=outcome.final_env_ce, dropped_reason=dropped)
 
 
-def write_receipt(run_dir: Location, receipt: TrainReceipt) -> str:
-    """Write ``train_receipt.json`` (``encode_receipt``'s bytes) atomically; return its URI.
-
-    The one writer of the file: training's finish, the gate's evidence and the ignored request keys
-    all rewrite the receipt through it.
-    """
-    location = run_dir.child(RECEIPT_FILE)
-    write_bytes_atomic(location, encode_receipt(receipt))
-    return location.uri
-
-
 def _receipt_location(where: Location | str) -> Location:
     location = where if isinstance(where, Location) else resolve(where)
     return location if location.uri.endswith(RECEIPT_FILE) else location.child(RECEIPT_FILE)
 
 
 def read_receipt(where: Location | str) -> TrainReceipt:
-    """Read and validate a run's receipt (``where``: the run directory or the receipt itself).
+    """Read and validate a run's receipt (``where``: the run directory or the receipt itself): our model, then
+    Kiln's ``validate()`` rules.
 
     Raises:
-        ReceiptError: ``receipt_missing`` or ``receipt_invalid`` (names the field).
+        ReceiptError: ``receipt_missing`` or ``receipt_invalid`` (names the field or Kiln's rule).
 
     Example:
         >>> read_receipt("kiln-data/runs/demo").status  # doctest: +SKIP
@@ -275,13 +215,27 @@ def read_receipt(where: Location | str) -> TrainReceipt:
     location = _receipt_location(where)
     if not location.exists():
         raise ReceiptError("receipt_missing", f"no {RECEIPT_FILE} at {location.uri}", file=location.uri)
+    data = location.read_bytes()
     try:
-        return TrainReceipt.model_validate_json(location.read_bytes())
+        receipt = TrainReceipt.model_validate_json(data)
     except ValidationError as error:
         first = error.errors()[0]
         place = ".".join(str(part) for part in first["loc"]) or "document"
         raise ReceiptError("receipt_invalid", f"{RECEIPT_FILE} is not a kiln-flows train receipt: field `{place}`: "
                            f"{first['msg']}", file=location.uri, field=place) from None
+    check_kiln_rules(json.loads(data), location.uri)  # Kiln validates on read too
+    return receipt
+
+
+def check_kiln_rules(document: dict[str, Any], where: str) -> None:
+    """Refuse a receipt Kiln's ``TrainReceipt::validate()`` would refuse (``kiln_core.contracts.receipt_rules``).
+
+    Raises:
+        ReceiptError: ``receipt_invalid``, naming the rule.
+    """
+    problem = receipt_problem(document)
+    if problem is not None:
+        raise ReceiptError("receipt_invalid", f"{RECEIPT_FILE} breaks Kiln's receipt rules: {problem}", file=where)
 
 
 def receipt_status(where: Location | str) -> str | None:
@@ -295,16 +249,6 @@ def receipt_status(where: Location | str) -> str | None:
     except (ValueError, AttributeError):
         return None
     return status if isinstance(status, str) else None
-
-
-def record_ignored_keys(run_uri: str, ignored_keys: tuple[str, ...]) -> None:
-    """Add ``ignored_request_keys`` to the run's receipt (none written: nothing to add). Called after training
-    by ``kiln-flows train --kiln-lenient`` (``kiln_core.engine.request``) and by rank 0 of a job it was handed."""
-    run = resolve(run_uri)
-    if receipt_status(run) is None:
-        return
-    receipt = read_receipt(run)
-    write_receipt(run, receipt.model_copy(update={"ignored_request_keys": list(ignored_keys)}))
 
 
 def library_versions() -> dict[str, str]:
@@ -325,3 +269,121 @@ def library_versions() -> dict[str, str]:
         "safetensors": safetensors.__version__,
         "platform": sys.platform,
     }
+
+
+def write_training_record(run_dir: Location, record: TrainingRecord) -> None:
+    """Write ``training_record.json`` atomically (rank 0, when the run ends, whatever its status)."""
+    write_bytes_atomic(run_dir.child(TRAINING_RECORD_FILE), record.model_dump_json(indent=2).encode("utf-8"))
+
+
+def read_training_record(run_dir: Location) -> TrainingRecord | None:
+    """The run's ``training_record.json``, or None when training never ended in this directory (or ended
+    before kiln-flows kept the record: such a run has its receipt).
+
+    Raises:
+        ReceiptError: ``receipt_invalid`` — the record does not parse.
+    """
+    location = run_dir.child(TRAINING_RECORD_FILE)
+    if not location.exists():
+        return None
+    try:
+        return TrainingRecord.model_validate_json(location.read_bytes())
+    except ValidationError as error:
+        raise ReceiptError("receipt_invalid", f"{TRAINING_RECORD_FILE} is not a training record: "
+                           f"{error.errors()[0]['msg']}", file=location.uri) from None
+
+
+def training_finished(run_dir: Location) -> bool:
+    """Whether the run's training succeeded: its training record says so, or (a run trained before the record
+    existed) its receipt. Reads only the status fields."""
+    location = run_dir.child(TRAINING_RECORD_FILE)
+    if location.exists():
+        try:
+            return json.loads(location.read_bytes())["outcome"]["status"] == "success"
+        except (ValueError, KeyError, TypeError):
+            return False
+    return receipt_status(run_dir) == "success"
+
+
+def compose_receipt(run_dir: Location, *, record: TrainingRecord | None = None,
+                    gate: GateDecision | None = None) -> str:
+    """Write the run's ``train_receipt.json`` once, and after a success Kiln's records beside the adapter;
+    returns the receipt's URI.
+
+    Args:
+        run_dir: Where the run is now.
+        record: The trainer's record (default: ``training_record.json`` of ``run_dir``).
+        gate: The gate's decision, when a gate ran.
+
+    Raises:
+        ReceiptError: ``receipt_missing`` (no record to compose from), ``receipt_invalid`` (a receipt Kiln's
+            rules refuse: a kiln-flows bug, never written).
+
+    Example:
+        >>> compose_receipt(resolve("kiln-data/runs/demo/3f2a9c0d1e2b4a5c"), gate=decision)  # doctest: +SKIP
+        '/abs/kiln-data/runs/demo/3f2a9c0d1e2b4a5c/train_receipt.json'
+    """
+    location = run_dir.child(RECEIPT_FILE)
+    existing = read_receipt(run_dir) if receipt_status(run_dir) == "success" else None
+    if existing is not None and (gate is None or gate_decision(existing) is not None):
+        return location.uri  # final: a retry found the run finished
+    record = record if record is not None else read_training_record(run_dir)
+    if record is not None:
+        receipt = build_receipt(record.facts, record.outcome, gate)
+    elif existing is not None:  # trained before the record existed: its receipt, and now the gate's decision
+        receipt = existing.model_copy(update={"gate_outcome": gate.outcome, "post_eval": gate.post_eval,
+                                              "quality_gate": gate.quality_gate})
+    else:
+        raise ReceiptError("receipt_missing", f"no {TRAINING_RECORD_FILE} in {run_dir.uri} to compose the receipt "
+                           "from", file=run_dir.uri)
+    data = encode_receipt(receipt)
+    check_kiln_rules(json.loads(data), location.uri)  # Kiln validates on write too
+    adapter = run_dir.child(ADAPTER_DIR)
+    if receipt.status == "success" and receipt.recipe is not None:
+        write_bytes_atomic(adapter.child(LEGACY_RECEIPT_FILE), recipe_receipt(receipt.recipe, receipt)
+                           .model_dump_json(indent=2).encode("utf-8"))
+    write_bytes_atomic(location, data)
+    if receipt.status == "success" and all(adapter.child(name).exists()
+                                           for name in ("adapter_model.safetensors", "adapter_config.json")):
+        manifest = adapter_manifest(adapter, receipt)
+        write_bytes_atomic(adapter.child(ADAPTER_MANIFEST_FILE),
+                           json.dumps(manifest.model_dump(mode="json"), indent=2).encode("utf-8"))
+    return location.uri
+
+
+def adapter_manifest(adapter: Location, receipt: TrainReceipt) -> AdapterManifest:
+    """Kiln's ``build_adapter_manifest_from_train_receipt`` for the adapter directory ``adapter``.
+
+    No execution provenance: Kiln's record describes a Kiln process (its executable, its startup probe of the
+    numerical runtime, its kernels), and Kiln's newest resume compares it with the running process's own;
+    kiln-flows' record of a Python trainer proves nothing to Kiln (docs/kiln-compatibility.md).
+    """
+    base_adapter = receipt.config.base_adapter
+    parent = base_adapter if base_adapter and base_adapter.strip() else receipt.adapters.base.path
+    return AdapterManifest(
+        adapter_name=receipt.adapter_name,
+        safetensors_hash=sha256_prefixed(adapter.child("adapter_model.safetensors").read_bytes()),
+        config_hash=sha256_prefixed(adapter.child("adapter_config.json").read_bytes()),
+        receipt_hash=None, parent_adapter=parent,
+        model_config_hash=receipt.model.config_hash or receipt.config_hashes.model_config_hash,
+        training_chat_template_hash=receipt.tokenizer.training_chat_template_hash,
+        base_weight_shard_manifest=receipt.model.base_weight_shard_manifest,
+        training_precision=receipt.runtime.training_precision, kiln_commit=receipt.kiln.git_commit,
+        training_data_hash=receipt.training_data.sha256, training_data_source=receipt.training_data.source,
+        training_data_path=receipt.training_data.path or None, files=AdapterManifestFiles())
+
+
+def recipe_receipt(record: RecipeRecord, receipt: TrainReceipt) -> AdapterReceipt:
+    """Kiln's ``AdapterReceipt`` (``receipt.json``) for a recipe's adapter, from its train receipt (seed, time,
+    final loss).
+
+    Example:
+        >>> recipe_receipt(record, read_receipt(run)).source_kind  # doctest: +SKIP
+        'distill_self'
+    """
+    version = receipt.kiln.package_version
+    summary = {"final_loss": receipt.opd.final_opd_loss} if receipt.opd.final_opd_loss is not None else {}
+    return AdapterReceipt(
+        adapter=record.name, produced_at=receipt.produced_at, kiln_version=f"kiln-flows/{version}",
+        kernel_versions={"kiln-flows": version}, seed=receipt.hyperparameters.seed or 0, source_kind=record.kind,
+        teacher=record.teacher, hyperparameters=record.request, diagnostic_summary=summary)

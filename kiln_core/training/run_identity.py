@@ -4,13 +4,8 @@ Kiln compares each of these with what the resuming process computes (``opd.rs``
 ``OpdCheckpointDescriptor::validate_resume``), so they are built here once per run, by the same
 functions on write and on resume:
 
-* ``checkpoint_effective_config`` — ``opd.rs`` ``opd_checkpoint_effective_config``: the serialized
-  ``OpdConfig`` without ``resume_checkpoint``, with the resolved ``learning_rate`` and ``seed`` and the
-  effective top-K and samples per prompt. Kiln serializes f32 fields (``lora_alpha``, the optimizer's
-  coefficients) through ``serde_json::Value``, which widens them to f64 (``0.95`` is written
-  ``0.949999988079071``); ``Option`` fields marked ``skip_serializing_if`` are left out, the others
-  are ``null``. Our extensions (``sequences_per_step``, the tail loss) are not Kiln fields: they live in
-  the checkpoint's extension file, and ``loss`` is written as the Kiln loss it extends.
+* the effective config is the run's settings' (``ResolvedSettings.kiln_effective_config``, ``opd.rs``
+  ``opd_checkpoint_effective_config``);
 * ``precision_policy`` — ``trainer/checkpointing.rs`` ``training_checkpoint_precision``.
 * ``base_weight_shard_manifest`` — ``kiln-core/src/model_provenance.rs`` ``BaseWeightShardManifest``.
 * ``execution_provenance`` — ``kiln-core/src/execution_provenance.rs`` ``ExecutionProvenanceV1``,
@@ -26,30 +21,20 @@ lists them. Nothing here changes a number the trainer computes.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import platform
 import sys
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from kiln_core.canonical import kiln_compact_json, sha256_prefixed
-from kiln_core.contracts.opd_config import OpdConfig
 
-__all__ = ["LOOP_STATE_TYPE", "precision_policy", "training_precision_policy", "kiln_optimizer_json",
-           "checkpoint_effective_config", "base_weight_shard_manifest", "execution_provenance",
-           "checkpoint_planning", "auxiliary_state"]
+__all__ = ["LOOP_STATE_TYPE", "precision_policy", "training_precision_policy", "base_weight_shard_manifest",
+           "execution_provenance", "checkpoint_planning", "auxiliary_state"]
 
 LOOP_STATE_TYPE = "kiln.opd-loop-state.v1"
 KERNEL_CONTRACT_TYPE = "kiln.kernel-contract.v1"
 LOSS_KERNEL_VERSION = "kiln-flows.topk-reverse-kl.chunked.v1"
-
-
-def f32(value: float) -> float:
-    """An f32 field as ``serde_json::Value`` holds it: rounded to f32, then widened to f64."""
-    return float(np.float32(value))
 
 
 def _prefixed(raw_hex: str | None) -> str | None:
@@ -75,66 +60,6 @@ def precision_policy(precision: str, optimizer_kind: str) -> dict[str, Any]:
         "gradient_dtype": "f32",
         "stochastic_rounding": {"mode": "round_to_nearest"},
     }
-
-
-# ---------------------------------------------------------------------------------------------
-# Effective config
-
-
-def kiln_optimizer_json(spec: Any) -> dict[str, Any]:
-    """``lib.rs`` ``Optimizer`` as serde writes it into a ``Value`` (tag ``kind``, f32 fields widened)."""
-    if spec.kind == "muon":
-        return {"kind": "muon", "momentum": f32(spec.momentum), "nesterov": bool(spec.nesterov),
-                "ns_iters": int(spec.ns_iters), "weight_decay": f32(spec.weight_decay)}
-    if spec.kind == "adam_w":
-        return {"kind": "adam_w", "beta1": f32(spec.beta1), "beta2": f32(spec.beta2), "eps": f32(spec.eps),
-                "weight_decay": f32(spec.weight_decay)}
-    return {"kind": "sgd"}
-
-
-def checkpoint_effective_config(config: OpdConfig, *, learning_rate: float, seed: int, top_k: int,
-                                samples_per_prompt: int) -> dict[str, Any]:
-    """Kiln's checkpoint ``effective_config`` for ``config`` (keys sorted, as a ``Value`` holds them).
-
-    Example:
-        >>> cfg = checkpoint_effective_config(OpdConfig(training_mode="off_policy"), learning_rate=2e-3,
-        ...                                   seed=7, top_k=32, samples_per_prompt=1)
-        >>> cfg["optimizer"]["momentum"], "sampler_segments" in cfg, cfg["checkpoint_interval"]
-        (0.949999988079071, False, 25)
-    """
-    value: dict[str, Any] = {
-        "training_mode": config.training_mode,
-        "objective": config.objective,
-        "loss": "teacher_top_k" if config.loss == "teacher_top_k_tail" else config.loss,
-        "top_k": int(config.top_k),
-        "samples_per_prompt": int(config.samples_per_prompt),
-        "temperature": float(config.temperature),
-        "top_p": float(config.top_p),
-        "max_tokens": int(config.max_tokens),
-        "rollout_prompt_rendering": config.rollout_prompt_rendering,
-        "stable_opd": config.stable_opd.model_dump(mode="json"),
-        "discount": float(config.discount),
-        "clip_epsilon": float(config.clip_epsilon),
-        "learning_rate": float(learning_rate),
-        "lora_rank": int(config.lora_rank),
-        "lora_alpha": f32(config.lora_alpha),
-        "allow_high_lora_scale": bool(config.allow_high_lora_scale),
-        "base_adapter": config.base_adapter,
-        "output_name": config.output_name,
-        "auto_load": bool(config.auto_load),
-        "checkpoint_interval": config.checkpoint_interval,
-        "detect_anomaly": bool(config.detect_anomaly),
-        "seed": int(seed),
-        "optimizer": kiln_optimizer_json(config.optimizer),
-        "echo": config.echo.model_dump(mode="json", by_alias=True) if config.echo is not None else None,
-        "epochs": int(config.epochs),
-        "max_cost_usd": config.max_cost_usd,
-        "effective_top_k": int(top_k),
-        "effective_samples_per_prompt": int(samples_per_prompt),
-    }
-    if config.sampler_segments is not None:  # skip_serializing_if = "Option::is_none"
-        value["sampler_segments"] = int(config.sampler_segments)
-    return json.loads(json.dumps(value, sort_keys=True))  # what a round trip through Value gives
 
 
 # ---------------------------------------------------------------------------------------------

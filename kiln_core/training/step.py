@@ -85,7 +85,7 @@ def _forward(student: Student, load: Callable[[], TrainingExample], plan: RunPla
     with clock.phase("data"):
         batch = load().to_torch(student.device)
     with clock.phase("forward"):
-        loss, env_ce, counts = sequence_loss(student, batch, plan.loss_fn, plan.config)
+        loss, env_ce, counts = sequence_loss(student, batch, plan.loss_fn, plan.settings.config)
         _sync(student.device)
     return loss, env_ce, counts
 
@@ -115,7 +115,7 @@ def train_examples(student: Student, optimizer: torch.optim.Optimizer,
     (``Rollout.training_example``): the same loss trains both.
     """
     optimizer.zero_grad(set_to_none=True)
-    if plan.config.pack_sequences and len(examples) > 1:
+    if plan.settings.config.pack_sequences and len(examples) > 1:
         return _train_packed(student, optimizer, examples, plan, progress, clock)
     losses = []
     for label, load in examples:
@@ -123,7 +123,7 @@ def train_examples(student: Student, optimizer: torch.optim.Optimizer,
         value = float(loss.detach())
         if not math.isfinite(value):
             raise StopTraining("nan_loss", f"OPD loss became non-finite at candidate {label}")
-        _backward(loss, len(examples), plan.config, clock, student.device)
+        _backward(loss, len(examples), plan.settings.config, clock, student.device)
         losses.append(value)
         progress.record_candidate(counts, env_ce)
     return _apply_update(student, optimizer, plan, progress, losses, clock)
@@ -138,14 +138,14 @@ def _train_packed(student: Student, optimizer: torch.optim.Optimizer,
         batches = [load().to_torch(student.device) for _, load in examples]
     with clock.phase("forward"):
         hidden = student.packed_hidden_states([batch["input_ids"] for batch in batches])
-        results = [sequence_loss(student, batch, plan.loss_fn, plan.config, hidden=rows)
+        results = [sequence_loss(student, batch, plan.loss_fn, plan.settings.config, hidden=rows)
                    for batch, rows in zip(batches, hidden)]
         _sync(student.device)
     losses = [float(loss.detach()) for loss, _, _ in results]
     for (label, _), value in zip(examples, losses):
         if not math.isfinite(value):
             raise StopTraining("nan_loss", f"OPD loss became non-finite at candidate {label}")
-    _backward(torch.stack([loss for loss, _, _ in results]).sum(), len(examples), plan.config, clock, student.device)
+    _backward(torch.stack([loss for loss, _, _ in results]).sum(), len(examples), plan.settings.config, clock, student.device)
     for _, env_ce, counts in results:
         progress.record_candidate(counts, env_ce)
     return _apply_update(student, optimizer, plan, progress, losses, clock)
@@ -170,7 +170,7 @@ def train_step_distributed(student: Student, optimizer: torch.optim.Optimizer,
     non-finite loss still run one, whose LoRA gradients are discarded (``_collective_pass``).
     """
     world = plan.world
-    per_rank = plan.config.sequences_per_step
+    per_rank = plan.settings.config.sequences_per_step
     sharded = world.strategy == "fsdp" and world.size > 1
     optimizer.zero_grad(set_to_none=True)
     rows = torch.zeros(per_rank, _STAT_COLUMNS, dtype=torch.float64)
@@ -179,7 +179,7 @@ def train_step_distributed(student: Student, optimizer: torch.optim.Optimizer,
         loss, env_ce, counts = _forward(student, load, plan, clock)
         value = float(loss.detach())
         if math.isfinite(value):  # a non-finite loss is reported below, on every rank alike
-            _backward(loss, len(examples), plan.config, clock, student.device)
+            _backward(loss, len(examples), plan.settings.config, clock, student.device)
         elif sharded:
             _collective_pass(student, loss, clock)
         rows[slot] = torch.tensor([1.0, value, 0.0 if env_ce is None else 1.0, env_ce or 0.0,
@@ -236,7 +236,7 @@ def _apply_update(student: Student, optimizer: torch.optim.Optimizer, plan: RunP
     finite check, commit; returns the step loss."""
     with clock.phase("optimizer"):
         norms = module_grad_norms(student.lora_parameters)
-        if plan.config.lr_schedule is not None:  # without one the rate stays the optimizer's constant one, as Kiln
+        if plan.settings.config.lr_schedule is not None:  # without one the rate stays the optimizer's constant one, as Kiln
             set_learning_rate(optimizer, plan.learning_rate_at(progress.global_step + 1))
         optimizer.step()
         if not math.isfinite(float(torch.nn.utils.get_total_norm(list(student.lora_parameters.values())))):

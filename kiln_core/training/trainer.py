@@ -61,7 +61,7 @@ def train_opd(
             effective config, top-K, learning rate, samples per prompt, base adapter, device options, and
             ``resume`` — a checkpoint basename in ``plan.run_uri`` to resume from exactly, or None (the
             engine turns ``"latest"`` into one before calling).
-        tables: The admitted corpus (``AdmissionResult.tables`` or a materialization) at ``plan.top_k``, or a
+        tables: The admitted corpus (``AdmissionResult.tables`` or a materialization) at ``plan.settings.top_k``, or a
             set of shards (``kiln_core.corpus_set.ShardedCorpus``: read one shard at a time; checkpoints then
             record the shard and row of the next candidate).
         dataset_sha256: ``sha256:<hex>`` of the exact JSONL bytes (a set: its set digest).

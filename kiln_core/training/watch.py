@@ -42,7 +42,7 @@ from kiln_core.corpus import CorpusTables
 from kiln_core.training.distributed.world import World
 from kiln_core.training.eval_curve import finite_or_none, firing_rules, new_alarms
 from kiln_core.training.progress import Clock, LoopProgress
-from kiln_core.training.receipt import RunOutcome
+from kiln_core.contracts.training_record import RunOutcome
 from kiln_core.training.step import StopTraining
 from kiln_core.training.student import Student
 
@@ -97,7 +97,7 @@ class HeldOutSlice:
         Args:
             watch: The settings; ``watch.corpus`` is the held-out JSONL.
             student_dir: The student being trained.
-            top_k: The run's requested top-K.
+            top_k: The run's effective top-K (``ResolvedSettings.top_k``): the held-out corpus is admitted at it.
             teacher_manifest: The training teacher's manifest line; another teacher is refused.
             train_corpus_uri: The off-policy training corpus; a shared prompt is refused.
             train_prompts: The on-policy prompts (``OpdPrompt``s or their ``PromptFile``); a shared prompt is
@@ -116,7 +116,7 @@ class HeldOutSlice:
         """
         from kiln_core.evaluation.corpus import admit_eval_corpus
 
-        admission = admit_eval_corpus(watch.corpus, student_dir, top_k=top_k, teacher_manifest=teacher_manifest,
+        admission = admit_eval_corpus(watch.corpus, student_dir, effective_top_k=top_k, teacher_manifest=teacher_manifest,
                                       train_corpus_uri=train_corpus_uri, train_prompts=train_prompts,
                                       prompt_rendering=prompt_rendering, out_root=out_root)
         return cls(watch=watch, tables=admission.tables, corpus_sha256=admission.dataset_sha256,

@@ -98,7 +98,7 @@ def test_the_pipeline_train_task_refuses_a_corrupted_latest_checkpoint(tmp_path,
     import kiln_core.training.trainer as trainer
     from drills import prepare_training_inputs
     from kiln_core.admission import admit_corpus
-    from kiln_core.contracts.opd_config import parse_opd_config, resolve_learning_rate
+    from kiln_core.contracts.opd_config import parse_opd_config
     from kiln_core.contracts.stage_refs import CorpusRef, ManifestRef, TrainPlan
     from kiln_core.storage import list_children, resolve
     from kiln_core.training.checkpoint import ADAPTER_FILE, CheckpointError, latest_checkpoint
@@ -119,9 +119,8 @@ def test_the_pipeline_train_task_refuses_a_corrupted_latest_checkpoint(tmp_path,
     manifest = ManifestRef(manifest_line=manifest_line, identity_revision=admission.teacher_identity.identity_revision(),
                            teacher="synthetic-teacher", source="manifest_file")
     run_uri = str(tmp_path / "root" / "runs" / "pipeline" / "run")
-    plan = TrainPlan(run_uri=run_uri, inputs_key="run", adapter="pipeline",
-                     config={**request["config"], "output_name": "pipeline"}, top_k=corpus.effective_top_k,
-                     learning_rate=resolve_learning_rate(parse_opd_config(request["config"])), samples_per_prompt=1)
+    plan = TrainPlan.for_config(parse_opd_config(request["config"]), run_uri, "pipeline", top_k=corpus.effective_top_k,
+                                samples_per_prompt=1, resume="latest")  # every retry of a pipeline run
     arguments = (plan, corpus, manifest, str(inputs.student))
 
     real_train_opd = trainer.train_opd

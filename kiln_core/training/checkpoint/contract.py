@@ -38,12 +38,12 @@ class RunContract:
 
     Attributes:
         adapter_name: Output adapter name.
-        effective_config: ``run_identity.checkpoint_effective_config``.
+        effective_config: ``ResolvedSettings.kiln_effective_config``.
         precision_policy: ``run_identity.precision_policy``.
         data: Source kind, prompt-list digest, candidates per epoch.
         init_seed: The effective seed (``lora-init`` stream).
         optimizer_kind: ``sgd``, ``adam_w`` or ``muon``.
-        optimizer_json: ``run_identity.kiln_optimizer_json``.
+        optimizer_json: ``kiln_core.contracts.settings.kiln_optimizer_json``.
         learning_rate: The resolved, constant learning rate.
         epochs: Configured epochs.
         auxiliary_state: ``run_identity.auxiliary_state``.

@@ -38,6 +38,7 @@ from kiln_core.contracts.checkpoint import (
     ResumeError,
 )
 from kiln_core.contracts.lora_targets import LoraTargets
+from kiln_core.contracts.settings import legacy_loss_record
 from kiln_core.storage import INCOMPLETE_SENTINEL, Location, iter_files
 from kiln_core.training.checkpoint.contract import RunContract
 from kiln_core.training.checkpoint.names import at
@@ -284,6 +285,13 @@ def _provenance_problem(saved: dict[str, Any], current: dict[str, Any]) -> str |
     return None
 
 
+def recorded_loss_matches(recorded: str, trained: str) -> bool:
+    """Whether a checkpoint state's ``loss`` is the loss ``trained``: by name, or as kiln-flows recorded it before
+    issue 31 (``legacy_loss_record``: ``teacher_top_k`` for the forward-KL and cross-entropy losses, and only
+    them — their Kiln ``effective_config.loss``, compared earlier, names them exactly)."""
+    return recorded == trained or recorded == legacy_loss_record(trained)
+
+
 def validate_resume(loaded: LoadedCheckpoint, contract_for_seed: Callable[[int], RunContract],
                     requested_seed: int | None) -> RunContract:
     """Compare a loaded checkpoint with this run; return the run's contract under the checkpoint's seed.
@@ -355,7 +363,7 @@ def validate_resume(loaded: LoadedCheckpoint, contract_for_seed: Callable[[int],
     if ext.sequences_per_step != contract.sequences_per_step:
         raise fail("resume_sequences_per_step", f"checkpoint was written with sequences_per_step {ext.sequences_per_step}, "
                    f"this run asks for {contract.sequences_per_step}", EXTENSION_FILE)
-    if ext.loss != contract.loss:
+    if not recorded_loss_matches(ext.loss, contract.loss):
         raise fail("resume_loss", f"checkpoint trained loss {ext.loss!r}, this run asks for {contract.loss!r}", EXTENSION_FILE)
     if ext.lr_schedule != contract.lr_schedule:
         raise fail("resume_lr_schedule", f"checkpoint was written with learning-rate schedule {ext.lr_schedule}, "

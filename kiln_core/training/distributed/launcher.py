@@ -50,9 +50,6 @@ class DistributedJob(BaseModel):
     corpus: CorpusRef
     manifest: ManifestRef
     student_dir: str
-    ignored_request_keys: tuple[str, ...] = ()
-    """Request keys ``--kiln-lenient`` ignored: rank 0 records them in the receipt of a job it was handed
-    (``kiln-flows train --write-job``); a launching process records them itself."""
 
 
 def torchrun_command(nproc: int, worker_args: Sequence[str], *, module: str = WORKER_MODULE) -> list[str]:

@@ -244,7 +244,7 @@ class _Mailbox:
 def launch_on_ray(job: DistributedJob, options: RayOptions, *,
                   on_progress: Callable[[int, int, float], None] | None = None,
                   should_cancel: Callable[[], bool] | None = None, poll_seconds: float = 0.5) -> TrainResult:
-    """Run ``job`` on ``job.plan.nproc`` Ray workers and return rank 0's ``TrainResult``.
+    """Run ``job`` on ``job.plan.settings.world_size`` Ray workers and return rank 0's ``TrainResult``.
 
     Args:
         job: The plan, committed corpus and teacher every worker trains (``plan.resume`` a basename or None).
@@ -261,7 +261,7 @@ def launch_on_ray(job: DistributedJob, options: RayOptions, *,
         RayFailure: the cluster is unreachable, or the worker group failed more than ``max_failures`` times.
     """
     import_ray()
-    workers = job.plan.nproc
+    workers = job.plan.settings.world_size
     check_cluster_storage(options, job.corpus.uri, job.plan.run_uri)
     with ray_session(options, workers) as facts:
         import ray

@@ -77,14 +77,14 @@ def _ray_world(job: DistributedJob, facts: ClusterFacts) -> World:
     context = ray.train.get_context()
     size = context.get_world_size()
     if size == 1:  # one worker trains exactly as one process does (no collectives, no backend recorded)
-        return World(strategy=job.plan.strategy, cluster=facts)
+        return World(strategy=job.plan.settings.strategy, cluster=facts)
     backend = str(torch.distributed.get_backend())
     if backend == "nccl":
         import ray.train.torch
 
         torch.cuda.set_device(ray.train.torch.get_device())
     return World(rank=context.get_world_rank(), size=size, local_rank=context.get_local_rank(), backend=backend,
-                 strategy=job.plan.strategy, cluster=facts)
+                 strategy=job.plan.settings.strategy, cluster=facts)
 
 
 def _resume_point(job: DistributedJob, world: World, attempt: int) -> DistributedJob:

@@ -72,7 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as error:  # noqa: BLE001 - an unreadable job is reported like a rejection
         return _report(rank, args.result, error)
     try:
-        world = init_world(job.plan.backend, job.plan.device, job.plan.strategy)
+        world = init_world(job.plan.backend, job.plan.device, job.plan.settings.strategy)
     except Exception as error:  # noqa: BLE001 - reported like any other rejection
         return _report(rank, args.result, error)
     try:
@@ -80,10 +80,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             check_world(job, world)
             result = run_job(job, world, on_progress=progress)
-            if world.is_main and job.ignored_request_keys:
-                from kiln_core.training.receipt import record_ignored_keys
-
-                record_ignored_keys(job.plan.run_uri, job.ignored_request_keys)
         except Exception as error:  # noqa: BLE001
             return _report(world, args.result, error)
         if world.is_main and args.result:
@@ -100,11 +96,11 @@ def check_world(job: DistributedJob, world: World) -> None:
     Raises:
         ConfigError: ``unsupported`` on ``nproc`` when they differ.
     """
-    if world.size != job.plan.nproc:
+    if world.size != job.plan.settings.world_size:
         from kiln_core.contracts.opd_config import ConfigError
 
-        raise ConfigError(f"the job was planned for {job.plan.nproc} ranks but torchrun started {world.size}: "
-                          f"run NODES × RANKS_PER_NODE = {job.plan.nproc} ranks, or write the job again with "
+        raise ConfigError(f"the job was planned for {job.plan.settings.world_size} ranks but torchrun started {world.size}: "
+                          f"run NODES × RANKS_PER_NODE = {job.plan.settings.world_size} ranks, or write the job again with "
                           f"--nproc {world.size}", "nproc", code="unsupported")
 
 
