@@ -110,8 +110,8 @@ def test_a_multi_node_request_is_checked_before_any_job_is_made(tmp_path, tiny_s
     run = spec_from_request(str(request), adapter="demo", student_dir=str(tiny_student), out_root=str(tmp_path),
                             nproc=2, kiln_lenient=True)
     assert len(run.warnings) == 1 and "learnign_rate" in run.warnings[0]
-    job = run.job(device="cpu")  # admitted and planned for two ranks; rank 0 records the ignored key
-    assert (job.plan.nproc, job.ignored_request_keys) == (2, ("config.learnign_rate",))
+    job = run.job(device="cpu")  # admitted and planned for two ranks; the plan carries the ignored key to the receipt
+    assert (job.plan.settings.world_size, job.plan.ignored_request_keys) == (2, ("config.learnign_rate",))
     assert launcher.DistributedJob.model_validate_json(job.model_dump_json()) == job
 
 

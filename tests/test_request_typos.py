@@ -67,8 +67,8 @@ def test_kiln_lenient_trains_as_kiln_would_and_names_each_ignored_key(typo_reque
 
 
 def test_a_multi_node_job_is_made_by_the_same_door_with_the_same_rule(typo_request, tiny_student, tmp_path):
-    """``kiln-flows train --write-job`` (torchrun on several nodes) reads the request the same way, and the job
-    carries the ignored key to rank 0, which records it in the receipt."""
+    """``kiln-flows train --write-job`` (torchrun on several nodes) reads the request the same way, and the job's
+    plan carries the ignored key to the receipt rank 0 writes."""
     from kiln_core.contracts.opd_config import ConfigError
     from kiln_core.engine import spec_from_request
 
@@ -78,4 +78,4 @@ def test_a_multi_node_job_is_made_by_the_same_door_with_the_same_rule(typo_reque
     assert (caught.value.code, caught.value.field) == ("invalid_request", "config.learnign_rate")
     run = spec_from_request(str(typo_request), kiln_lenient=True, **common)
     assert any("`config.learnign_rate`" in warning for warning in run.warnings)
-    assert run.job(device="cpu").ignored_request_keys == ("config.learnign_rate",)
+    assert run.job(device="cpu").plan.ignored_request_keys == ("config.learnign_rate",)
