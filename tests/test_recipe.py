@@ -144,6 +144,16 @@ def test_a_gate_on_a_suite_that_is_not_installed_is_refused_when_the_installed_s
 
 
 @pytest.mark.fast
+@pytest.mark.parametrize("kind", ["opd", "distill_self", "distill_merge", "distill_pump"])
+def test_every_step_kind_this_build_ships_has_its_check_and_prepare(kind):
+    """The runner finds each kind's pair by name at run time (``STEP_ENGINES``): a module split must keep both."""
+    from kiln_core.recipes.recipe_plan import STEP_ENGINES, step_functions
+
+    check, prepare = step_functions(kind)
+    assert (check.__name__, prepare.__name__) == STEP_ENGINES[kind][1:] and callable(check) and callable(prepare)
+
+
+@pytest.mark.fast
 def test_a_step_kind_this_build_does_not_ship_is_refused_by_name(monkeypatch):
     from kiln_core.recipes import recipe_plan
 

@@ -46,14 +46,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from kiln_core.contracts.distill_merge import BASE_STUDENT, DistillMergeRequest
+from kiln_core.contracts.distill_merge import BASE_STUDENT, DistillMergeRequest, check_distill_merge_request
 from kiln_core.contracts.pipeline import PipelineSpec
 from kiln_core.recipes.merge_admission import (MergeRejection, PinnedSource, check_ownership, check_prompt_limits,
                                                check_unchanged, pin_source, plan_rows, resolve_source_adapter,
                                                write_examples)
 from kiln_core.teachers.replay import REPLAY_FILE, read_replay_prompts
 
-__all__ = ["prepare_distill_merge"]
+__all__ = ["check_distill_merge_request", "prepare_distill_merge"]  # the recipe runner's pair (recipe_plan)
 
 WORK_DIR = ("recipes", "distill_merge")
 CORPUS_FILE = "corpus.jsonl"
