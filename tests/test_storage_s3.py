@@ -303,14 +303,15 @@ def test_admission_reads_s3_materializes_to_s3_reuses_and_verifies_digests(s3, p
     clear_s3fs_cache()
     with pytest.raises(ValueError, match="does not match admission.json"):
         read_materialization(first.materialized).tables
-    from kiln_core.engine.stages import verify
+    from kiln_core.engine.stages import MaterializationMismatch, verify
     from kiln_core.contracts.stage_refs import CorpusRef
 
     ref = CorpusRef(uri=first.materialized, dataset_sha256=first.dataset_sha256, source_uri=s3_corpus, examples=6,
                     action_tokens=first.action_tokens, env_tokens=first.env_tokens, effective_top_k=16,
                     teacher_identity_revision=None)
-    with pytest.raises(ValueError, match="does not match admission.json"):
-        verify(ref)
+    with pytest.raises(MaterializationMismatch, match="does not match admission.json") as damaged:
+        verify(ref)  # the stage names it (materialization_mismatch: exit 3, the flow admits it again)
+    assert damaged.value.code == "materialization_mismatch"
 
 
 # ---------------------------------------------------------------------------------------------
