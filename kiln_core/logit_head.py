@@ -203,7 +203,8 @@ class _FullLogSumExp(torch.autograd.Function):
                 raw = h @ w.T if b is None else h @ w.T + b  # [c, cv]
                 # d lse / d raw = softmax(z) · finish'(raw); scaled by the incoming per-row gradient.
                 p = torch.exp(head.finish(raw) - lse[r0 : r0 + chunk_rows, None]) * g[r0 : r0 + chunk_rows, None]
-                p = p * head.finish_derivative(raw)
+                if head.scale != 1.0 or head.softcap is not None:  # a plain head's derivative is 1: no tile pass
+                    p = p * head.finish_derivative(raw)
                 if need_h:
                     grad_h[r0 : r0 + chunk_rows] += p @ w
                 if need_w:
