@@ -97,7 +97,7 @@ def default_ui_url(root: str, timeout: float = 3.0) -> str | None:
 @contextlib.contextmanager
 def links_to_the_default_ui() -> Iterator[str | None]:
     """Within the block, links Prefect and kiln-flows print open the UI the server's root opens; yields
-    that UI's base URL (None without a server that says). Runs this process starts inherit it."""
+    that UI's base URL (None without a server that says). Runs this process starts within it inherit it."""
     from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL, temporary_settings
 
     root = ui_root(PREFECT_UI_URL.value(), PREFECT_API_URL.value()) if PREFECT_API_URL.value() else None
@@ -105,9 +105,18 @@ def links_to_the_default_ui() -> Iterator[str | None]:
     if base is None:
         yield PREFECT_UI_URL.value()
         return
-    os.environ["PREFECT_UI_URL"] = base  # the flow-run processes `serve` starts print the same links
-    with temporary_settings(updates={PREFECT_UI_URL: base}):
-        yield base
+    # The flow-run processes `serve` starts print the same links; the variable is put back when the block
+    # ends, so a process that goes on (a notebook, a test session) keeps no link to a server that is gone.
+    before = os.environ.get("PREFECT_UI_URL")
+    os.environ["PREFECT_UI_URL"] = base
+    try:
+        with temporary_settings(updates={PREFECT_UI_URL: base}):
+            yield base
+    finally:
+        if before is None:
+            os.environ.pop("PREFECT_UI_URL", None)
+        else:
+            os.environ["PREFECT_UI_URL"] = before
 
 
 def start_local_api() -> float | None:

@@ -329,14 +329,20 @@ def test_printed_links_open_the_ui_the_servers_root_opens(default_ui, expected, 
     server = ThreadingHTTPServer(("127.0.0.1", 0), UiSettings)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     root = f"http://127.0.0.1:{server.server_address[1]}"
-    monkeypatch.setenv("PREFECT_UI_URL", "")  # recorded, so the value the context sets is undone after the test
-    monkeypatch.delenv("PREFECT_UI_URL")
+    monkeypatch.delenv("PREFECT_UI_URL", raising=False)
     try:
         with temporary_settings(updates={PREFECT_API_URL: f"{root}/api", PREFECT_UI_URL: None}):
             with links_to_the_default_ui() as ui:
                 assert ui == root + expected
                 assert url_for("flow-run", obj_id="1234") == f"{root}{expected}/runs/flow-run/1234"
                 assert os.environ["PREFECT_UI_URL"] == root + expected  # the runs it starts print the same
+            # Once the block ends the process keeps no link to that server: a later command in the same
+            # process (a notebook, a test session) against another server printed links to this one.
+            assert "PREFECT_UI_URL" not in os.environ
+            monkeypatch.setenv("PREFECT_UI_URL", "http://proxy.example/ui")  # the user's own value comes back
+            with links_to_the_default_ui():
+                pass
+            assert os.environ["PREFECT_UI_URL"] == "http://proxy.example/ui"
     finally:
         server.shutdown()
 

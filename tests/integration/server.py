@@ -33,6 +33,7 @@ _HARNESS_ONLY = (
     "PREFECT_SERVER_DATABASE_CONNECTION_URL",
     "PREFECT_API_DATABASE_CONNECTION_URL",
     "PREFECT_PROFILE",
+    "PREFECT_UI_URL",  # the harness's address: links printed against the real server must be its own
 )
 
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "CRASHED"}
