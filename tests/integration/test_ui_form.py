@@ -294,14 +294,7 @@ def test_custom_run_form_renders_spec_and_submits_edits(live_server, deployment,
     assert "64 per prompt below 50 prompts" in _help_text(browser, "Samples Per Prompt")
 
     def type_into(label: str, text: str):
-        """Edit a field the way a person does (select all, type); the value the field keeps."""
-        field = _row_input(browser, label)
-        browser.execute_script("arguments[0].scrollIntoView({block: 'center'});", field)
-        field.click()
-        field.send_keys(Keys.CONTROL, "a")
-        field.send_keys(Keys.BACKSPACE)
-        field.send_keys(text)
-        return field.get_attribute("value")
+        return _retype(browser, _row_input(browser, label), text)
 
     # Letters do not go into the learning rate: it is a number field (what a person typed is not dropped
     # silently into a text parameter); a small number in exponent form does, as typed.
@@ -355,7 +348,6 @@ def test_default_ui_form_renders_fields_and_submits_the_prompts_kind(live_server
     optimizer are fields, not JSON editors, and the prompts kind submits an on-policy spec."""
     from kiln_core.contracts.pipeline import parse_spec
     from selenium.webdriver.common.by import By
-    from selenium.webdriver.common.keys import Keys
     from selenium.webdriver.support.ui import Select, WebDriverWait
 
     page = f"{live_server.url}/deployments/deployment/{deployment['id']}/run"
@@ -405,12 +397,7 @@ def test_default_ui_form_renders_fields_and_submits_the_prompts_kind(live_server
     def type_into(text: str) -> str:
         learning_rate = _v1_input(browser, "Learning Rate")
         assert learning_rate.get_attribute("type") == "number"
-        browser.execute_script("arguments[0].scrollIntoView({block: 'center'});", learning_rate)
-        learning_rate.click()
-        learning_rate.send_keys(Keys.CONTROL, "a")
-        learning_rate.send_keys(Keys.BACKSPACE)
-        learning_rate.send_keys(text)
-        return learning_rate.get_attribute("value")
+        return _retype(browser, learning_rate, text)
 
     assert type_into("abc") == ""  # letters are not taken
     # V1's number box drops the letter e ("1e-5" shows "1-5", which it cannot read): the form leaves the field
@@ -467,6 +454,18 @@ def _v1_toggle(driver, label: str, choice: str) -> None:
     button = row.find_element(By.XPATH, f".//button[normalize-space()='{choice}']")
     driver.execute_script("arguments[0].scrollIntoView({block: 'center'});", button)
     button.click()
+
+
+def _retype(driver, field, text: str):
+    """Edit a field the way a person does (select all, delete, type); the value the field keeps."""
+    from selenium.webdriver.common.keys import Keys
+
+    driver.execute_script("arguments[0].scrollIntoView({block: 'center'});", field)
+    field.click()
+    field.send_keys(Keys.CONTROL, "a")
+    field.send_keys(Keys.BACKSPACE)
+    field.send_keys(text)
+    return field.get_attribute("value")
 
 
 def _v1_input(driver, label: str):
